@@ -10,7 +10,6 @@ accelerate config; everything about the run comes from `configs.TrainConfig` (pr
 from __future__ import annotations
 
 import gc
-import json
 import math
 import os
 import secrets
@@ -27,16 +26,17 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import ProjectConfiguration, set_seed
 from tqdm.auto import tqdm
 
+from common.errors import UserError, run_cli
+from common.run_dir import RunDir
 from configs import TrainConfig, parse_config
 from data import get_tokenizer
 from data.loader import build_train_loader, load_val_tokens
-from eval.tracking import MetricsLog, trackers_for
 from eval.val_loss import evaluate_loss
 from model import GPT, GPTConfig
-from model.checkpoint import (PreemptionFlag, check_resume_point, latest_checkpoint, load_checkpoint, resolve_resume,
-                              save_checkpoint)
-from model.errors import UserError, run_cli
-from model.mfu import estimate_mfu, peak_flops
+from training.checkpoint import ResumePoint, find_resume_point, load_checkpoint, save_checkpoint
+from training.metrics import MetricsLog, trackers_for
+from training.mfu import estimate_mfu, peak_flops
+from training.preemption import PreemptionFlag
 
 
 def accumulation_steps(cfg: TrainConfig, world_size: int) -> int:
@@ -82,22 +82,21 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
     return loss_sum, grad_norm
 
 
-def model_config(cfg: TrainConfig, checkpoint: Path | None) -> GPTConfig | None:
+def model_config(cfg: TrainConfig, checkpoint: ResumePoint | None) -> GPTConfig | None:
     """The architecture this run trains, or None when it comes from `init_from` weights."""
     if cfg.init_from == "scratch":
         return GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size,
                          dropout=cfg.dropout, bias=cfg.bias)
     if checkpoint is not None:  # fine-tuning run being resumed: the checkpoint's weights replace init_from's
-        saved = json.loads((checkpoint / "gpt_config.json").read_text())
-        return GPTConfig(**{**saved, "block_size": cfg.block_size, "dropout": cfg.dropout})
+        return GPTConfig(**{**checkpoint.gpt_config, "block_size": cfg.block_size, "dropout": cfg.dropout})
     return None
 
 
 def check_out_dir(cfg: TrainConfig) -> None:
     """Never train over someone's checkpoints or final model by accident."""
-    out = Path(cfg.out_dir)
-    if cfg.resume is None and (latest_checkpoint(out) is not None or (out / "final").exists()):
-        raise UserError(f"{out} already holds a run; pass --resume latest to continue it or choose another --out_dir")
+    run = RunDir(cfg.out_dir)
+    if cfg.resume is None and (run.latest_checkpoint() is not None or run.final.exists()):
+        raise UserError(f"{run.path} already holds a run; pass --resume latest to continue it or choose another --out_dir")
 
 
 def sample(model: GPT, cfg: TrainConfig, device: torch.device) -> str:
@@ -117,11 +116,9 @@ def main() -> None:
     state = PartialState(cpu=cpu)  # knows the world size before the Accelerator needs the accumulation count
     grad_accum = accumulation_steps(cfg, state.num_processes)
     check_out_dir(cfg)
-    checkpoint = resolve_resume(cfg.resume, cfg.out_dir) if cfg.resume else None
-    if checkpoint is not None:
-        check_resume_point(checkpoint, cfg.out_dir)
+    checkpoint = find_resume_point(cfg.resume, cfg.out_dir)
     if cfg.push_to_hub:  # a missing token should fail now, not after hours of training
-        from model.hub import check_hub_access
+        from publish.hub import check_hub_access
         check_hub_access(cfg.hub_model_id)
 
     accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=grad_accum, log_with=trackers_for(cfg.report_to),
@@ -159,10 +156,10 @@ def main() -> None:
     # Resume: weights, optimizer, RNG, accumulation step, data position and the tracker's run id.
     step, tokens, run_id = 0, 0, secrets.token_hex(4)
     if checkpoint is not None:
-        run_state, data_state = load_checkpoint(accelerator, checkpoint, arch)
+        train_loader.load_state_dict(load_checkpoint(accelerator, checkpoint, arch))
+        run_state = checkpoint.run_state
         step, tokens, run_id = run_state["step"], run_state["tokens"], run_state["run_id"]
-        train_loader.load_state_dict(data_state)
-        accelerator.print(f"resumed from {checkpoint} at step {step} ({tokens:,} tokens)")
+        accelerator.print(f"resumed from {checkpoint.path} at step {step} ({tokens:,} tokens)")
     elif cfg.resume:
         accelerator.print(f"no checkpoint in {out_dir} yet: starting a new run")
     if main_process:  # only now: a resume that was refused must leave the run folder untouched
@@ -179,7 +176,7 @@ def main() -> None:
                       f"{accelerator.mixed_precision} | {device}")
 
     def save(at_step: int) -> None:
-        save_checkpoint(accelerator, out_dir, at_step, {"tokens": tokens, "run_id": run_id},
+        save_checkpoint(accelerator, RunDir(out_dir), at_step, {"tokens": tokens, "run_id": run_id},
                         train_loader.state_dict(), arch, cfg.keep_last)
 
     def evaluate(at_step: int, val: bool, hellaswag: bool) -> dict[str, float]:
@@ -215,7 +212,7 @@ def main() -> None:
                                          cfg.grad_clip)
         if not math.isfinite(grad_norm):  # train_step did not apply this update
             if cfg.on_nan == "stop":
-                last = latest_checkpoint(out_dir)
+                last = RunDir(out_dir).latest_checkpoint()
                 raise UserError(f"non-finite loss/gradient norm at step {step + 1}; last good checkpoint: {last}. "
                                 "Lower --lr or resume with --on_nan skip")
             accelerator.print(f"step {step + 1}: non-finite gradient norm, step skipped (--on_nan skip)")
@@ -288,7 +285,7 @@ def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConf
 
 def push(cfg: TrainConfig, revision: str | None = None) -> None:
     """Publish the run (main process); a failed push leaves the run intact and prints how to retry."""
-    from model.hub import push_to_hub
+    from publish.hub import push_to_hub
     try:
         print(f"pushed to {push_to_hub(cfg.out_dir, cfg.hub_model_id, revision=revision)}")
     except UserError as err:

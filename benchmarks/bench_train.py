@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
-import math
 import os
 import resource
 import statistics
@@ -31,12 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 
+from common.errors import UserError, run_cli  # noqa: E402
 from configs import TrainConfig  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from model.checkpoint import PreemptionFlag  # noqa: E402
-from model.errors import UserError, run_cli  # noqa: E402
-from model.mfu import estimate_mfu, peak_flops  # noqa: E402
 from train import learning_rate, train_step  # noqa: E402
+from training.mfu import estimate_mfu, peak_flops  # noqa: E402
+from training.preemption import PreemptionFlag  # noqa: E402
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import sys
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, NoReturn
 
 import yaml
 from transformers import HfArgumentParser
 
-from model.errors import UserError
+from common.errors import UserError
 
 PRESETS_DIR = Path(__file__).resolve().parent
 REPORT_TO = ("none", "tensorboard", "wandb", "all")
@@ -162,3 +162,19 @@ def _check_values(cfg: TrainConfig) -> None:
         raise UserError(f"report_to must be one of {', '.join(REPORT_TO)}, got {cfg.report_to!r}")
     if cfg.push_to_hub and not cfg.hub_model_id:
         raise UserError("--push_to_hub needs --hub_model_id user/name")
+
+
+def write_run_config(cfg: TrainConfig, path: Path) -> None:
+    """Record the run's config as YAML (the run folder's `config.yaml`, read back by `read_run_config`)."""
+    path.write_text(yaml.safe_dump(asdict(cfg), sort_keys=False))
+
+
+def read_run_config(path: Path) -> dict[str, Any]:
+    """The config a run recorded, as a dict (older runs may lack newer fields), or {} when there is none."""
+    if not path.is_file():
+        return {}
+    try:
+        config = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise UserError(f"{path} is not valid YAML ({err.__class__.__name__}); fix or remove it") from None
+    return config if isinstance(config, dict) else {}

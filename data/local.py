@@ -15,8 +15,8 @@ from typing import Iterator
 
 import numpy as np
 
+from common.errors import UserError
 from data.tokens import encode_documents
-from model.errors import UserError
 
 EXTENSIONS = (".txt", ".jsonl", ".parquet")
 # Above this many bytes of input, in-memory tokenization would hold several GB: use data.prepare.

@@ -18,11 +18,12 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from common.atomic import write_json_atomic
+from common.errors import UserError, run_cli
 from data.local import DOCS_PER_BATCH
-from data.shards import FORMAT, FORMAT_VERSION, MANIFEST, ShardWriter, read_manifest, write_json_atomic
+from data.shards import FORMAT, FORMAT_VERSION, MANIFEST, ShardWriter, read_manifest
 from data.tokenizer import EOT_ID
 from data.tokens import default_threads, encode_documents
-from model.errors import UserError, run_cli
 
 
 def source_batches(dataset: str, config: str | None, split: str, text_column: str, batch_docs: int) -> Iterator[list[str]]:

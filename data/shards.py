@@ -9,50 +9,27 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from common.atomic import publish, temp_path
+from common.errors import UserError
 from data.tokens import TOKEN_DTYPE
-from model.errors import UserError
 
 MANIFEST = "manifest.json"
 FORMAT = "gpt2-accelerate-token-shards"
 FORMAT_VERSION = 1
 
 
-def _fsync_dir(folder: Path) -> None:
-    """Make a rename durable (directory fsync is not available on every OS)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
-    """Replace `path` with `obj` as JSON so readers see the old or the new file, never a mix."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 class ShardWriter:
-    """Writes one shard to `<name>.tmp`, hashing as it goes; `finish()` publishes it."""
+    """Writes one shard under a temporary name, hashing as it goes; `finish()` publishes it."""
 
     def __init__(self, folder: Path, name: str) -> None:
         self.path = folder / name
-        self.tmp = folder / (name + ".tmp")
+        self.tmp = temp_path(self.path)
         self.file = self.tmp.open("wb")
         self.sha = hashlib.sha256()
         self.tokens = 0
@@ -64,12 +41,9 @@ class ShardWriter:
         self.tokens += len(tokens)
 
     def finish(self) -> dict[str, Any]:
-        """fsync, rename to the final name; return the manifest entry."""
-        self.file.flush()
-        os.fsync(self.file.fileno())
+        """Flush and rename to the final name; return the manifest entry."""
         self.file.close()
-        os.replace(self.tmp, self.path)
-        _fsync_dir(self.path.parent)
+        publish(self.tmp, self.path)
         return {"file": self.path.name, "tokens": self.tokens, "sha256": self.sha.hexdigest()}
 
     def abandon(self) -> None:

@@ -21,8 +21,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from common.errors import UserError
 from data.tokens import TOKEN_DTYPE, default_threads, encode_documents
-from model.errors import UserError
 
 VAL_DOCS = 1000
 DOCS_PER_BATCH = 256

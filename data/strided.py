@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.errors import UserError
 from data.tokens import TokenStream
-from model.errors import UserError
 
 STATE_VERSION = 1
 _MASK64 = (1 << 64) - 1

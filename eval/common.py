@@ -7,7 +7,7 @@ from typing import Any, Iterator
 
 import torch
 
-from model.errors import UserError
+from common.errors import UserError
 
 
 def rank_and_world(accelerator: Any | None) -> tuple[int, int]:

@@ -22,10 +22,19 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from eval.common import (autocast, eval_mode, load_model, model_block_size, model_device,
-                         pick_device, rank_and_world, reduce_sum, steps_per_rank)
+from common.errors import UserError, run_cli
+from eval.common import (
+    autocast,
+    eval_mode,
+    load_model,
+    model_block_size,
+    model_device,
+    pick_device,
+    rank_and_world,
+    reduce_sum,
+    steps_per_rank,
+)
 from eval.hellaswag_data import N_ENDINGS, load_items, preprocess, query_and_choices
-from model.errors import UserError, run_cli
 
 __all__ = ["evaluate_hellaswag", "item_loglikelihoods", "load_items", "preprocess"]
 

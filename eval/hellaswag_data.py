@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from model.errors import UserError
+from common.errors import UserError
 
 HUB_DATASET = "Rowan/hellaswag"
 N_ENDINGS = 4

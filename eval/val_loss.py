@@ -16,9 +16,18 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from eval.common import (autocast, eval_mode, load_model, model_block_size, model_device,
-                         pick_device, rank_and_world, reduce_sum, steps_per_rank)
-from model.errors import UserError, run_cli
+from common.errors import UserError, run_cli
+from eval.common import (
+    autocast,
+    eval_mode,
+    load_model,
+    model_block_size,
+    model_device,
+    pick_device,
+    rank_and_world,
+    reduce_sum,
+    steps_per_rank,
+)
 
 __all__ = ["evaluate_loss"]
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from model.errors import UserError
+from common.errors import UserError
 
 # One (key, value) pair per layer, each (B, n_head, T_cached, head_dim).
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]

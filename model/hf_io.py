@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from model.checkpoint import latest_checkpoint
-from model.errors import UserError
+from common.errors import UserError
+from common.run_dir import GPT_CONFIG, RunDir
 from model.gpt import GPT, GPTConfig
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ HUB_FILES = ["config.json", "model.safetensors", "model.safetensors.index.json",
 def load_pretrained(name_or_path: str | Path, block_size: int | None = None, dropout: float | None = None) -> GPT:
     """Build a `GPT` from a Hub id or a local folder (see the module docstring)."""
     folder = _resolve(name_or_path)
-    if (folder / "gpt_config.json").is_file():
+    if (folder / GPT_CONFIG).is_file():
         config, state = _read_checkpoint(folder)
     else:
         # Name a Hub download by its id, not by its cache path.
@@ -60,10 +60,15 @@ def _resolve(name_or_path: str | Path) -> Path:
     """A local folder holding a config, or the snapshot folder of a Hub download."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
-        if (path / "gpt_config.json").is_file() or (path / "config.json").is_file():
+        if (path / GPT_CONFIG).is_file() or (path / "config.json").is_file():
             return path
-        if (path / "final").is_dir() or (path / "checkpoints").is_dir():
-            return _newest_in_run(path)
+        run = RunDir(path)
+        if run.looks_like_run():
+            newest = run.newest_weights()
+            if newest is None:
+                raise UserError(f"run folder {path} has no final/ export and no checkpoints/step_* yet; train longer "
+                                "or pick another run")
+            return newest
         raise UserError(
             f"{path} is neither a model folder (config.json or gpt_config.json) nor a run folder "
             f"(final/ or checkpoints/); point at one of those"
@@ -73,14 +78,16 @@ def _resolve(name_or_path: str | Path) -> Path:
     return _download(str(name_or_path))
 
 
-def _newest_in_run(run: Path) -> Path:
-    """`final/` if the run finished, else its highest-numbered complete checkpoint."""
-    if (run / "final" / "config.json").is_file():
-        return run / "final"
-    newest = latest_checkpoint(run)
-    if newest is None:
-        raise UserError(f"run folder {run} has no final/ export and no checkpoints/step_* yet; train longer or pick another run")
-    return newest
+def is_repo_id(name: str) -> bool:
+    """True for a syntactically valid Hub repo id (`name` or `namespace/name`), by huggingface_hub's rules."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
 
 
 def _download(repo_id: str) -> Path:
@@ -88,20 +95,16 @@ def _download(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
-        HFValidationError,
         HfHubHTTPError,
         LocalEntryNotFoundError,
         OfflineModeIsEnabled,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
-    from huggingface_hub.utils import validate_repo_id
 
     known = f"known names: {', '.join(GPT2_NAMES)}, any Hub repo of a GPT-2 model, or a local folder"
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError:
-        raise UserError(f"{repo_id!r} is not an existing folder nor a valid Hub model id; {known}") from None
+    if not is_repo_id(repo_id):
+        raise UserError(f"{repo_id!r} is not an existing folder nor a valid Hub model id; {known}")
     try:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
     except (LocalEntryNotFoundError, OfflineModeIsEnabled):
@@ -155,10 +158,10 @@ def _strip_prefixes(key: str) -> str:
 def _read_checkpoint(folder: Path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
     """Our training checkpoint: gpt_config.json + safetensors of our (possibly wrapped) state dict."""
     try:
-        raw = json.loads((folder / "gpt_config.json").read_text())
+        raw = json.loads((folder / GPT_CONFIG).read_text())
         config = GPTConfig(**raw)
-    except (json.JSONDecodeError, TypeError) as err:
-        raise UserError(f"{folder / 'gpt_config.json'} is not a valid GPT config ({err}); restore it from the run") from None
+    except (json.JSONDecodeError, TypeError, ValueError) as err:
+        raise UserError(f"{folder / GPT_CONFIG} is not a valid GPT config ({err}); restore it from the run") from None
     state = {_strip_prefixes(k): v for k, v in _read_safetensors(folder, str(folder)).items()}
     return config, state
 
@@ -286,7 +289,7 @@ def save_pretrained(model: GPT, directory: str | Path, overwrite: bool = False) 
     eot = 50256
     GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, do_sample=True, top_k=50).save_pretrained(directory)
     if cfg.vocab_size >= 50257:
-        from model.hf_tokenizer import save_tokenizer
+        from data.hf_tokenizer import save_tokenizer
 
         save_tokenizer(directory, model_max_length=cfg.block_size)
     else:

@@ -33,16 +33,16 @@ if kind == "kill_after_step":
 
     train.learning_rate = learning_rate_then_die
 elif kind == "kill_in_save":
-    import model.checkpoint as checkpoint
+    import training.checkpoint as checkpoint
 
-    fsync_tree = checkpoint._fsync_tree
+    publish = checkpoint.publish
 
-    def die_before_publish(folder):  # runs after save_state, before the rename that publishes
-        if folder.name == f".tmp-step_{at:06d}":
+    def die_before_publish(tmp, final):  # runs after save_state, before the rename that publishes
+        if tmp.name == f".tmp-step_{at:06d}":
             os.kill(os.getpid(), signal.SIGKILL)
-        fsync_tree(folder)
+        publish(tmp, final)
 
-    checkpoint._fsync_tree = die_before_publish
+    checkpoint.publish = die_before_publish
 elif kind == "nan_at_step":
     from model import GPT
 

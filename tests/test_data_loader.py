@@ -8,11 +8,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from common.errors import UserError
 from data import EOT_ID, get_tokenizer
 from data.loader import build_train_loader, load_val_tokens
 from data.strided import StridedLoader, permute_index
 from data.tokens import TokenStream, encode_documents
-from model.errors import UserError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "data"
 SHAKESPEARE = Path(__file__).resolve().parents[1] / "data" / "tinyshakespeare.txt"

@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 
 import data.prepare as prep
+from common.errors import UserError
 from data import EOT_ID, get_tokenizer
 from data.loader import build_train_loader, load_val_tokens
-from model.errors import UserError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "data"
 PARQUET = FIXTURES / "fineweb_24docs.parquet"
@@ -53,7 +53,7 @@ def test_manifest_hashes_and_token_stream(prepared, reference_tokens):
     stream = np.concatenate([np.fromfile(prepared / e["file"], dtype="<u2") for e in entries])
     np.testing.assert_array_equal(stream, reference_tokens)
     np.testing.assert_array_equal(load_val_tokens(str(prepared), max_tokens=600), reference_tokens[:600])
-    assert not list(prepared.glob("*.tmp"))
+    assert not list(prepared.glob(".tmp-*"))
 
 
 def test_shard_loader_reads_across_shards_and_is_world_size_invariant(prepared, reference_tokens):
@@ -168,7 +168,7 @@ def test_cli_writes_shards(tmp_path):
 
 
 def test_cli_bad_input_is_one_error_line(tmp_path, monkeypatch, capsys):
-    from model.errors import run_cli
+    from common.errors import run_cli
 
     argv = ["prepare", "--dataset", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "x")]
     monkeypatch.setattr(sys, "argv", argv)

@@ -8,10 +8,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from common.errors import UserError
 from data import EOT_ID, get_tokenizer
 from data.loader import build_train_loader, load_val_tokens
 from data.streaming import StreamingLoader, open_hub_stream
-from model.errors import UserError
 
 PARQUET = Path(__file__).parent / "fixtures" / "data" / "fineweb_24docs.parquet"
 DOCS = pq.read_table(PARQUET).column("text").to_pylist()

@@ -15,16 +15,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from common.errors import UserError, run_cli
 from data import get_tokenizer
 from eval.hellaswag import evaluate_hellaswag, item_loglikelihoods, load_items, preprocess
 from eval.hellaswag_data import query_and_choices
 from model import GPT, GPTConfig
-from model.errors import UserError, run_cli
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eval"
 sys.path.insert(0, str(FIXTURES))
-from fake_ranks import run_ranks  # noqa: E402
 from conftest import free_port
+from fake_ranks import run_ranks  # noqa: E402
+
 TINY = FIXTURES / "hellaswag_tiny.jsonl"
 UNIFORM = FIXTURES / "hellaswag_uniform.jsonl"
 

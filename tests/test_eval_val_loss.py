@@ -12,14 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from common.errors import UserError
 from eval.val_loss import evaluate_loss
 from model import GPT, GPTConfig
-from model.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "fixtures" / "eval"))
-from fake_ranks import run_ranks  # noqa: E402
 from conftest import free_port
+from fake_ranks import run_ranks  # noqa: E402
 
 BLOCK = 16
 

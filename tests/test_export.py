@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from common.errors import UserError
 from data import get_tokenizer
 from model import GPT, GPTConfig
-from model.errors import UserError
 
 CFG = dict(n_layer=2, n_head=2, n_embd=32, block_size=32)  # GPT-2's vocabulary, padded to 50304
 TEXT = (
@@ -266,7 +266,7 @@ def test_hub_id_loads_from_the_local_hub_cache(tmp_path, monkeypatch, exported):
 def test_fsdp_sharded_and_damaged_checkpoints_are_user_errors(tmp_path):
     from dataclasses import asdict
 
-    from model.errors import UserError
+    from common.errors import UserError
 
     config = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=128)
     sharded = tmp_path / "fsdp"

@@ -17,14 +17,15 @@ import huggingface_hub.constants as hf_constants
 import pytest
 import torch
 import yaml
+from fake_hub import FakeHub
 from safetensors.torch import save_file
 
-from fake_hub import FakeHub
+from common.errors import UserError
+from common.run_dir import RunDir
 from model import GPT, GPTConfig
-from model.errors import UserError
-from model.hub import EXPORT_DIR, latest_checkpoint, push_to_hub
-from model.hub import main as hub_cli
-from model.model_card import hub_dataset_id, render_card
+from publish.hub import main as hub_cli
+from publish.hub import push_to_hub
+from publish.model_card import hub_dataset_id, render_card
 
 SECRET = "hf_TestSecretToken_3e9b71c2d4"
 REPO = "alice/tiny-shakespeare-gpt"
@@ -192,11 +193,11 @@ def test_forbidden_push_keeps_the_export_and_a_retry_only_uploads(hub, run_dir, 
     assert "\n" not in str(err.value)
     assert hub.repos.get(REPO, {}).get("main", {}) == {}
     assert any(r.path.endswith("/preupload/main") for r in hub.requests) == repo_exists
-    weights = run_dir / EXPORT_DIR / "model" / "model.safetensors"
+    weights = RunDir(run_dir).hub_export / "model" / "model.safetensors"
     assert weights.is_file()
     # The run itself is untouched: only hub_export/ was added.
     after = sorted((str(p), p.stat().st_mtime_ns) for p in run_dir.rglob("*")
-                   if p.is_file() and EXPORT_DIR not in p.parts)
+                   if p.is_file() and "hub_export" not in p.parts)
     assert after == before
 
     hub.deny_status = None
@@ -217,7 +218,7 @@ def test_newer_checkpoint_replaces_a_stale_export(hub, run_dir, template, capsys
     push_to_hub(run_dir, REPO, revision="step-10")
     first = hub.files(REPO, "step-10")["model.safetensors"]
     _checkpoint(template[1], run_dir / "checkpoints" / "step_000030", 30)
-    assert latest_checkpoint(run_dir).name == "step_000030"
+    assert RunDir(run_dir).latest_checkpoint().name == "step_000030"
     hub_cli(["--run_dir", str(run_dir), "--hub_model_id", REPO, "--revision", "step-30"])
     assert capsys.readouterr().out == f"pushed {run_dir} to {hub.url}/{REPO}/tree/step-30\n"
     second = hub.files(REPO, "step-30")["model.safetensors"]
@@ -240,7 +241,7 @@ def test_unreachable_hub_is_a_user_error(hub, run_dir, monkeypatch):
     _point_client_at(monkeypatch, dead)
     with pytest.raises(UserError, match=f"could not reach the Hub at {dead}"):
         push_to_hub(run_dir, REPO)
-    assert (run_dir / EXPORT_DIR / "model" / "model.safetensors").is_file()
+    assert (RunDir(run_dir).hub_export / "model" / "model.safetensors").is_file()
 
 
 @pytest.mark.parametrize("bad", ["no-namespace", "a/b/c", "user/../x", "user/name with space"])
@@ -252,7 +253,7 @@ def test_bad_repo_id_is_a_user_error(hub, run_dir, bad):
 def test_cli_reports_a_missing_run_in_one_line(tmp_path):
     env = {"HF_TOKEN": SECRET, "HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0", "PATH": "/usr/bin:/bin",
            "HF_ENDPOINT": "http://127.0.0.1:9"}
-    proc = subprocess.run([sys.executable, "-m", "model.hub", "--run_dir", str(tmp_path / "nope"),
+    proc = subprocess.run([sys.executable, "-m", "publish.hub", "--run_dir", str(tmp_path / "nope"),
                            "--hub_model_id", REPO], cwd=Path(__file__).resolve().parents[1], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from common.errors import UserError
 from model import GPT, GPTConfig
-from model.errors import UserError
-from model.mfu import estimate_mfu, peak_flops, peak_flops_for_name
+from training.mfu import estimate_mfu, peak_flops, peak_flops_for_name
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32)
 

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import REPO_ROOT, free_port
+from safetensors.torch import load_file
 
 # A tiny model: the point is the loop's bookkeeping, not learning.
 TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--val_tokens", "256",

@@ -1,6 +1,6 @@
 """Publish a training run to the Hugging Face Hub: HF-format weights, model card, optional training state.
 
-    python -m model.hub --run_dir out/my_run --hub_model_id user/name [--revision step-1000] [--private]
+    python -m publish.hub --run_dir out/my_run --hub_model_id user/name [--revision step-1000] [--private]
                         [--include_state]
 
 The upload is staged in `<run_dir>/hub_export/model/` (a `save_pretrained` folder plus README.md and
@@ -16,18 +16,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Any
 
-from model.checkpoint import latest_checkpoint
-from model.errors import UserError, run_cli
-from model.model_card import write_model_card
+from common.atomic import publish, temp_path
+from common.errors import UserError, run_cli
+from common.run_dir import RunDir
+from model.hf_io import is_repo_id
+from publish.model_card import write_model_card
 
-EXPORT_DIR = "hub_export"
 STATE_PREFIX = "training_state"
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 
 
 def check_hub_access(hub_model_id: str) -> None:
@@ -36,7 +35,7 @@ def check_hub_access(hub_model_id: str) -> None:
     The trainer can call this at start-up so that a missing token shows up before hours of training."""
     from huggingface_hub import constants, get_token
 
-    if not _REPO_ID.match(hub_model_id) or ".." in hub_model_id or hub_model_id.endswith((".git", "-", ".")):
+    if not is_repo_id(hub_model_id) or "/" not in hub_model_id:
         raise UserError(f"--hub_model_id {hub_model_id!r} is not a Hub repo id; use the form user/name or org/name")
     if constants.HF_HUB_OFFLINE:
         raise UserError("cannot push: HF_HUB_OFFLINE is set; unset HF_HUB_OFFLINE (and TRANSFORMERS_OFFLINE) to push")
@@ -56,36 +55,31 @@ def stage_export(run_dir: str | Path) -> tuple[Path, str]:
 
     Reuses the folder when it was made from the same, unchanged source. Returns the folder and a
     description of what it holds (for the card)."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise UserError(f"run folder {run_dir} does not exist; pass the --out_dir of a training run as --run_dir")
-    final, ckpt = run_dir / "final", latest_checkpoint(run_dir)
-    if (final / "config.json").is_file():
-        source, what = final, "the final weights of the run"
-    elif ckpt is not None:
-        source, what = ckpt, f"checkpoint {ckpt.name} (the run had not finished)"
-    else:
-        raise UserError(f"{run_dir} has neither final/ nor a checkpoints/step_* folder; "
+    run = RunDir(run_dir)
+    if not run.path.is_dir():
+        raise UserError(f"run folder {run.path} does not exist; pass the --out_dir of a training run as --run_dir")
+    source = run.newest_weights()
+    if source is None:
+        raise UserError(f"{run.path} has neither final/ nor a checkpoints/step_* folder; "
                         "train first or pass the run's --out_dir")
-    stage = run_dir / EXPORT_DIR
-    export, marker = stage / "model", stage / "export.json"
-    record = {"source": str(source.relative_to(run_dir)), "files": _fingerprint(source)}
+    what = "the final weights of the run" if source == run.final else f"checkpoint {source.name} (the run had not finished)"
+    export, marker = run.hub_export / "model", run.hub_export / "export.json"
+    record = {"source": str(source.relative_to(run.path)), "files": _fingerprint(source)}
     if export.is_dir() and marker.is_file() and json.loads(marker.read_text()) == record:
         return export, what  # a retry: the export is already there
 
-    # Build into a temp folder and rename, so an interrupted export is never mistaken for a finished one.
-    tmp = stage / "model.tmp"
+    # An interrupted export is never mistaken for a finished one: built aside, then published.
+    run.hub_export.mkdir(exist_ok=True)
+    tmp = temp_path(export)
     shutil.rmtree(tmp, ignore_errors=True)
-    stage.mkdir(exist_ok=True)
-    if source == final:
-        shutil.copytree(final, tmp)
+    if source == run.final:
+        shutil.copytree(source, tmp)
     else:
         from model import GPT
 
         GPT.from_pretrained(source).save_pretrained(tmp)
     marker.unlink(missing_ok=True)
-    shutil.rmtree(export, ignore_errors=True)
-    tmp.rename(export)
+    publish(tmp, export)
     marker.write_text(json.dumps(record))
     return export, what
 
@@ -139,7 +133,7 @@ def push_to_hub(
     check_hub_access(hub_model_id)
     run_dir = Path(run_dir)
     export, what = stage_export(run_dir)
-    state = latest_checkpoint(run_dir) if include_state else None
+    state = RunDir(run_dir).latest_checkpoint() if include_state else None
     if include_state and state is None:
         raise UserError(f"--include_state: {run_dir} has no checkpoints/step_* folder to upload; push without it")
     write_model_card(run_dir, export, hub_model_id, source=what, revision=revision,
@@ -147,7 +141,7 @@ def push_to_hub(
 
     api = HfApi()  # endpoint (HF_ENDPOINT) and token resolved by huggingface_hub itself
     operations = _operations(export) + (_operations(state, f"{STATE_PREFIX}/") if state else [])
-    retry = (f"the export is kept in {export}; retry with: python -m model.hub --run_dir {run_dir} "
+    retry = (f"the export is kept in {export}; retry with: python -m publish.hub --run_dir {run_dir} "
              f"--hub_model_id {hub_model_id}" + (f" --revision {revision}" if revision else "")
              + (" --private" if private else "") + (" --include_state" if include_state else ""))
     try:

@@ -14,43 +14,17 @@ from typing import Any
 
 import yaml
 
-from model.errors import UserError
-from model.hf_io import GPT2_NAMES
+from common.run_dir import RunDir
+from configs import read_run_config
+from data.loader import parse_hub_id, source_kind
+from model.hf_io import GPT2_NAMES, is_repo_id
+from training.metrics import read_metrics
 
 LOSS_CURVE = "loss_curve.png"
 _SECRET_KEY = re.compile(r"(^|_)token$|secret|password|passwd|api_?key|credential", re.IGNORECASE)
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # a Hub *dataset* id in --dataset
-_LOCAL_SUFFIXES = (".txt", ".json", ".jsonl", ".parquet", ".csv", ".gz", ".zst", ".arrow", ".bin")
 # Short names the data and model packages accept, and the Hub repos they stand for.
 _KNOWN_DATASETS = {"shakespeare": "karpathy/tiny_shakespeare"}
 _KNOWN_MODELS = {name: f"openai-community/{name}" for name in GPT2_NAMES}
-
-
-def read_config(run_dir: Path) -> dict[str, Any]:
-    """The training config of a run (`config.yaml`), or {} when the run has none."""
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        return {}
-    try:
-        config = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise UserError(f"{path} is not valid YAML ({err.__class__.__name__}); fix or remove it") from None
-    return config if isinstance(config, dict) else {}
-
-
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """The logged steps of `metrics.jsonl`; a torn last line (killed run) is skipped."""
-    path = Path(run_dir) / "metrics.jsonl"
-    rows: list[dict[str, Any]] = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and "step" in row:
-                rows.append(row)
-    return rows
 
 
 def summarize(metrics: list[dict[str, Any]]) -> dict[str, Any]:
@@ -118,17 +92,17 @@ def hub_dataset_id(dataset: Any) -> str | None:
         return None
     if dataset in _KNOWN_DATASETS:
         return _KNOWN_DATASETS[dataset]
-    name = dataset.split(":", 1)[0]  # `id:config`
-    if _HUB_ID.match(name) and not name.lower().endswith(_LOCAL_SUFFIXES) and not Path(name).exists():
-        return name
-    return None
+    if source_kind(dataset) != "hub":
+        return None
+    name, _ = parse_hub_id(dataset, None)
+    return name if is_repo_id(name) else None
 
 
 def _base_model(config: dict[str, Any]) -> str | None:
     init = _lookup(config, "init_from", "base_model")
     if isinstance(init, str) and init in _KNOWN_MODELS:
         return _KNOWN_MODELS[init]
-    return init if isinstance(init, str) and _HUB_ID.match(init) and not Path(init).exists() else None
+    return init if isinstance(init, str) and "/" in init and is_repo_id(init) and not Path(init).exists() else None
 
 
 def _architecture(export_dir: Path) -> dict[str, Any]:
@@ -249,13 +223,13 @@ def write_model_card(
     """Write README.md (and loss_curve.png when there are losses) into `export_dir`; returns the card's path."""
     from huggingface_hub import get_token
 
-    run_dir, export_dir = Path(run_dir), Path(export_dir)
-    metrics = read_metrics(run_dir)
+    run, export_dir = RunDir(run_dir), Path(export_dir)
+    metrics = read_metrics(run.metrics_file)
     curve = export_dir / LOSS_CURVE
     has_curve = plot_loss_curve(metrics, curve)
     if not has_curve:
         curve.unlink(missing_ok=True)  # never ship a stale image from an earlier push
-    text = render_card(hub_model_id, read_config(run_dir), summarize(metrics), _architecture(export_dir),
+    text = render_card(hub_model_id, read_run_config(run.config_file), summarize(metrics), _architecture(export_dir),
                        source=source, revision=revision, has_curve=has_curve, state_step=state_step)
     token = get_token()
     if token:

@@ -14,7 +14,7 @@ from typing import Any
 
 from accelerate import Accelerator
 
-METRICS_FILE = "metrics.jsonl"
+from common.run_dir import RunDir
 
 
 def trackers_for(report_to: str) -> list[str] | None:
@@ -22,28 +22,34 @@ def trackers_for(report_to: str) -> list[str] | None:
     return {"none": None, "tensorboard": ["tensorboard"], "wandb": ["wandb"], "all": ["tensorboard", "wandb"]}[report_to]
 
 
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The logged steps of a `metrics.jsonl`, oldest first; a torn line (a killed run) is skipped."""
+    rows: list[dict[str, Any]] = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and "step" in row:
+                rows.append(row)
+    return rows
+
+
 class MetricsLog:
     """Append-only JSON-lines log of a run, mirrored to the trackers."""
 
     def __init__(self, accelerator: Accelerator, out_dir: str | Path, resume_step: int | None) -> None:
         self.accelerator = accelerator
-        self.path = Path(out_dir) / METRICS_FILE
+        self.path = RunDir(out_dir).metrics_file
         if accelerator.is_main_process:
             self._truncate_after(resume_step or 0)
 
     def _truncate_after(self, step: int) -> None:
         """Drop lines logged after `step` (by the attempt that crashed after its last checkpoint)."""
-        if not self.path.is_file():
-            return
-        kept = []
-        for line in self.path.read_text().splitlines():
-            try:
-                if json.loads(line)["step"] <= step:
-                    kept.append(line)
-            except (json.JSONDecodeError, KeyError, TypeError):
-                pass  # a line cut short by the crash
-
-        self.path.write_text("".join(line + "\n" for line in kept))
+        if self.path.is_file():
+            kept = [row for row in read_metrics(self.path) if isinstance(row["step"], int) and row["step"] <= step]
+            self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         """Record `values` for `step`; NaN/inf become null in the JSON (which has no NaN)."""

@@ -1,0 +1,74 @@
+"""Write-then-rename: a file or folder is either absent, the old version, or the complete new one.
+
+Writers build under a temporary name beside the destination (so the rename stays on one
+filesystem), flush it to disk and only then move it into place. Readers that look only at final
+names can never pick up a half-written result after a crash, a kill or a full disk.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+TEMP_PREFIX = ".tmp-"  # temporary names start with a dot: listings of final names never match them
+
+
+def temp_path(final: Path) -> Path:
+    """Where `final` is built before `publish` moves it into place."""
+    return final.with_name(TEMP_PREFIX + final.name)
+
+
+def fresh_temp_dir(final: Path) -> Path:
+    """An empty temporary folder for `final` (debris of an earlier attempt that crashed is removed)."""
+    tmp = temp_path(final)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make renames inside `folder` durable (not every OS lets a directory be opened for that)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Flush `tmp` (a file, or a folder and everything in it) and rename it to `final`.
+
+    An existing `final` folder is set aside first and deleted only once the new one is in place,
+    so a crash at any point leaves the old or the new version under the final name, never neither
+    for longer than one rename."""
+    paths = [tmp] if tmp.is_file() else [p for p in tmp.rglob("*") if p.is_file()]
+    for path in paths:  # libraries (save_state, save_pretrained) write without fsync
+        _fsync_file(path)
+    aside = final.with_name(".old-" + final.name)
+    if final.is_dir():
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def write_json_atomic(path: Path, obj: Any, indent: int = 1) -> None:
+    """Replace `path` with `obj` as JSON, atomically."""
+    tmp = temp_path(path)
+    with tmp.open("w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=indent)
+    publish(tmp, path)

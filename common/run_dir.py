@@ -1,0 +1,95 @@
+"""The layout of a training run's folder (`--out_dir`), written down once.
+
+    <out_dir>/
+      config.yaml              the run's TrainConfig (after a resume is accepted)
+      metrics.jsonl            one JSON object per logged step
+      tensorboard/             when --report_to tensorboard
+      checkpoints/step_000100/ accelerate's save_state files plus the files named below
+      final/                   the finished model as a Hugging Face GPT-2 folder
+      hub_export/              what the last Hub push uploaded (kept for retries)
+
+A checkpoint folder is complete once it holds `gpt_config.json`: checkpoints are built under a
+temporary name and renamed into place last (see `common.atomic`), so a listed one is never
+half-written.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+# Files inside a checkpoint folder (besides accelerate's own).
+GPT_CONFIG = "gpt_config.json"  # the architecture, `dataclasses.asdict(GPTConfig)`
+RUN_STATE = "run_state.json"  # step, tokens seen, tracker run id, world size
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def data_state_file(rank: int) -> str:
+    """The name of rank `rank`'s data-loader position inside a checkpoint."""
+    return f"data_state_rank{rank}.json"
+
+
+def checkpoint_step(checkpoint: Path) -> int | None:
+    """The optimizer step of a `step_N` folder, None for any other name."""
+    match = _STEP_DIR.match(Path(checkpoint).name)
+    return int(match.group(1)) if match else None
+
+
+class RunDir:
+    """Paths inside one run folder, and which of its checkpoints and weights are complete."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    @property
+    def config_file(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / "tensorboard"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def final(self) -> Path:
+        return self.path / "final"
+
+    @property
+    def hub_export(self) -> Path:
+        return self.path / "hub_export"
+
+    def checkpoint(self, step: int) -> Path:
+        """The folder of the checkpoint taken after optimizer step `step`."""
+        return self.checkpoints / f"step_{step:06d}"
+
+    def list_checkpoints(self) -> list[Path]:
+        """Complete checkpoints, oldest first."""
+        if not self.checkpoints.is_dir():
+            return []
+        found = [(step, p) for p in self.checkpoints.iterdir()
+                 if (step := checkpoint_step(p)) is not None and (p / GPT_CONFIG).is_file()]
+        return [p for _, p in sorted(found)]
+
+    def latest_checkpoint(self) -> Path | None:
+        found = self.list_checkpoints()
+        return found[-1] if found else None
+
+    def has_final(self) -> bool:
+        return (self.final / "config.json").is_file()
+
+    def looks_like_run(self) -> bool:
+        """True when the folder has a final/ or checkpoints/ folder (finished or not)."""
+        return self.final.is_dir() or self.checkpoints.is_dir()
+
+    def newest_weights(self) -> Path | None:
+        """`final/` if the run finished, else its newest complete checkpoint, else None."""
+        return self.final if self.has_final() else self.latest_checkpoint()
