@@ -7,12 +7,11 @@ the model was trained with and nothing has to be downloaded.
 """
 from __future__ import annotations
 
-import base64
 import functools
 import json
 from pathlib import Path
 
-from data.tokenizer import EOT_ID, EOT_TOKEN, RANKS_FILE
+from data.tokenizer import EOT_ID, EOT_TOKEN, load_ranks
 
 
 @functools.lru_cache(maxsize=1)
@@ -28,12 +27,6 @@ def byte_to_unicode() -> dict[int, str]:
             table[b] = chr(256 + shifted)
             shifted += 1
     return table
-
-
-def load_ranks(path: Path = RANKS_FILE) -> dict[bytes, int]:
-    """Read tiktoken's "base64(token) rank" lines."""
-    lines = path.read_bytes().splitlines()
-    return {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in lines if line)}
 
 
 def _bpe_parts(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:

@@ -71,16 +71,17 @@ def build_train_loader(
     seed: int = 0,
 ) -> TrainLoader:
     """The training loader of this rank (see the module docstring for `dataset`)."""
-    common = dict(block_size=block_size, micro_batch_size=micro_batch_size, rank=rank, world_size=world_size, seed=seed)
+    common = dict(block_size=block_size, micro_batch_size=micro_batch_size, rank=rank, world_size=world_size)
     kind = source_kind(dataset)
     if kind in ("shakespeare", "local"):
         train, _ = _in_memory_split(dataset, text_column)
-        return StridedLoader(TokenStream([train]), source=dataset, **common)
+        return StridedLoader(TokenStream([train]), source=dataset, seed=seed, **common)
     if kind == "shards":
         from data.shards import open_shards
 
         shards = open_shards(dataset)
-        return StridedLoader(TokenStream(shards.train), source=shards.fingerprint, **common)
+        return StridedLoader(TokenStream(shards.train), source=shards.fingerprint, seed=seed, **common)
+    # Hub streams are read in order: a shuffle buffer would make resumption inexact, so no seed.
     from data.streaming import StreamingLoader, open_hub_stream
 
     name, config = parse_hub_id(dataset, dataset_config)

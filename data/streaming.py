@@ -103,7 +103,6 @@ class StreamingLoader:
         rank: int,
         world_size: int,
         text_column: str = "text",
-        seed: int = 0,
         source: str = "",
         val_docs: int = VAL_DOCS,
         docs_per_batch: int = DOCS_PER_BATCH,
@@ -115,8 +114,6 @@ class StreamingLoader:
         self.rank, self.world_size, self.source = rank, world_size, source
         self.text_column, self.docs_per_batch = text_column, docs_per_batch
         self.val_hashes = {_doc_hash(d) for d in val_documents(ds, text_column, val_docs)}
-        # seed is accepted for a uniform API; a shuffle buffer would make resumption inexact.
-        del seed
         self.ds = split_dataset_by_node(ds.select_columns([text_column]), rank=rank, world_size=world_size).repeat(None)
         self._iter: Iterator[dict] | None = None
         self._anchor: dict | None = None  # datasets state at the start of the buffer's document batch

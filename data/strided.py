@@ -97,11 +97,6 @@ class StridedLoader:
         rows = torch.from_numpy(rows.astype(np.int64))
         return rows[:, :-1], rows[:, 1:]
 
-    @property
-    def epoch(self) -> int:
-        """Epochs completed (a window crossing the end counts towards the next one)."""
-        return self.cursor // self.n_sequences
-
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable position; identical on every rank (the rank is kept for checks)."""
         return {

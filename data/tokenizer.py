@@ -22,17 +22,22 @@ PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S
 
 
 @functools.lru_cache(maxsize=1)
-def get_tokenizer() -> tiktoken.Encoding:
-    """Return the GPT-2 `tiktoken.Encoding` (50,257 ids, `<|endoftext|>` = 50256), offline."""
+def load_ranks() -> dict[bytes, int]:
+    """GPT-2's BPE as tiktoken stores it: token bytes -> rank (= token id), from the shipped, checked file."""
     raw = RANKS_FILE.read_bytes()
     if hashlib.sha256(raw).hexdigest() != RANKS_SHA256:
         raise RuntimeError(f"{RANKS_FILE} is corrupted (sha256 mismatch); restore it with `git checkout`")
     # Parsed here rather than with tiktoken.load, which would copy the file into a cache folder.
-    ranks = {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in raw.splitlines() if line)}
+    return {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in raw.splitlines() if line)}
+
+
+@functools.lru_cache(maxsize=1)
+def get_tokenizer() -> tiktoken.Encoding:
+    """Return the GPT-2 `tiktoken.Encoding` (50,257 ids, `<|endoftext|>` = 50256), offline."""
     return tiktoken.Encoding(
         name="gpt2",
         pat_str=PAT_STR,
-        mergeable_ranks=ranks,
+        mergeable_ranks=load_ranks(),
         special_tokens={EOT_TOKEN: EOT_ID},
         explicit_n_vocab=N_VOCAB,
     )

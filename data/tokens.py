@@ -68,7 +68,3 @@ class TokenStream:
             filled += len(piece)
             i += 1
         return out
-
-    def slice(self, start: int, stop: int) -> np.ndarray:
-        """A copy of tokens [start, stop)."""
-        return self.read(start, stop - start)
