@@ -156,6 +156,10 @@ def _check_values(cfg: TrainConfig) -> None:
             raise UserError(f"{name} must be positive, got {getattr(cfg, name)}")
     if cfg.n_embd % cfg.n_head:
         raise UserError(f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head})")
+    if not 0.0 <= cfg.dropout < 1.0:
+        raise UserError(f"dropout must be in [0, 1), got {cfg.dropout}; use e.g. 0.0 or 0.1")
+    if not cfg.sample_prompt:
+        raise UserError("sample_prompt is empty; pass at least one character, e.g. --sample_prompt '\\n' (the default)")
     if cfg.on_nan not in ("stop", "skip"):
         raise UserError(f"on_nan must be 'stop' or 'skip', got {cfg.on_nan!r}")
     if cfg.report_to not in REPORT_TO:

@@ -15,8 +15,6 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from common.errors import UserError
-
 # One (key, value) pair per layer, each (B, n_head, T_cached, head_dim).
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -46,11 +44,11 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
-            raise UserError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; pick sizes where it is")
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; pick sizes where it is")
         if min(self.block_size, self.vocab_size, self.n_layer, self.n_head, self.pad_vocab_multiple) < 1:
-            raise UserError(f"invalid model config {self}; sizes must be positive integers")
+            raise ValueError(f"invalid model config {self}; sizes must be positive integers")
         if not 0.0 <= self.dropout < 1.0:
-            raise UserError(f"dropout={self.dropout} is outside [0, 1); use e.g. 0.0 or 0.1")
+            raise ValueError(f"dropout={self.dropout} is outside [0, 1); use e.g. 0.0 or 0.1")
 
     @property
     def padded_vocab_size(self) -> int:
@@ -61,7 +59,7 @@ class GPTConfig:
     def from_name(cls, name: str, **overrides) -> "GPTConfig":
         """Config of a named size (`gpt2` .. `gpt2-xl`, or `tiny`/`mini`/`small` for CPUs)."""
         if name not in _SIZES:
-            raise UserError(f"unknown model size {name!r}; choose one of {', '.join(_SIZES)}")
+            raise ValueError(f"unknown model size {name!r}; choose one of {', '.join(_SIZES)}")
         return cls(**{**_SIZES[name], **overrides})
 
 
@@ -183,7 +181,7 @@ class GPT(nn.Module):
         B, T = idx.shape
         past = kv_cache[0][0].size(2) if kv_cache else 0  # tokens already in the cache
         if past + T > self.config.block_size:
-            raise UserError(
+            raise ValueError(
                 f"sequence of {past + T} tokens is longer than the model's block_size "
                 f"{self.config.block_size}; crop the input to the last {self.config.block_size} tokens"
             )
@@ -246,9 +244,9 @@ class GPT(nn.Module):
         invalidates cached positions, so those steps run without the cache: same tokens either way.
         """
         if idx.size(1) == 0:
-            raise UserError("generate needs at least one prompt token; start from e.g. <|endoftext|> (50256)")
+            raise ValueError("generate needs at least one prompt token; start from e.g. <|endoftext|> (50256)")
         if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
-            raise UserError(
+            raise ValueError(
                 f"invalid sampling settings temperature={temperature}, top_k={top_k}, top_p={top_p}; "
                 "use temperature >= 0 (0 = greedy), top_k >= 1, 0 < top_p <= 1"
             )

@@ -8,7 +8,6 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from common.errors import UserError
 from model import GPT, GPTConfig
 from training.mfu import estimate_mfu, peak_flops, peak_flops_for_name
 
@@ -131,7 +130,7 @@ def test_sampling_never_picks_padding_and_respects_top_k_top_p():
 
 def test_too_long_input_is_a_user_error():
     model = GPT(GPTConfig(vocab_size=100, **TINY))
-    with pytest.raises(UserError, match="longer than the model's block_size 32; crop"):
+    with pytest.raises(ValueError, match="longer than the model's block_size 32; crop"):
         model(torch.zeros(1, 33, dtype=torch.long))
 
 
@@ -194,9 +193,9 @@ def test_named_sizes_param_count_and_flops():
     assert model.flops_per_token() == 6 * (n_all - 1024 * C) + 12 * L * 1024 * C
     assert GPTConfig.from_name("gpt2-xl").n_embd == 1600 and GPTConfig.from_name("gpt2-medium").n_layer == 24
     assert GPTConfig.from_name("gpt2").padded_vocab_size == 50304
-    with pytest.raises(UserError, match="unknown model size 'gpt3'; choose one of gpt2, gpt2-medium"):
+    with pytest.raises(ValueError, match="unknown model size 'gpt3'; choose one of gpt2, gpt2-medium"):
         GPTConfig.from_name("gpt3")
-    with pytest.raises(UserError, match="not divisible by n_head"):
+    with pytest.raises(ValueError, match="not divisible by n_head"):
         GPTConfig(n_embd=30, n_head=4)
 
 
@@ -218,9 +217,9 @@ def test_bad_sampling_settings():
     model = GPT(GPTConfig(vocab_size=100, **TINY))
     prompt = torch.zeros(1, 1, dtype=torch.long)
     for bad in (dict(temperature=-1.0), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5)):
-        with pytest.raises(UserError, match="invalid sampling settings .*; use temperature >= 0"):
+        with pytest.raises(ValueError, match="invalid sampling settings .*; use temperature >= 0"):
             model.generate(prompt, 2, **bad)
-    with pytest.raises(UserError, match="needs at least one prompt token"):
+    with pytest.raises(ValueError, match="needs at least one prompt token"):
         model.generate(prompt[:, :0], 2)
 
 
