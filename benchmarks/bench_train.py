@@ -1,7 +1,7 @@
 """What train.py's Accelerate loop costs over a bare PyTorch loop: same model, same batches.
 
-    python benchmarks/bench_train.py                          # CPU default: `mini`, block 128, ~2 min on 2 cores
-    python benchmarks/bench_train.py --model gpt2 --block_size 1024 --micro_batch_size 16 \
+    python -m benchmarks.bench_train                          # CPU default: `mini`, block 128, ~2 min on 2 cores
+    python -m benchmarks.bench_train --model gpt2 --block_size 1024 --micro_batch_size 16 \
         --mixed_precision bf16 --compile                      # one GPU
 
 Side (a) is train.py's own `train_step`: Accelerator with
@@ -20,22 +20,19 @@ import itertools
 import os
 import resource
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from accelerate import Accelerator
 
-import torch  # noqa: E402
-from accelerate import Accelerator  # noqa: E402
-
-from common.errors import UserError, run_cli  # noqa: E402
-from configs import TrainConfig  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
-from train import learning_rate, train_step  # noqa: E402
-from training.mfu import estimate_mfu, peak_flops  # noqa: E402
-from training.preemption import PreemptionFlag  # noqa: E402
+from common.errors import UserError, run_cli
+from configs import TrainConfig
+from model import GPT, GPTConfig
+from training.mfu import estimate_mfu, peak_flops
+from training.optim import build_optimizer
+from training.preemption import PreemptionFlag
+from training.step import learning_rate, train_step
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -101,9 +98,8 @@ def main() -> None:
     bare_model = copy.deepcopy(acc_model).to(device)
     flops_per_token = acc_model.flops_per_token()
     n_params = acc_model.num_params()
-    betas = (cfg.beta1, cfg.beta2)
-    acc_opt = acc_model.configure_optimizers(cfg.weight_decay, cfg.lr, betas, device.type)
-    bare_opt = bare_model.configure_optimizers(cfg.weight_decay, cfg.lr, betas, device.type)
+    acc_opt = build_optimizer(acc_model, cfg, device.type)
+    bare_opt = build_optimizer(bare_model, cfg, device.type)
     acc_model, acc_opt = accelerator.prepare(acc_model, acc_opt)
     bare_fwd = torch.compile(bare_model) if args.compile else bare_model
     acc_model.train()

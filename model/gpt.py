@@ -6,7 +6,6 @@ Loading and exporting live in `model/hf_io.py`; this file is only the network.
 """
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -261,19 +260,6 @@ class GPT(nn.Module):
             idx_next = sample_next(logits[:, -1, :].float(), temperature, top_k, top_p, generator)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
-
-    def configure_optimizers(
-        self, weight_decay: float, learning_rate: float, betas: tuple[float, float], device_type: str
-    ) -> torch.optim.AdamW:
-        """AdamW with weight decay on matrices and embeddings (>= 2-D) only, not biases or LayerNorms."""
-        params = [p for p in self.parameters() if p.requires_grad]  # tied weight appears once
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        # The fused CUDA kernel does the whole update in a few launches instead of one per tensor.
-        fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **({"fused": True} if fused else {}))
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token (forward + backward): 6N for the weights plus the attention

@@ -145,14 +145,15 @@ def _read_safetensors(folder: Path, source: str) -> dict[str, torch.Tensor]:
     raise UserError(f"no model.safetensors in {source}{hint}; provide the weights as safetensors")
 
 
-def _strip_prefixes(key: str) -> str:
-    changed = True
-    while changed:
-        changed = False
-        for prefix in WRAPPER_PREFIXES:
-            if key.startswith(prefix):
-                key, changed = key[len(prefix):], True
-    return key
+def strip_wrapper_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our key names from a wrapped model's state dict (`_orig_mod.` of torch.compile, `module.` of DDP)."""
+
+    def strip(key: str) -> str:
+        while key.startswith(WRAPPER_PREFIXES):
+            key = key.split(".", 1)[1]
+        return key
+
+    return {strip(k): v for k, v in state.items()}
 
 
 def _read_checkpoint(folder: Path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
@@ -162,7 +163,7 @@ def _read_checkpoint(folder: Path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
         config = GPTConfig(**raw)
     except (json.JSONDecodeError, TypeError, ValueError) as err:
         raise UserError(f"{folder / GPT_CONFIG} is not a valid GPT config ({err}); restore it from the run") from None
-    state = {_strip_prefixes(k): v for k, v in _read_safetensors(folder, str(folder)).items()}
+    state = strip_wrapper_prefixes(_read_safetensors(folder, str(folder)))
     return config, state
 
 

@@ -50,15 +50,15 @@ def _fingerprint(folder: Path) -> list[list[Any]]:
                   for p in folder.rglob("*") if p.is_file())
 
 
-def stage_export(run_dir: str | Path) -> tuple[Path, str]:
-    """Make `<run_dir>/hub_export/model/` hold the HF export of the run's newest weights.
+def stage_export(run_dir: str | Path, source: Path | None = None) -> tuple[Path, str]:
+    """Make `<run_dir>/hub_export/model/` hold the HF export of `source` (default: the run's newest weights).
 
     Reuses the folder when it was made from the same, unchanged source. Returns the folder and a
     description of what it holds (for the card)."""
     run = RunDir(run_dir)
     if not run.path.is_dir():
         raise UserError(f"run folder {run.path} does not exist; pass the --out_dir of a training run as --run_dir")
-    source = run.newest_weights()
+    source = source or run.newest_weights()
     if source is None:
         raise UserError(f"{run.path} has neither final/ nor a checkpoints/step_* folder; "
                         "train first or pass the run's --out_dir")
@@ -128,11 +128,27 @@ def push_to_hub(
 
     `revision` is a branch (created from main if missing), e.g. `step-1000`; `include_state` adds the
     latest checkpoint folder under `training_state/`. `private` only applies when the repo is created."""
+    check_hub_access(hub_model_id)
+    export, what = stage_export(run_dir)
+    return upload_export(run_dir, export, what, hub_model_id, revision=revision, private=private,
+                         include_state=include_state, commit_message=commit_message)
+
+
+def upload_export(
+    run_dir: str | Path,
+    export: Path,
+    what: str,
+    hub_model_id: str,
+    *,
+    revision: str | None = None,
+    private: bool = False,
+    include_state: bool = False,
+    commit_message: str | None = None,
+) -> str:
+    """Write the card into a staged `export` (see `stage_export`) and push it in one commit; returns the URL."""
     from huggingface_hub import HfApi
 
-    check_hub_access(hub_model_id)
     run_dir = Path(run_dir)
-    export, what = stage_export(run_dir)
     state = RunDir(run_dir).latest_checkpoint() if include_state else None
     if include_state and state is None:
         raise UserError(f"--include_state: {run_dir} has no checkpoints/step_* folder to upload; push without it")

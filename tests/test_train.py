@@ -338,7 +338,7 @@ def test_block_size_beyond_the_pretrained_positions(monkeypatch, capsys, tmp_pat
 
 def test_learning_rate_schedule():
     from configs import TrainConfig
-    from train import learning_rate
+    from training.step import learning_rate
 
     cfg = TrainConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=10, max_steps=110)
     assert learning_rate(cfg, 0) == pytest.approx(0.1)
@@ -346,6 +346,21 @@ def test_learning_rate_schedule():
     assert learning_rate(cfg, 60) == pytest.approx(0.55)  # half-way down the cosine
     assert learning_rate(cfg, 110) == pytest.approx(0.1)
     assert all(learning_rate(cfg, s) >= learning_rate(cfg, s + 1) for s in range(10, 120))
+
+
+def test_optimizer_groups_decay_only_matrices():
+    from configs import TrainConfig
+    from model import GPT, GPTConfig
+    from training.optim import build_optimizer
+
+    model = GPT(GPTConfig(vocab_size=100, n_layer=2, n_head=2, n_embd=32, block_size=16))
+    opt = build_optimizer(model, TrainConfig(weight_decay=0.1, lr=3e-4), "cpu")
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    n = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    assert n == model.num_params(non_embedding=False)  # every parameter once, the tied one too
+    assert not opt.defaults.get("fused")
 
 
 def test_accumulated_micro_steps_give_the_big_batch_gradient():

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,15 @@ from accelerate import Accelerator
 from common.atomic import fresh_temp_dir, publish, temp_path
 from common.errors import UserError
 from common.run_dir import GPT_CONFIG, RUN_STATE, RunDir, checkpoint_step, data_state_file
+
+
+@dataclass
+class Progress:
+    """Where a run stands: optimizer steps done, tokens consumed, and the trackers' run id."""
+
+    step: int = 0
+    tokens: int = 0
+    run_id: str = field(default_factory=lambda: secrets.token_hex(4))
 
 
 @dataclass(frozen=True)
@@ -32,8 +42,11 @@ class ResumePoint:
     run_state: dict[str, Any]  # step, tokens, run_id, world_size
 
     @property
-    def step(self) -> int:
-        return self.run_state["step"]
+    def progress(self) -> Progress:
+        try:
+            return Progress(int(self.run_state["step"]), int(self.run_state["tokens"]), str(self.run_state["run_id"]))
+        except (KeyError, TypeError, ValueError):
+            raise UserError(f"{self.path / RUN_STATE} is damaged; resume from another checkpoint") from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -49,11 +62,17 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def find_resume_point(resume: str | None, out_dir: str | Path) -> ResumePoint | None:
     """The checkpoint `--resume` names: `latest` is the newest of `out_dir` (None when there is none yet),
-    a path is that checkpoint, or the newest of that run folder. Refuses an older checkpoint of `out_dir`
-    while newer ones exist there (two histories would mix in one folder)."""
-    if resume is None:
-        return None
+    a path is that checkpoint, or the newest of that run folder.
+
+    Never lets a run write over another: without `--resume`, a folder that holds checkpoints or a final
+    model is refused, and so is an older checkpoint of `out_dir` while newer ones exist there (two
+    histories would mix in one folder)."""
     run = RunDir(out_dir)
+    if resume is None:
+        if run.latest_checkpoint() is not None or run.final.exists():
+            raise UserError(f"{run.path} already holds a run; pass --resume latest to continue it or choose another "
+                            "--out_dir")
+        return None
     if resume == "latest":
         path = run.latest_checkpoint()
         if path is None:
@@ -82,14 +101,14 @@ def _quiet_tied_weight_warning(record: logging.LogRecord) -> bool:
 def save_checkpoint(
     accelerator: Accelerator,
     run: RunDir,
-    step: int,
-    run_state: dict[str, Any],
+    progress: Progress,
     data_state: dict[str, Any],
     gpt_config: Any,
     keep_last: int,
 ) -> Path:
-    """Save everything needed to resume after optimizer step `step`; call on every rank."""
-    final = run.checkpoint(step)
+    """Save everything needed to resume after optimizer step `progress.step`; call on every rank.
+    Returns the published checkpoint folder."""
+    final = run.checkpoint(progress.step)
     tmp = temp_path(final)
     if accelerator.is_main_process:
         fresh_temp_dir(final)
@@ -102,8 +121,7 @@ def save_checkpoint(
 
     if accelerator.is_main_process:
         (tmp / GPT_CONFIG).write_text(json.dumps(asdict(gpt_config), indent=2))
-        (tmp / RUN_STATE).write_text(json.dumps({**run_state, "step": step,
-                                                 "world_size": accelerator.num_processes}, indent=2))
+        (tmp / RUN_STATE).write_text(json.dumps({**asdict(progress), "world_size": accelerator.num_processes}, indent=2))
         publish(tmp, final)  # replaces a same-step checkpoint of an earlier attempt
         for old in run.list_checkpoints()[:-keep_last]:
             shutil.rmtree(old)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import math
+import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from accelerate import Accelerator
 
@@ -60,3 +62,25 @@ class MetricsLog:
             f.write(json.dumps({"step": step, **clean}) + "\n")
         numeric = {k: v for k, v in clean.items() if isinstance(v, (int, float))}
         self.accelerator.log(numeric, step=step)
+
+
+class Throughput:
+    """Training tokens per second over the steps since the last reading (evaluations and saves excluded)."""
+
+    def __init__(self, tokens_per_step: int) -> None:
+        self.tokens_per_step = tokens_per_step
+        self.seconds, self.steps = 0.0, 0
+
+    @contextmanager
+    def timing(self) -> Iterator[None]:
+        """Time one optimizer step."""
+        start = time.perf_counter()
+        yield
+        self.seconds += time.perf_counter() - start
+        self.steps += 1
+
+    def read(self) -> float:
+        """Tokens per second (all processes together) since the last `read`, then start over."""
+        rate = self.tokens_per_step * self.steps / self.seconds if self.seconds else 0.0
+        self.seconds, self.steps = 0.0, 0
+        return rate

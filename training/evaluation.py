@@ -1,0 +1,69 @@
+"""Evaluations during training: validation loss with a text sample, and HellaSwag, each on its schedule.
+
+They run on every rank (FSDP forwards need all of them) on the plain module: no-grad passes need
+neither DDP nor torch.compile, whose graphs would recompile for every eval shape; FSDP2 shards the
+module in place, so its gathers still run.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from accelerate import Accelerator
+
+from configs import TrainConfig
+from data import get_tokenizer
+from data.loader import load_val_tokens
+from eval.val_loss import evaluate_loss
+from model import GPT
+
+
+def sample(model: GPT, cfg: TrainConfig, device: torch.device) -> str:
+    """A short sample from a fixed seed, drawn without disturbing the training RNG streams."""
+    enc = get_tokenizer()
+    prompt = torch.tensor([enc.encode(cfg.sample_prompt, allowed_special="all")], device=device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(cfg.seed)
+        out = model.generate(prompt, max_new_tokens=cfg.sample_tokens, temperature=1.0, top_k=200)
+    return enc.decode(out[0].tolist())
+
+
+class TrainingEvals:
+    """The run's fixed validation tokens and HellaSwag items, loaded once, and when to score them."""
+
+    def __init__(self, cfg: TrainConfig, accelerator: Accelerator) -> None:
+        self.cfg, self.accelerator = cfg, accelerator
+        self.val_tokens = load_val_tokens(cfg.dataset, max_tokens=cfg.val_tokens, text_column=cfg.text_column,
+                                          dataset_config=cfg.dataset_config)
+        self.hellaswag_items = None
+        if cfg.hellaswag_every:
+            from eval.hellaswag import load_items
+
+            self.hellaswag_items = load_items(cfg.hellaswag_data, cfg.hellaswag_limit)
+
+    def run_due(self, model: torch.nn.Module, step: int, last: bool, write: Callable[[str], None]) -> dict[str, Any]:
+        """The evaluations due after `step` (all of them at the last step), printed and returned as metrics."""
+        cfg = self.cfg
+        val = step % cfg.eval_every == 0 or last
+        hellaswag = self.hellaswag_items is not None and (step % cfg.hellaswag_every == 0 or last)
+        if not (val or hellaswag):
+            return {}
+        plain = self.accelerator.unwrap_model(model, keep_torch_compile=False)
+        bf16 = self.accelerator.mixed_precision == "bf16"
+        plain.eval()
+        results, text = {}, None
+        if val:
+            results["val_loss"] = evaluate_loss(plain, self.val_tokens, block_size=cfg.block_size,
+                                                batch_size=cfg.eval_batch_size, accelerator=self.accelerator, bf16=bf16)
+            text = sample(plain, cfg, self.accelerator.device)
+        if hellaswag:
+            from eval.hellaswag import evaluate_hellaswag
+
+            scores = evaluate_hellaswag(plain, self.hellaswag_items, batch_size=cfg.eval_batch_size,
+                                        accelerator=self.accelerator, bf16=bf16)
+            results.update(hellaswag_acc=scores["acc"], hellaswag_acc_norm=scores["acc_norm"])
+        plain.train()
+        if self.accelerator.is_main_process:
+            write(f"step {step}: " + " ".join(f"{k} {v:.4f}" for k, v in results.items())
+                  + (f"\n---\n{text}\n---" if text is not None else ""))
+        return results

@@ -1,0 +1,69 @@
+"""One optimizer step, its batch geometry and its learning rate.
+
+The batch is set in tokens (`total_batch_size`); the number of micro-steps follows from the micro
+batch, the context and the number of processes. The learning rate is a function of the step alone
+(no scheduler object to checkpoint or to step the wrong number of times under accelerate).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from accelerate import Accelerator
+
+from common.errors import UserError
+from common.run_dir import RunDir
+from configs import TrainConfig
+
+
+def accumulation_steps(cfg: TrainConfig, world_size: int) -> int:
+    """Micro-steps per optimizer step so that micro * block * processes * steps == total_batch_size."""
+    per_micro_step = cfg.micro_batch_size * cfg.block_size * world_size
+    if cfg.total_batch_size % per_micro_step:
+        raise UserError(
+            f"total_batch_size {cfg.total_batch_size} is not a multiple of micro_batch_size x block_size x processes "
+            f"= {cfg.micro_batch_size} x {cfg.block_size} x {world_size} = {per_micro_step}; change one of them"
+        )
+    return cfg.total_batch_size // per_micro_step
+
+
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at `max_steps`."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    min_lr = cfg.lr * cfg.min_lr_ratio
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - min_lr)
+
+
+def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], grad_accum: int, lr: float,
+               grad_clip: float) -> tuple[torch.Tensor, float]:
+    """One optimizer step: `grad_accum` micro-steps, clip, update (skipped when the norm is not finite).
+    Returns the summed micro-batch losses (on device) and the global gradient norm."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    device = accelerator.device
+    loss_sum = torch.zeros((), device=device)
+    for _ in range(grad_accum):
+        x, y = next_batch()
+        with accelerator.accumulate(model):  # all-reduces gradients only on the last micro-step
+            _, loss = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+            accelerator.backward(loss)  # divides by grad_accum: the step's gradient is the mean
+        loss_sum += loss.detach()
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip)  # global norm, same on all ranks
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm
+
+
+def on_non_finite(cfg: TrainConfig, step: int, run: RunDir, accelerator: Accelerator) -> None:
+    """Optimizer step `step` had a non-finite loss or gradient norm (and was not applied): stop with the last
+    good checkpoint named (`--on_nan stop`), or go on without it (`--on_nan skip`)."""
+    if cfg.on_nan == "stop":
+        raise UserError(f"non-finite loss/gradient norm at step {step}; last good checkpoint: {run.latest_checkpoint()}. "
+                        "Lower --lr or resume with --on_nan skip")
+    accelerator.print(f"step {step}: non-finite gradient norm, step skipped (--on_nan skip)")
