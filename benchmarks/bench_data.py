@@ -1,6 +1,6 @@
 """Data pipeline throughput, next to what a GPT-2 124M run consumes (~500k tokens/s on one H100).
 
-    python benchmarks/bench_data.py [--parquet PATH] [--repeat 8]
+    python -m benchmarks.bench_data [--parquet PATH] [--repeat 8]
 
 Measures, in tokens per second: tokenization with 1 thread and with all cores, `data.prepare`
 end to end (read parquet, tokenize, write shards), the shard loader's `next_batch` (B=16, T=1024,
@@ -10,18 +10,14 @@ tokenizing as it goes). Uses the FineWeb sample in ../shared/assets by default.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from data.tokens import default_threads, encode_documents  # noqa: E402
+from data.tokens import default_threads, encode_documents
 
 GPT2_124M_H100_TOKENS_PER_S = 500_000
-DEFAULT_PARQUET = REPO.parent / "shared" / "assets" / "fineweb_sample_100docs.parquet"
+DEFAULT_PARQUET = Path(__file__).resolve().parents[2] / "shared" / "assets" / "fineweb_sample_100docs.parquet"
 
 
 def _rate(label: str, tokens: int, seconds: float) -> float:

@@ -1,6 +1,6 @@
 """HellaSwag scoring throughput (items/s): batched vs one item (4 endings) per forward pass.
 
-    python benchmarks/bench_hellaswag.py [--model tiny|gpt2|<spec>] [--limit 200]
+    python -m benchmarks.bench_hellaswag [--model tiny|gpt2|<spec>] [--limit 200]
         [--batch_sizes 1,16] [--device cpu|cuda] [--dtype auto|bf16|fp32]
 
 --model: a GPTConfig size name (`tiny`, `gpt2`, ... : random weights, speed only) or anything
@@ -10,19 +10,15 @@ GPT.from_pretrained accepts. Data: the approximate offline copy of the 10,042 va
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
+from eval.hellaswag import evaluate_hellaswag, load_items
+from model import GPT, GPTConfig
 
-from eval.hellaswag import evaluate_hellaswag, load_items  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
-
-DEFAULT_DATA = REPO.parent / "shared" / "assets" / "hellaswag_val_approx.jsonl.gz"
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "assets" / "hellaswag_val_approx.jsonl.gz"
 SIZE_NAMES = ("tiny", "mini", "small", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks that print figures: run each from the repo root as `python -m benchmarks.<name>`."""
