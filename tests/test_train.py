@@ -403,9 +403,18 @@ def test_push_to_hub_from_training(tmp_path):
         branches = set(hub.repos["alice/tiny"])
         main_files = hub.files("alice/tiny")
         assert hub.unknown == []
+        step_weights = {n: hub.files("alice/tiny", f"step-{n}")["model.safetensors"] for n in (2, 4)}
     assert branches == {"main", "step-2", "step-4"}
     assert {"model.safetensors", "config.json", "README.md", "tokenizer.json"} <= set(main_files)
     assert main_files["model.safetensors"] == (out / "final" / "model.safetensors").read_bytes()
+    # Branch step-N holds the weights of checkpoint N (exported the same way), not whatever was newest
+    # when its background upload ran.
+    from model import GPT
+
+    for n, weights in step_weights.items():
+        GPT.from_pretrained(out / "checkpoints" / f"step_{n:06d}").save_pretrained(tmp_path / f"export{n}")
+        assert weights == (tmp_path / f"export{n}" / "model.safetensors").read_bytes(), n
+    assert step_weights[2] != step_weights[4]
     output = proc.stdout + proc.stderr
     assert secret not in output
     for path in out.rglob("*"):
