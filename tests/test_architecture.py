@@ -1,0 +1,92 @@
+"""The rooms of docs/architecture.md and the arrows between them, read from the code's own imports.
+
+Lower layers never import higher ones, so there is no cycle between packages and `model`/`data`
+stay usable as a library without the trainer. Imports inside functions count too (a lazy import is
+still an arrow).
+"""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO_ROOT
+
+# What each package may import from the project (besides itself); anything else is a wrong arrow.
+ALLOWED = {
+    "common": set(),
+    "data": {"common"},
+    "model": {"common", "data"},
+    "eval": {"common", "data", "model"},
+    "configs": {"common"},
+    "training": {"common", "configs", "data", "eval", "model"},
+    "publish": {"common", "configs", "data", "model", "training"},
+    "benchmarks": {"common", "configs", "data", "eval", "model", "training"},
+}
+PACKAGES = set(ALLOWED)
+
+
+def project_imports(path: Path) -> set[str]:
+    """Top-level project packages that a file imports, anywhere in it."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found & (PACKAGES | {"train"})
+
+
+def test_packages_import_only_lower_layers():
+    wrong = []
+    for package, allowed in ALLOWED.items():
+        for path in sorted((REPO_ROOT / package).rglob("*.py")):
+            for target in project_imports(path) - allowed - {package}:
+                wrong.append(f"{path.relative_to(REPO_ROOT)} imports {target}")
+    assert wrong == []
+
+
+def test_allowed_arrows_have_no_cycle():
+    # Depth-first search over ALLOWED: the layering itself must be a DAG for the test above to mean it.
+    state: dict[str, str] = {}
+
+    def visit(node: str) -> None:
+        state[node] = "open"
+        for nxt in ALLOWED[node]:
+            assert state.get(nxt) != "open", f"cycle through {node} -> {nxt}"
+            if nxt not in state:
+                visit(nxt)
+        state[node] = "done"
+
+    for package in ALLOWED:
+        if package not in state:
+            visit(package)
+
+
+def test_nothing_binds_the_name_eval():
+    """`import eval.x` would shadow the builtin `eval` in that module; `from eval.x import y` does not."""
+    offenders = []
+    for path in sorted(REPO_ROOT.rglob("*.py")):
+        if ".git" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "eval" and a.asname is None
+                                                    for a in node.names):
+                offenders.append(str(path.relative_to(REPO_ROOT)))
+    assert offenders == []
+
+
+def test_importing_a_package_installs_no_handlers_or_filters():
+    """Importing the training machinery must not change the process: signal handlers and logging
+    filters are installed by the objects that need them, when they are created."""
+    script = (
+        "import signal, logging\n"
+        "before = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1))\n"
+        "import train, training.checkpoint, training.preemption, training.setup, publish.uploads\n"
+        "after = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1))\n"
+        "assert before == after, (before, after)\n"
+        "assert not logging.getLogger('accelerate.utils.other').filters\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
