@@ -304,6 +304,25 @@ def test_existing_run_is_never_overwritten(monkeypatch, capsys, uninterrupted):
     assert tree_digest(uninterrupted) == before
 
 
+def test_a_killed_or_finished_run_without_checkpoints_is_never_overwritten(monkeypatch, capsys, tmp_path):
+    killed = tmp_path / "killed"  # killed before its first checkpoint: config and metrics only
+    killed.mkdir()
+    (killed / "config.yaml").write_text("max_steps: 6\n")
+    (killed / "metrics.jsonl").write_text('{"step": 1, "loss": 10.9}\n')
+    finished = tmp_path / "finished"  # checkpoints deleted to save space once final/ existed
+    (finished / "final").mkdir(parents=True)
+    (finished / "final" / "config.json").write_text("{}")
+    (finished / "metrics.jsonl").write_text('{"step": 6, "loss": 9.1}\n')
+    before = {run: tree_digest(run) for run in (killed, finished)}
+
+    err = run_in_process(monkeypatch, capsys, TINY + ["--out_dir", str(killed)])
+    assert "holds the metrics of a run that saved no checkpoint; pass --resume latest to start that run over" in err
+    for args in ([], ["--resume", "latest"]):
+        err = run_in_process(monkeypatch, capsys, TINY + ["--out_dir", str(finished), *args])
+        assert "holds a finished run (final/) and no checkpoint to resume; choose another --out_dir" in err
+    assert {run: tree_digest(run) for run in (killed, finished)} == before
+
+
 @pytest.mark.slow
 def test_resuming_an_older_checkpoint_into_a_newer_run_is_refused(monkeypatch, capsys, uninterrupted):
     before = tree_digest(uninterrupted)

@@ -64,27 +64,30 @@ def find_resume_point(resume: str | None, out_dir: str | Path) -> ResumePoint | 
     """The checkpoint `--resume` names: `latest` is the newest of `out_dir` (None when there is none yet),
     a path is that checkpoint, or the newest of that run folder.
 
-    Never lets a run write over another: without `--resume`, a folder that holds checkpoints or a final
-    model is refused, and so is an older checkpoint of `out_dir` while newer ones exist there (two
-    histories would mix in one folder)."""
+    Never lets a run write over another: a new run (no `--resume`) is refused in a folder that holds
+    checkpoints, a final model or the metrics of a run killed before its first checkpoint; `--resume latest`
+    is refused on a finished run whose checkpoints were deleted; an older checkpoint of `out_dir` is
+    refused while newer ones exist there (two histories would mix in one folder)."""
     run = RunDir(out_dir)
-    if resume is None:
-        if run.latest_checkpoint() is not None or run.final.exists():
+    newest = run.latest_checkpoint()
+    if resume is None or (resume == "latest" and newest is None):
+        if newest is not None:
             raise UserError(f"{run.path} already holds a run; pass --resume latest to continue it or choose another "
                             "--out_dir")
+        if run.final.exists():
+            raise UserError(f"{run.path} holds a finished run (final/) and no checkpoint to resume; choose another "
+                            "--out_dir for a new run")
+        if resume is None and run.metrics_file.exists():
+            raise UserError(f"{run.path} holds the metrics of a run that saved no checkpoint; pass --resume latest "
+                            "to start that run over, or choose another --out_dir")
         return None
-    if resume == "latest":
-        path = run.latest_checkpoint()
+    path = newest if resume == "latest" else Path(resume)
+    if not (path / RUN_STATE).is_file():
+        path = RunDir(path).latest_checkpoint()  # a run folder: its newest checkpoint
         if path is None:
-            return None
-    else:
-        path = Path(resume)
-        if not (path / RUN_STATE).is_file():
-            path = RunDir(path).latest_checkpoint()  # a run folder: its newest checkpoint
-            if path is None:
-                raise UserError(f"--resume {resume} is not a checkpoint (no {RUN_STATE}); pass 'latest' or a "
-                                "checkpoints/step_* folder")
-    newest, step = run.latest_checkpoint(), checkpoint_step(path)
+            raise UserError(f"--resume {resume} is not a checkpoint (no {RUN_STATE}); pass 'latest' or a "
+                            "checkpoints/step_* folder")
+    step = checkpoint_step(path)
     if newest is not None and step is not None and newest.resolve().parent == path.resolve().parent \
             and checkpoint_step(newest) > step:
         raise UserError(f"{out_dir} holds a newer checkpoint ({newest.name}) than {path.name}; move the newer "
