@@ -11,58 +11,53 @@ This file is the story of a run; the machinery lives in `training/` (see docs/ar
 from __future__ import annotations
 
 import gc
-import math
 
 import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from common.errors import run_cli
+from common.errors import alike_on_every_rank, run_cli
 from common.run_dir import RunDir
 from configs import parse_config
 from data.loader import build_train_loader
 from publish.uploads import HubUploads
-from training.checkpoint import Progress, find_resume_point, load_checkpoint, save_checkpoint
+from training.checkpoint import Checkpointer, find_resume_point
 from training.evaluation import TrainingEvals
 from training.export import export_final
 from training.metrics import Throughput
 from training.mfu import estimate_mfu, peak_flops
 from training.optim import build_optimizer
 from training.preemption import PreemptionFlag
-from training.setup import build_model, describe_run, open_run_folder, start_accelerator
-from training.step import learning_rate, on_non_finite, train_step
+from training.ranks import same_outcome_on_every_rank
+from training.setup import build_model, claim_run_folder, describe_run, open_run_folder, restore, start_accelerator
+from training.step import NonFinitePolicy, learning_rate, train_step
 
 
 def main() -> None:
-    # Setup: refuse what cannot work (or would overwrite a run) before any weight is built.
-    cfg = parse_config()
-    run = RunDir(cfg.out_dir)
-    resume = find_resume_point(cfg.resume, run.path)
-    accelerator, grad_accum = start_accelerator(cfg)
-    uploads = HubUploads(cfg, accelerator.is_main_process)  # a missing Hub token fails now, not after training
-    set_seed(cfg.seed)  # identical initial weights on every rank
-    model = build_model(cfg, resume)
+    # Setup: whatever can refuse the run does so before anything is written, once, on every rank alike.
+    with alike_on_every_rank():
+        cfg = parse_config()
+        accelerator, grad_accum = start_accelerator(cfg)
+    run, rank, world = RunDir(cfg.out_dir), accelerator.process_index, accelerator.num_processes
+    with same_outcome_on_every_rank(accelerator):
+        resume = find_resume_point(cfg.resume, run.path)  # never over another run's files
+        uploads = HubUploads(cfg, accelerator.is_main_process)  # a missing Hub token fails now, not after training
+        set_seed(cfg.seed)  # identical initial weights on every rank
+        model = build_model(cfg, resume)
+        # Data: every rank reads its own rows of the same global batches; validation is one fixed token set.
+        train_loader = build_train_loader(cfg.dataset, block_size=cfg.block_size, micro_batch_size=cfg.micro_batch_size,
+                                          rank=rank, world_size=world, text_column=cfg.text_column,
+                                          dataset_config=cfg.dataset_config, seed=cfg.seed)
+        evals = TrainingEvals(cfg, accelerator)
+        lock = claim_run_folder(accelerator, cfg, resume)  # one run per folder; the checkpoint checked file by file
     arch, n_params, flops_per_token = model.config, model.num_params(), model.flops_per_token()
     optimizer = build_optimizer(model, cfg, accelerator.device.type)
     model, optimizer = accelerator.prepare(model, optimizer)  # no scheduler: the LR is computed from the step
-    torch.manual_seed(cfg.seed + accelerator.process_index)  # from here on, each rank draws its own dropout masks
-
-    # Data: every rank reads its own rows of the same global batches; validation is one fixed token set.
-    rank, world = accelerator.process_index, accelerator.num_processes
-    train_loader = build_train_loader(cfg.dataset, block_size=cfg.block_size, micro_batch_size=cfg.micro_batch_size,
-                                      rank=rank, world_size=world, text_column=cfg.text_column,
-                                      dataset_config=cfg.dataset_config, seed=cfg.seed)
-    evals = TrainingEvals(cfg, accelerator)
-
-    # Resume: weights, optimizer, RNG, data position, step count and the trackers' run id.
-    progress = Progress()
-    if resume is not None:
-        train_loader.load_state_dict(load_checkpoint(accelerator, resume, arch))
-        progress = resume.progress
-        accelerator.print(f"resumed from {resume.path} at step {progress.step} ({progress.tokens:,} tokens)")
-    elif cfg.resume:
-        accelerator.print(f"no checkpoint in {run.path} yet: starting a new run")
-    metrics = open_run_folder(accelerator, cfg, progress)
+    torch.manual_seed(cfg.seed + rank)  # from here on, each rank draws its own dropout masks
+    progress = restore(accelerator, cfg, resume, arch, train_loader)  # weights, optimizer, RNGs, data position
+    metrics = open_run_folder(accelerator, cfg, progress, resume)
+    checkpoints = Checkpointer(accelerator, run, arch, cfg.keep_last, healthy=evals.finite_loss)
+    nan_policy = NonFinitePolicy(cfg, run, accelerator)
     preempted, throughput = PreemptionFlag(), Throughput(cfg.total_batch_size)
     peak = peak_flops(accelerator.device, cfg.mfu_peak_flops)
     accelerator.print(describe_run(accelerator, cfg, n_params, grad_accum))
@@ -76,8 +71,7 @@ def main() -> None:
             lr = learning_rate(cfg, progress.step)
             loss_sum, grad_norm = train_step(accelerator, model, optimizer, train_loader.next_batch, grad_accum, lr,
                                              cfg.grad_clip)
-        if not math.isfinite(grad_norm):  # train_step did not apply this update
-            on_non_finite(cfg, progress.step + 1, run, accelerator)
+        nan_policy.after_step(progress.step + 1, grad_norm)
         progress.step += 1
         progress.tokens += cfg.total_batch_size
         bar.update(1)
@@ -95,8 +89,7 @@ def main() -> None:
             metrics.log(progress.step, record)
         stop = preempted.any_rank(accelerator)
         if progress.step % cfg.save_every == 0 or last or stop:
-            checkpoint = save_checkpoint(accelerator, run, progress, train_loader.state_dict(), arch, cfg.keep_last)
-            uploads.checkpoint_saved(progress.step, checkpoint)
+            uploads.checkpoint_saved(progress.step, checkpoints.save(model, progress, train_loader.state_dict()))
         if stop:
             accelerator.print(f"signal received: checkpoint saved at step {progress.step}; continue with --resume latest")
             break
@@ -115,6 +108,8 @@ def main() -> None:
     uploads.wait()
     if finished:
         uploads.push_final()
+    if lock is not None:
+        lock.release()
 
 
 if __name__ == "__main__":

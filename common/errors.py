@@ -3,20 +3,51 @@
 Library code raises `UserError("what is wrong; what to do")`; entry points (`train.py`,
 `python -m data.prepare`, `python -m eval.hellaswag`, ...) run under `run_cli`, which prints that
 one line and exits with status 2 instead of showing a traceback from deep inside a library.
+
+Under a multi-process launch every rank exits 2; an error that every rank raised alike (marked
+`on_every_rank`) is printed by rank 0 only, so the user reads it once.
 """
 from __future__ import annotations
 
+import os
 import sys
-from typing import Callable, NoReturn
+from contextlib import contextmanager
+from typing import Callable, Iterator, NoReturn
 
 
 class UserError(Exception):
-    """A problem with the user's input or environment, with the fix in the message."""
+    """A problem with the user's input or environment, with the fix in the message.
+
+    `on_every_rank`: every process of a launch raises this same error (e.g. after the ranks agreed
+    on it), so only rank 0 needs to print it."""
+
+    def __init__(self, message: str, *, on_every_rank: bool = False) -> None:
+        super().__init__(message)
+        self.on_every_rank = on_every_rank
 
 
-def fail(message: str) -> NoReturn:
-    """Print `error: message` to stderr and exit with status 2."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
+@contextmanager
+def alike_on_every_rank() -> Iterator[None]:
+    """Mark the `UserError`s of a block that every rank computes alike (e.g. parsing the same flags)."""
+    try:
+        yield
+    except UserError as err:
+        err.on_every_rank = True
+        raise
+
+
+def launch_rank() -> int:
+    """This process's global rank under torchrun / accelerate launch (0 without a launcher)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def fail(message: str, *, quiet: bool = False) -> NoReturn:
+    """Print `error: message` to stderr (unless `quiet`) and exit with status 2."""
+    if not quiet:
+        try:
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        except OSError:  # stderr is a closed pipe: the exit status still tells
+            pass
     raise SystemExit(2)
 
 
@@ -25,6 +56,9 @@ def run_cli(main: Callable[[], object]) -> None:
     try:
         main()
     except UserError as err:
-        fail(str(err))
+        rank = launch_rank()
+        if err.on_every_rank or rank == 0:
+            fail(str(err), quiet=rank != 0)
+        fail(f"(rank {rank}) {err}")
     except KeyboardInterrupt:
         fail("interrupted")

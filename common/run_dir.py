@@ -7,6 +7,8 @@
       checkpoints/step_000100/ accelerate's save_state files plus the files named below
       final/                   the finished model as a Hugging Face GPT-2 folder
       hub_export/              what the last Hub push uploaded (kept for retries)
+      superseded/<when>/       checkpoints (and final/, metrics) set aside by a resume from an older step
+      .lock                    held by the run writing into the folder
 
 A checkpoint folder is complete once it holds `gpt_config.json`: checkpoints are built under a
 temporary name and renamed into place last (see `common.atomic`), so a listed one is never
@@ -20,6 +22,7 @@ from pathlib import Path
 # Files inside a checkpoint folder (besides accelerate's own).
 GPT_CONFIG = "gpt_config.json"  # the architecture, `dataclasses.asdict(GPTConfig)`
 RUN_STATE = "run_state.json"  # step, tokens seen, tracker run id, world size
+MANIFEST = "manifest.json"  # every other file's size and sha256, written last
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -66,6 +69,14 @@ class RunDir:
     @property
     def hub_export(self) -> Path:
         return self.path / "hub_export"
+
+    @property
+    def superseded(self) -> Path:
+        return self.path / "superseded"
+
+    @property
+    def lock_file(self) -> Path:
+        return self.path / ".lock"
 
     def checkpoint(self, step: int) -> Path:
         """The folder of the checkpoint taken after optimizer step `step`."""

@@ -62,6 +62,7 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     on_nan: str = field(default="stop", metadata={"help": "'stop' (keep the last good checkpoint) or 'skip' the step"})
+    max_nan_skips: int = field(default=10, metadata={"help": "with --on_nan skip: stop after this many skipped steps in a row"})
     seed: int = 1337
     # Evaluation, sampling, logging
     log_every: int = 10
@@ -150,7 +151,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
 
 def _check_values(cfg: TrainConfig) -> None:
     positive = ("n_layer", "n_head", "n_embd", "block_size", "total_batch_size", "micro_batch_size", "max_steps",
-                "log_every", "eval_every", "eval_batch_size", "save_every", "keep_last", "val_tokens")
+                "log_every", "eval_every", "eval_batch_size", "save_every", "keep_last", "val_tokens", "max_nan_skips")
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise UserError(f"{name} must be positive, got {getattr(cfg, name)}")

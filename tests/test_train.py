@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -324,12 +325,20 @@ def test_a_killed_or_finished_run_without_checkpoints_is_never_overwritten(monke
 
 
 @pytest.mark.slow
-def test_resuming_an_older_checkpoint_into_a_newer_run_is_refused(monkeypatch, capsys, uninterrupted):
-    before = tree_digest(uninterrupted)
-    older = uninterrupted / "checkpoints" / "step_000004"
-    err = run_in_process(monkeypatch, capsys, RESUME_ARGS + ["--out_dir", str(uninterrupted), "--resume", str(older)])
-    assert "holds a newer checkpoint (step_000006) than step_000004" in err
-    assert tree_digest(uninterrupted) == before
+def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(uninterrupted, tmp_path):
+    """--resume <older checkpoint of the same folder>: the newer checkpoints, final/ and the metrics are set
+    aside (nothing deleted), and the run goes on from the older step exactly as the first time."""
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    originals = {name: tree_digest(out / name) for name in ("checkpoints/step_000006", "final")}
+    metrics_before = (out / "metrics.jsonl").read_text()
+    proc = launch(RESUME_ARGS + ["--out_dir", str(out), "--resume", str(out / "checkpoints" / "step_000004")])
+    assert "resuming from step_000004: the newer checkpoints (step_000006)" in proc.stdout
+    aside = next((out / "superseded").iterdir())
+    assert {name: tree_digest(aside / Path(name).name) for name in originals} == originals
+    assert (aside / "metrics.jsonl").read_text() == metrics_before
+    assert_same_weights(uninterrupted, out)  # steps 5-6 again, bit for bit
+    assert [r["step"] for r in read_metrics(out)] == [r["step"] for r in read_metrics(uninterrupted)]
 
 
 @pytest.mark.slow

@@ -2,26 +2,35 @@
 
 A checkpoint is `<out_dir>/checkpoints/step_000100/` (layout in `common.run_dir`) holding
 accelerate's files (model, optimizer, per-rank RNG and accumulation step), `gpt_config.json`,
-`run_state.json` (step, tokens seen, tracker run id, world size) and one `data_state_rank{r}.json`
-per rank. Everything is first written to `.tmp-step_000100/` and renamed into place only once every
-rank has finished (`common.atomic.publish`), so a crash in the middle of a save leaves a temp folder
-that `RunDir.latest_checkpoint` never picks (it is cleared by the next save).
+`run_state.json` (step, tokens seen, tracker run id, world size), one `data_state_rank{r}.json`
+per rank and, written last, `manifest.json` with every other file's size and sha256. Everything is
+first written to `.tmp-step_000100/` and renamed into place only once every rank has finished
+(`common.atomic.publish`), so a crash in the middle of a save leaves a temp folder that
+`RunDir.latest_checkpoint` never picks (it is cleared by the next save).
+
+Before a resume loads anything, `verify_checkpoint` checks every file against the manifest (and
+that every rank's RNG and data state is there): a damaged checkpoint is one line naming the file
+and the earlier checkpoint to resume from, never a traceback or a silently inexact resume.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import pickle
 import secrets
 import shutil
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import torch
 from accelerate import Accelerator
 
 from common.atomic import fresh_temp_dir, publish, temp_path
 from common.errors import UserError
-from common.run_dir import GPT_CONFIG, RUN_STATE, RunDir, checkpoint_step, data_state_file
+from common.run_dir import GPT_CONFIG, MANIFEST, RUN_STATE, RunDir, checkpoint_step, data_state_file
 
 
 @dataclass
@@ -40,6 +49,7 @@ class ResumePoint:
     path: Path
     gpt_config: dict[str, Any]  # as saved: `asdict(GPTConfig)`
     run_state: dict[str, Any]  # step, tokens, run_id, world_size
+    superseded: tuple[Path, ...] = ()  # newer checkpoints of the run folder, set aside when the run starts
 
     @property
     def progress(self) -> Progress:
@@ -66,8 +76,9 @@ def find_resume_point(resume: str | None, out_dir: str | Path) -> ResumePoint | 
 
     Never lets a run write over another: a new run (no `--resume`) is refused in a folder that holds
     checkpoints, a final model or the metrics of a run killed before its first checkpoint; `--resume latest`
-    is refused on a finished run whose checkpoints were deleted; an older checkpoint of `out_dir` is
-    refused while newer ones exist there (two histories would mix in one folder)."""
+    is refused on a finished run whose checkpoints were deleted; a checkpoint from elsewhere is refused
+    into a folder that holds a run. An older checkpoint of `out_dir` itself is allowed: its newer ones are
+    listed in `superseded`, to be set aside (not deleted) when the run starts."""
     run = RunDir(out_dir)
     newest = run.latest_checkpoint()
     if resume is None or (resume == "latest" and newest is None):
@@ -87,12 +98,80 @@ def find_resume_point(resume: str | None, out_dir: str | Path) -> ResumePoint | 
         if path is None:
             raise UserError(f"--resume {resume} is not a checkpoint (no {RUN_STATE}); pass 'latest' or a "
                             "checkpoints/step_* folder")
-    step = checkpoint_step(path)
-    if newest is not None and step is not None and newest.resolve().parent == path.resolve().parent \
-            and checkpoint_step(newest) > step:
-        raise UserError(f"{out_dir} holds a newer checkpoint ({newest.name}) than {path.name}; move the newer "
-                        "ones away to branch off an older step, or resume into another --out_dir")
-    return ResumePoint(path, _read_json(path / GPT_CONFIG), _read_json(path / RUN_STATE))
+    superseded: tuple[Path, ...] = ()
+    if path.resolve().parent == run.checkpoints.resolve():
+        step = checkpoint_step(path)
+        superseded = tuple(p for p in run.list_checkpoints() if checkpoint_step(p) > step)
+    elif newest is not None or run.final.exists():
+        raise UserError(f"{run.path} holds another run; resume {path} into a new --out_dir (two histories would mix)")
+    return ResumePoint(path, _read_json(path / GPT_CONFIG), _read_json(path / RUN_STATE), superseded)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_manifest(folder: Path) -> None:
+    """Record the size and sha256 of every file in `folder` (the last file written into a checkpoint)."""
+    files = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    (folder / MANIFEST).write_text(json.dumps({"version": 1, "files": files}, indent=1))
+
+
+def _required_files(point: ResumePoint) -> list[str]:
+    """What a resume reads besides the manifest: our state files, every saved rank's RNG and data state,
+    the model and the optimizer (single files, or the folders of FSDP's sharded state)."""
+    world = int(point.run_state.get("world_size", 1))
+    names = [GPT_CONFIG, RUN_STATE]
+    for rank in range(world):
+        names += [data_state_file(rank), f"random_states_{rank}.pkl"]
+    sharded = (point.path / "pytorch_model_fsdp_0").is_dir()
+    return names + (["pytorch_model_fsdp_0", "optimizer_0"] if sharded else ["model.safetensors", "optimizer.bin"])
+
+
+def verify_checkpoint(point: ResumePoint) -> None:
+    """Check that everything `load_checkpoint` will read is present and unchanged since it was saved.
+
+    Checkpoints written before manifests existed are checked for presence only."""
+    earlier = [p for p in RunDir(point.path.parent.parent).list_checkpoints()
+               if checkpoint_step(p) is not None and checkpoint_step(p) < (checkpoint_step(point.path) or 0)]
+    advice = (f"resume from the checkpoint before it with --resume {earlier[-1]}" if earlier
+              else "no earlier checkpoint exists: start a new run in another --out_dir")
+    for name in _required_files(point):
+        if not (point.path / name).exists():
+            raise UserError(f"checkpoint {point.path} is incomplete: {name} is missing; {advice}")
+    if not (point.path / MANIFEST).is_file():
+        return
+    for name, entry in _read_json(point.path / MANIFEST).get("files", {}).items():
+        file = point.path / name
+        if not file.is_file():
+            raise UserError(f"checkpoint {point.path} is incomplete: {name} is missing; {advice}")
+        if file.stat().st_size != entry["bytes"]:
+            raise UserError(f"checkpoint file {file} was cut short or overwritten ({file.stat().st_size} bytes, "
+                            f"{entry['bytes']} when saved); {advice}")
+        if _sha256(file) != entry["sha256"]:
+            raise UserError(f"checkpoint file {file} is damaged (its sha256 differs from the one saved); {advice}")
+
+
+def set_aside_superseded(point: ResumePoint, run: RunDir) -> Path | None:
+    """Move the checkpoints newer than `point` (and final/, and a copy of metrics.jsonl) to
+    `superseded/<time>-after-<step>/`, so the run goes on from `point` with one history; nothing is deleted.
+    Main process, with the run folder locked. Returns the folder, or None when nothing was newer."""
+    if not point.superseded:
+        return None
+    aside = run.superseded / f"{time.strftime('%Y%m%d-%H%M%S')}-after-{point.path.name}"
+    aside.mkdir(parents=True)
+    for checkpoint in point.superseded:
+        checkpoint.rename(aside / checkpoint.name)
+    if run.final.exists():
+        run.final.rename(aside / run.final.name)
+    if run.metrics_file.exists():
+        shutil.copy2(run.metrics_file, aside / run.metrics_file.name)
+    return aside
 
 
 def _quiet_tied_weight_warning(record: logging.LogRecord) -> bool:
@@ -125,6 +204,7 @@ def save_checkpoint(
     if accelerator.is_main_process:
         (tmp / GPT_CONFIG).write_text(json.dumps(asdict(gpt_config), indent=2))
         (tmp / RUN_STATE).write_text(json.dumps({**asdict(progress), "world_size": accelerator.num_processes}, indent=2))
+        _write_manifest(tmp)
         publish(tmp, final)  # replaces a same-step checkpoint of an earlier attempt
         for old in run.list_checkpoints()[:-keep_last]:
             shutil.rmtree(old)
@@ -144,9 +224,40 @@ def load_checkpoint(accelerator: Accelerator, point: ResumePoint, gpt_config: An
     # The strided loaders keep one global cursor, so rank 0's state serves a new rank after a world-size change;
     # loaders that cannot follow such a change refuse it in their load_state_dict.
     data_state = _read_json(own if own.is_file() else point.path / data_state_file(0))
-    accelerator.load_state(str(point.path))
+    saved_world = int(point.run_state.get("world_size", accelerator.num_processes))
+    if saved_world != accelerator.num_processes:
+        accelerator.print(f"note: {point.path.name} was saved by {saved_world} process(es), this run has "
+                          f"{accelerator.num_processes}: data order and weights go on exactly, per-rank random streams "
+                          "(dropout) start afresh")
+    try:
+        accelerator.load_state(str(point.path))
+    except (OSError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as err:
+        # verify_checkpoint found every file intact: what is left is a checkpoint of another kind of run
+        # (e.g. another optimizer or parameter layout) or a file changed since.
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise UserError(f"cannot load checkpoint {point.path} ({type(err).__name__}: {first[:200]}); resume it with "
+                        "the settings it was saved with, or from another checkpoint") from None
     # load_state restores accelerate's micro-step counter, which decides when `accumulate` syncs. Checkpoints
     # sit on optimizer-step boundaries, so the right count is 0: a restored count with another accumulation
     # (after a change of world size or micro-batch) would put every sync mid-window and silently stop updates.
     accelerator.step = 0
     return data_state
+
+
+class Checkpointer:
+    """Saves a run's checkpoints, and never one whose weights no longer compute a finite loss (so the
+    newest checkpoint is always one a resume can continue from, and rotation never removes the last good one)."""
+
+    def __init__(self, accelerator: Accelerator, run: RunDir, gpt_config: Any, keep_last: int,
+                 healthy: Callable[[torch.nn.Module], bool]) -> None:
+        self.accelerator, self.run, self.gpt_config, self.keep_last = accelerator, run, gpt_config, keep_last
+        self.healthy = healthy
+
+    def save(self, model: torch.nn.Module, progress: Progress, data_state: dict[str, Any]) -> Path:
+        """Check the weights (on every rank: `healthy` may run collectives), then `save_checkpoint`; returns the
+        checkpoint folder."""
+        if not self.healthy(model):
+            raise UserError(f"the weights after step {progress.step} give a non-finite loss, so they were not saved; "
+                            f"last good checkpoint: {self.run.latest_checkpoint()}. Lower --lr (or lengthen "
+                            "--warmup_steps) and resume from it", on_every_rank=True)
+        return save_checkpoint(self.accelerator, self.run, progress, data_state, self.gpt_config, self.keep_last)

@@ -6,6 +6,7 @@ module in place, so its gathers still run.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -55,7 +56,9 @@ class TrainingEvals:
         if val:
             results["val_loss"] = evaluate_loss(plain, self.val_tokens, block_size=cfg.block_size,
                                                 batch_size=cfg.eval_batch_size, accelerator=self.accelerator, bf16=bf16)
-            text = sample(plain, cfg, self.accelerator.device)
+            # Sampling from non-finite logits would fail inside torch.multinomial.
+            text = (sample(plain, cfg, self.accelerator.device) if math.isfinite(results["val_loss"])
+                    else "(no sample: the validation loss is not finite)")
         if hellaswag:
             from eval.hellaswag import evaluate_hellaswag
 
@@ -67,3 +70,12 @@ class TrainingEvals:
             write(f"step {step}: " + " ".join(f"{k} {v:.4f}" for k, v in results.items())
                   + (f"\n---\n{text}\n---" if text is not None else ""))
         return results
+
+    def finite_loss(self, model: torch.nn.Module) -> bool:
+        """Whether the current weights give a finite loss on the first validation window (the same answer on
+        every rank: a cheap health check before weights are saved)."""
+        plain = self.accelerator.unwrap_model(model, keep_torch_compile=False)
+        block = self.cfg.block_size
+        loss = evaluate_loss(plain, self.val_tokens[:block + 1], block_size=block, batch_size=1,
+                             accelerator=self.accelerator, bf16=self.accelerator.mixed_precision == "bf16")
+        return math.isfinite(loss)

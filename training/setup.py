@@ -3,16 +3,25 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict
+from typing import Any
 
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import ProjectConfiguration
+from filelock import FileLock, Timeout
 
 from common.errors import UserError
 from common.run_dir import RunDir
 from configs import TrainConfig, write_run_config
 from model import GPT, GPTConfig
-from training.checkpoint import Progress, ResumePoint
+from training.checkpoint import (
+    Progress,
+    ResumePoint,
+    find_resume_point,
+    load_checkpoint,
+    set_aside_superseded,
+    verify_checkpoint,
+)
 from training.metrics import MetricsLog, trackers_for
 from training.step import accumulation_steps
 
@@ -48,12 +57,58 @@ def build_model(cfg: TrainConfig, resume: ResumePoint | None) -> GPT:
     return GPT.from_pretrained(cfg.init_from, block_size=cfg.block_size, dropout=cfg.dropout)
 
 
-def open_run_folder(accelerator: Accelerator, cfg: TrainConfig, progress: Progress) -> MetricsLog:
-    """Record the config and start the trackers; only once a resume was accepted, so that a refused one
-    leaves the run folder untouched. Returns the run's metrics log."""
+def claim_run_folder(accelerator: Accelerator, cfg: TrainConfig, resume: ResumePoint | None) -> FileLock | None:
+    """Make `--out_dir` this run's own, once `find_resume_point` accepted it (so a refused run created nothing).
+
+    The main process takes the folder's lock (one run per folder; the OS drops the lock of a process that
+    died), sees that the folder still resumes the same way, and checks the resume point file by file. Call
+    inside `same_outcome_on_every_rank`. Returns the held lock (None on the other ranks)."""
+    run = RunDir(cfg.out_dir)
+    if resume is not None and resume.progress.step > cfg.max_steps:
+        raise UserError(f"{resume.path} is at step {resume.progress.step}, past --max_steps {cfg.max_steps}; "
+                        "pass a larger --max_steps to train on")
+    if not accelerator.is_main_process:
+        return None
+    run.path.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(run.lock_file, is_singleton=True)  # re-entrant within one process (in-process callers)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise UserError(f"another run is writing into {run.path} (it holds {run.lock_file}); wait for it to end "
+                        "or choose another --out_dir") from None
+    now = find_resume_point(cfg.resume, run.path)
+    if (now and (now.path, now.superseded)) != (resume and (resume.path, resume.superseded)):
+        lock.release()
+        raise UserError(f"another run changed {run.path} while this one was starting; start this one again")
+    if resume is not None:
+        verify_checkpoint(resume)
+    return lock
+
+
+def restore(accelerator: Accelerator, cfg: TrainConfig, resume: ResumePoint | None, arch: GPTConfig,
+            train_loader: Any) -> Progress:
+    """Load the resume point into the prepared model and optimizer, the RNGs and the loader; the run's progress."""
+    if resume is None:
+        if cfg.resume:
+            accelerator.print(f"no checkpoint in {cfg.out_dir} yet: starting a new run")
+        return Progress()
+    train_loader.load_state_dict(load_checkpoint(accelerator, resume, arch))
+    progress = resume.progress
+    accelerator.print(f"resumed from {resume.path} at step {progress.step} ({progress.tokens:,} tokens)")
+    return progress
+
+
+def open_run_folder(accelerator: Accelerator, cfg: TrainConfig, progress: Progress,
+                    resume: ResumePoint | None) -> MetricsLog:
+    """Set aside what an older resume point supersedes, record the config and start the trackers (once the
+    resume was accepted and loaded, so that a refused one leaves the folder untouched); the run's metrics log."""
     run = RunDir(cfg.out_dir)
     if accelerator.is_main_process:
-        run.path.mkdir(parents=True, exist_ok=True)
+        aside = set_aside_superseded(resume, run) if resume is not None else None
+        if aside is not None:
+            print(f"resuming from {resume.path.name}: the newer checkpoints ({', '.join(p.name for p in resume.superseded)}) "
+                  f"and final/, if any, were moved to {aside} (with a copy of metrics.jsonl); nothing was deleted",
+                  flush=True)
         write_run_config(cfg, run.config_file)
     accelerator.init_trackers(cfg.wandb_project, config=asdict(cfg),
                               init_kwargs={"wandb": {"id": progress.run_id, "resume": "allow",

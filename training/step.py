@@ -60,10 +60,26 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
     return loss_sum, grad_norm
 
 
-def on_non_finite(cfg: TrainConfig, step: int, run: RunDir, accelerator: Accelerator) -> None:
-    """Optimizer step `step` had a non-finite loss or gradient norm (and was not applied): stop with the last
-    good checkpoint named (`--on_nan stop`), or go on without it (`--on_nan skip`)."""
-    if cfg.on_nan == "stop":
-        raise UserError(f"non-finite loss/gradient norm at step {step}; last good checkpoint: {run.latest_checkpoint()}. "
-                        "Lower --lr or resume with --on_nan skip")
-    accelerator.print(f"step {step}: non-finite gradient norm, step skipped (--on_nan skip)")
+class NonFinitePolicy:
+    """`--on_nan`: what follows an optimizer step whose loss or gradient norm was not finite (and that
+    `train_step` therefore did not apply): stop, naming the last good checkpoint, or skip it, but never more
+    than `--max_nan_skips` steps in a row (a run whose every step is skipped is broken, not unlucky)."""
+
+    def __init__(self, cfg: TrainConfig, run: RunDir, accelerator: Accelerator) -> None:
+        self.cfg, self.run, self.accelerator = cfg, run, accelerator
+        self.skipped_in_a_row = 0
+
+    def after_step(self, step: int, grad_norm: float) -> None:
+        """`step`: the 1-based number of the step just run. The norm is global, so every rank decides alike."""
+        if math.isfinite(grad_norm):
+            self.skipped_in_a_row = 0
+            return
+        self.skipped_in_a_row += 1
+        limit = self.cfg.max_nan_skips
+        if self.cfg.on_nan == "stop" or self.skipped_in_a_row > limit:
+            why = "" if self.cfg.on_nan == "stop" else f" ({self.skipped_in_a_row} steps in a row, over --max_nan_skips {limit})"
+            advice = "Lower --lr and resume from it" + ("" if self.cfg.on_nan == "skip" else ", or resume with --on_nan skip")
+            raise UserError(f"non-finite loss/gradient norm at step {step}{why}; last good checkpoint: "
+                            f"{self.run.latest_checkpoint()}. {advice}", on_every_rank=True)
+        self.accelerator.print(f"step {step}: non-finite gradient norm, step skipped ({self.skipped_in_a_row} in a row; "
+                               f"--on_nan skip stops after {limit})")
