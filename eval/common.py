@@ -1,4 +1,5 @@
-"""Helpers shared by the evaluations: ranks, exact cross-rank sums, devices, model loading."""
+"""Helpers shared by the evaluations: ranks, exact cross-rank sums, devices, model loading, and
+the Accelerator of a command-line run."""
 from __future__ import annotations
 
 import contextlib
@@ -31,6 +32,24 @@ def reduce_sum(values: torch.Tensor, accelerator: Any | None) -> torch.Tensor:
     if accelerator is not None and accelerator.num_processes > 1:
         values = accelerator.reduce(values.to(accelerator.device), reduction="sum")
     return values.cpu()
+
+
+@contextlib.contextmanager
+def cli_accelerator(cpu: bool) -> Iterator[Any]:
+    """The Accelerator of a command-line run, ended in order.
+
+    On success every rank waits at a barrier, so none tears the process group down while another
+    still uses it; then, success or not, `end_training` destroys the group: a process that exits
+    with it open can abort at interpreter exit ("terminate called without an active exception").
+    """
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=cpu)
+    try:
+        yield accelerator
+        accelerator.wait_for_everyone()
+    finally:
+        accelerator.end_training()
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

@@ -25,6 +25,7 @@ import torch
 from common.errors import UserError, run_cli
 from eval.common import (
     autocast,
+    cli_accelerator,
     eval_mode,
     load_model,
     model_block_size,
@@ -202,25 +203,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         help="auto: bf16 autocast on CUDA, fp32 elsewhere")
     args = parser.parse_args(argv)
 
-    from accelerate import Accelerator
-
     items = load_items(args.data, args.limit)  # before the model: bad data fails fast
-    accelerator = Accelerator(cpu=args.device == "cpu")
-    model = load_model(args.model, pick_device(args.device, accelerator))
-    bf16 = {"auto": None, "bf16": True, "fp32": False}[args.dtype]
-    start = time.perf_counter()
-    result = evaluate_hellaswag(model, items, batch_size=args.batch_size,
-                                accelerator=accelerator, bf16=bf16)
-    seconds = time.perf_counter() - start
-    result = {"model": args.model, "data": args.data or "Rowan/hellaswag:validation", **result,
-              "world_size": accelerator.num_processes, "batch_size": args.batch_size,
-              "seconds": round(seconds, 3), "items_per_sec": round(result["n"] / seconds, 2)}
-    if accelerator.is_main_process:
-        print(_table(result), flush=True)
-        if args.output:
-            with open(args.output, "w", encoding="utf-8") as f:
-                json.dump(result, f, indent=2)
-                f.write("\n")
+    with cli_accelerator(cpu=args.device == "cpu") as accelerator:
+        model = load_model(args.model, pick_device(args.device, accelerator))
+        bf16 = {"auto": None, "bf16": True, "fp32": False}[args.dtype]
+        start = time.perf_counter()
+        result = evaluate_hellaswag(model, items, batch_size=args.batch_size,
+                                    accelerator=accelerator, bf16=bf16)
+        seconds = time.perf_counter() - start
+        result = {"model": args.model, "data": args.data or "Rowan/hellaswag:validation", **result,
+                  "world_size": accelerator.num_processes, "batch_size": args.batch_size,
+                  "seconds": round(seconds, 3), "items_per_sec": round(result["n"] / seconds, 2)}
+        if accelerator.is_main_process:
+            print(_table(result), flush=True)
+            if args.output:
+                with open(args.output, "w", encoding="utf-8") as f:
+                    json.dump(result, f, indent=2)
+                    f.write("\n")
     return result
 
 
