@@ -1,5 +1,5 @@
-"""Helpers shared by the evaluations: ranks, exact cross-rank sums, devices, model loading, and
-the Accelerator of a command-line run."""
+"""Helpers shared by the evaluations: ranks, exact cross-rank collectives, devices, model loading,
+and the Accelerator of a command-line run."""
 from __future__ import annotations
 
 import contextlib
@@ -31,6 +31,30 @@ def reduce_sum(values: torch.Tensor, accelerator: Any | None) -> torch.Tensor:
     """Sum a 1-D tensor of totals over ranks (int64 counts stay exact) and return it on the CPU."""
     if accelerator is not None and accelerator.num_processes > 1:
         values = accelerator.reduce(values.to(accelerator.device), reduction="sum")
+    return values.cpu()
+
+
+def gather_rows(values: torch.Tensor, accelerator: Any | None) -> torch.Tensor:
+    """Every rank's `values` concatenated along dim 0 in rank order, on the CPU, on every rank.
+
+    All ranks must pass the same shape and dtype (pad to a common row count first); the values
+    are copied, not converted, so float64 log-likelihoods and int64 counts arrive bit-exact.
+    """
+    if accelerator is not None and accelerator.num_processes > 1:
+        values = accelerator.gather(values.to(accelerator.device))
+    return values.cpu()
+
+
+def broadcast_from_main(values: torch.Tensor, accelerator: Any | None) -> torch.Tensor:
+    """The main process's `values` on every rank (bit-exact), on the CPU.
+
+    Other ranks pass a tensor of the same shape and dtype, whose contents are ignored.
+    """
+    if accelerator is not None and accelerator.num_processes > 1:
+        # Imported here: single-process callers need no accelerate.
+        from accelerate.utils import broadcast
+
+        values = broadcast(values.to(accelerator.device), from_process=0)
     return values.cpu()
 
 
