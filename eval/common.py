@@ -1,4 +1,5 @@
-"""Helpers shared by the evaluations: ranks, exact cross-rank sums, devices, model loading."""
+"""Helpers shared by the evaluations: ranks, exact cross-rank collectives, devices, model loading,
+and the Accelerator of a command-line run."""
 from __future__ import annotations
 
 import contextlib
@@ -31,6 +32,48 @@ def reduce_sum(values: torch.Tensor, accelerator: Any | None) -> torch.Tensor:
     if accelerator is not None and accelerator.num_processes > 1:
         values = accelerator.reduce(values.to(accelerator.device), reduction="sum")
     return values.cpu()
+
+
+def gather_rows(values: torch.Tensor, accelerator: Any | None) -> torch.Tensor:
+    """Every rank's `values` concatenated along dim 0 in rank order, on the CPU, on every rank.
+
+    All ranks must pass the same shape and dtype (pad to a common row count first); the values
+    are copied, not converted, so float64 log-likelihoods and int64 counts arrive bit-exact.
+    """
+    if accelerator is not None and accelerator.num_processes > 1:
+        values = accelerator.gather(values.to(accelerator.device))
+    return values.cpu()
+
+
+def broadcast_from_main(values: torch.Tensor, accelerator: Any | None) -> torch.Tensor:
+    """The main process's `values` on every rank (bit-exact), on the CPU.
+
+    Other ranks pass a tensor of the same shape and dtype, whose contents are ignored.
+    """
+    if accelerator is not None and accelerator.num_processes > 1:
+        # Imported here: single-process callers need no accelerate.
+        from accelerate.utils import broadcast
+
+        values = broadcast(values.to(accelerator.device), from_process=0)
+    return values.cpu()
+
+
+@contextlib.contextmanager
+def cli_accelerator(cpu: bool) -> Iterator[Any]:
+    """The Accelerator of a command-line run, ended in order.
+
+    On success every rank waits at a barrier, so none tears the process group down while another
+    still uses it; then, success or not, `end_training` destroys the group: a process that exits
+    with it open can abort at interpreter exit ("terminate called without an active exception").
+    """
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=cpu)
+    try:
+        yield accelerator
+        accelerator.wait_for_everyone()
+    finally:
+        accelerator.end_training()
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

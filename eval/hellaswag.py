@@ -1,11 +1,14 @@
 """HellaSwag zero-shot accuracy, batched and distributed, scored like lm-evaluation-harness.
 
 Each ending is scored as a continuation of the context: the sum of its tokens' log-probabilities.
-Three accuracies (fraction of items whose highest-scoring ending is the labelled one):
+Three accuracies (fraction of items whose highest-scoring ending is the labelled one), defined
+once, in the `evaluate` metric eval/metrics/hellaswag_acc, which the main process runs on every
+item's log-likelihoods, ending lengths and label:
 - acc: raw sum of log-likelihoods (harness `acc`).
 - acc_norm: log-likelihood / len(ending) in characters (harness `acc_norm`).
 - acc_norm_tokens: log-likelihood / number of ending tokens, i.e. lowest mean token loss (the
   variant of build-nanogpt / llm.c, here on the harness's prompt).
+Needs the `evaluate` package: imported by evaluate_hellaswag on the main process only, not on import.
 
 Usage: python -m eval.hellaswag --model gpt2 [--data hellaswag_val.jsonl] [--limit N]
        [--output results.json] [--batch_size 16] [--device cuda]
@@ -17,6 +20,7 @@ import argparse
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -25,20 +29,24 @@ import torch
 from common.errors import UserError, run_cli
 from eval.common import (
     autocast,
+    broadcast_from_main,
+    cli_accelerator,
     eval_mode,
+    gather_rows,
     load_model,
     model_block_size,
     model_device,
     pick_device,
     rank_and_world,
-    reduce_sum,
     steps_per_rank,
 )
 from eval.hellaswag_data import N_ENDINGS, load_items, preprocess, query_and_choices
 
-__all__ = ["evaluate_hellaswag", "item_loglikelihoods", "load_items", "preprocess"]
+__all__ = ["encode_items", "evaluate_hellaswag", "item_loglikelihoods", "load_items", "preprocess",
+           "require_metric_packages"]
 
 METRICS = ("acc", "acc_norm", "acc_norm_tokens")
+METRIC_DIR = Path(__file__).resolve().parent / "metrics" / "hellaswag_acc"  # absolute: any cwd
 PAD_MULTIPLE = 16  # sequence lengths are rounded up to this: few distinct shapes for compiled models
 
 
@@ -147,39 +155,87 @@ def item_loglikelihoods(model: torch.nn.Module, items: Sequence[dict[str, Any]],
                   n_steps=steps_per_rank(len(encoded), 1, batch_size), bf16=bf16)
 
 
-def predictions(lls: np.ndarray, encoded: Sequence[Encoded]) -> dict[str, np.ndarray]:
-    """Predicted ending per item for each metric (np.argmax: the first of equal scores wins)."""
-    chars = np.array([e.choice_chars for e in encoded], dtype=np.float64).reshape(-1, N_ENDINGS)
-    tokens = np.array([e.n_cont for e in encoded], dtype=np.float64).reshape(-1, N_ENDINGS)
-    return {"acc": lls.argmax(axis=1),
-            "acc_norm": (lls / np.maximum(chars, 1)).argmax(axis=1),
-            "acc_norm_tokens": (lls / np.maximum(tokens, 1)).argmax(axis=1)}
+def require_metric_packages() -> None:
+    """Raise UserError unless `evaluate`, which computes the HellaSwag accuracies, imports.
+
+    For callers (the trainer) that want to fail at start-up rather than at the first evaluation.
+    """
+    try:
+        import evaluate  # noqa: F401
+    except ImportError as err:
+        reason = " ".join(str(err).split())  # one line, whatever the import machinery said
+        raise UserError(f"HellaSwag accuracies need the `evaluate` package, which cannot be imported "
+                        f"({reason}); pip install evaluate") from err
+
+
+def _accuracies(lls: np.ndarray, meta: np.ndarray) -> dict[str, float | int]:
+    """{n, acc, acc_norm, acc_norm_tokens} from the eval/metrics/hellaswag_acc metric.
+
+    lls: (n, 4) float64 log-likelihoods; meta: (n, 9) int64 rows [label, 4 ending lengths in
+    characters, 4 ending token counts], as `_records` builds them. The caller has run
+    `require_metric_packages`.
+    """
+    import evaluate
+
+    # keep_in_memory: no Arrow cache files or locks under ~/.cache for a few thousand rows.
+    metric = evaluate.load(str(METRIC_DIR), keep_in_memory=True)
+    return metric.compute(predictions=lls.tolist(), references=meta[:, 0].tolist(),
+                          choice_lengths=meta[:, 1:1 + N_ENDINGS].tolist(),
+                          token_counts=meta[:, 1 + N_ENDINGS:].tolist())
+
+
+def _records(lls: np.ndarray, encoded: Sequence[Encoded], n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's items as fixed-size tensors for the gather: log-likelihoods (n_rows, 4) float64
+    and (n_rows, 9) int64 [label, ending chars, ending tokens]; rows past len(encoded) are zero."""
+    scores = torch.zeros(n_rows, N_ENDINGS, dtype=torch.float64)
+    scores[:len(encoded)] = torch.from_numpy(lls)
+    meta = torch.zeros(n_rows, 1 + 2 * N_ENDINGS, dtype=torch.int64)
+    for i, e in enumerate(encoded):
+        meta[i] = torch.tensor([e.label, *e.choice_chars, *e.n_cont])
+    return scores, meta
+
+
+def _in_item_order(rows: torch.Tensor, world: int, n: int) -> torch.Tensor:
+    """Gathered rows (world * per_rank, ...) back in item order, padding dropped.
+
+    Rank r's j-th row is item r + j * world; rank r holds fewer than per_rank items only when
+    r + j * world >= n, so after the transpose the padding rows are exactly those from n on."""
+    per_rank = rows.shape[0] // world
+    return rows.view(world, per_rank, -1).transpose(0, 1).reshape(world * per_rank, -1)[:n]
 
 
 def evaluate_hellaswag(model: torch.nn.Module, items: Sequence[dict[str, Any]], *,
                        batch_size: int = 16, accelerator: Any | None = None,
                        bf16: bool | None = None) -> dict[str, float | int]:
-    """HellaSwag accuracies of `model` over `items`, exact over all ranks.
+    """HellaSwag accuracies of `model` over `items`, the same for any number of ranks.
 
     Call on every rank with the same items (e.g. from `load_items`). Rank r scores items
     i % world == r, `batch_size` items (4 * batch_size rows) per forward pass; every rank runs
-    the same number of passes; the counts of correct answers are summed over ranks as integers.
-    bf16: autocast to bfloat16 (default: on CUDA only). Returns {n, acc, acc_norm, acc_norm_tokens}.
+    the same number of passes. The per-item records (float64 log-likelihoods, label, ending
+    lengths in characters and tokens) are gathered bit-exact, the main process computes the
+    accuracies with the eval/metrics/hellaswag_acc metric (only it imports `evaluate`) and
+    broadcasts them. bf16: autocast to bfloat16 (default: on CUDA only).
+    Returns {n, acc, acc_norm, acc_norm_tokens}, the same dict on every rank.
     """
     if batch_size < 1:
         raise UserError(f"batch_size must be at least 1, got {batch_size}")
     if not items:
         raise UserError("no HellaSwag items to evaluate; pass a non-empty item list")
     rank, world = rank_and_world(accelerator)
+    if rank == 0:
+        require_metric_packages()  # before scoring: a missing package should not cost a full pass
     encoded = _encode_all(items[rank::world], model)
     lls = _score(model, encoded, batch_size=batch_size, bf16=bf16,
                  n_steps=steps_per_rank(len(items), world, batch_size))
-    labels = np.array([e.label for e in encoded], dtype=np.int64)
-    preds = predictions(lls, encoded)
-    local = [len(encoded)] + [int((preds[m] == labels).sum()) for m in METRICS]
-    totals = reduce_sum(torch.tensor(local, dtype=torch.int64), accelerator).tolist()
-    n = totals[0]
-    return {"n": n, **{m: c / n for m, c in zip(METRICS, totals[1:])}}
+    scores, meta = _records(lls, encoded, n_rows=-(-len(items) // world))  # rank 0 holds the most
+    scores = _in_item_order(gather_rows(scores, accelerator), world, len(items))
+    meta = _in_item_order(gather_rows(meta, accelerator), world, len(items))
+    values = torch.zeros(1 + len(METRICS), dtype=torch.float64)
+    if rank == 0:
+        result = _accuracies(scores.numpy(), meta.numpy())
+        values = torch.tensor([result["n"], *(result[m] for m in METRICS)], dtype=torch.float64)
+    values = broadcast_from_main(values, accelerator).tolist()  # float64: exact, n < 2**53
+    return {"n": int(values[0]), **dict(zip(METRICS, values[1:]))}
 
 
 def _table(result: dict[str, Any]) -> str:
@@ -202,25 +258,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         help="auto: bf16 autocast on CUDA, fp32 elsewhere")
     args = parser.parse_args(argv)
 
-    from accelerate import Accelerator
-
     items = load_items(args.data, args.limit)  # before the model: bad data fails fast
-    accelerator = Accelerator(cpu=args.device == "cpu")
-    model = load_model(args.model, pick_device(args.device, accelerator))
-    bf16 = {"auto": None, "bf16": True, "fp32": False}[args.dtype]
-    start = time.perf_counter()
-    result = evaluate_hellaswag(model, items, batch_size=args.batch_size,
-                                accelerator=accelerator, bf16=bf16)
-    seconds = time.perf_counter() - start
-    result = {"model": args.model, "data": args.data or "Rowan/hellaswag:validation", **result,
-              "world_size": accelerator.num_processes, "batch_size": args.batch_size,
-              "seconds": round(seconds, 3), "items_per_sec": round(result["n"] / seconds, 2)}
-    if accelerator.is_main_process:
-        print(_table(result), flush=True)
-        if args.output:
-            with open(args.output, "w", encoding="utf-8") as f:
-                json.dump(result, f, indent=2)
-                f.write("\n")
+    with cli_accelerator(cpu=args.device == "cpu") as accelerator:
+        model = load_model(args.model, pick_device(args.device, accelerator))
+        bf16 = {"auto": None, "bf16": True, "fp32": False}[args.dtype]
+        start = time.perf_counter()
+        result = evaluate_hellaswag(model, items, batch_size=args.batch_size,
+                                    accelerator=accelerator, bf16=bf16)
+        seconds = time.perf_counter() - start
+        result = {"model": args.model, "data": args.data or "Rowan/hellaswag:validation", **result,
+                  "world_size": accelerator.num_processes, "batch_size": args.batch_size,
+                  "seconds": round(seconds, 3), "items_per_sec": round(result["n"] / seconds, 2)}
+        if accelerator.is_main_process:
+            print(_table(result), flush=True)
+            if args.output:
+                with open(args.output, "w", encoding="utf-8") as f:
+                    json.dump(result, f, indent=2)
+                    f.write("\n")
     return result
 
 

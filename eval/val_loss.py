@@ -19,6 +19,7 @@ import torch
 from common.errors import UserError, run_cli
 from eval.common import (
     autocast,
+    cli_accelerator,
     eval_mode,
     load_model,
     model_block_size,
@@ -89,21 +90,19 @@ def main(argv: Sequence[str] | None = None) -> float:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (single process)")
     args = parser.parse_args(argv)
 
-    from accelerate import Accelerator
-
     from data.loader import load_val_tokens
 
     tokens = load_val_tokens(args.dataset, max_tokens=args.max_tokens,
                              text_column=args.text_column, dataset_config=args.dataset_config)
-    accelerator = Accelerator(cpu=args.device == "cpu")
-    model = load_model(args.model, pick_device(args.device, accelerator))
-    block_size = args.block_size or model_block_size(model)
-    loss = evaluate_loss(model, tokens, block_size=block_size, batch_size=args.batch_size,
-                         accelerator=accelerator)
-    if accelerator.is_main_process:
-        n = (len(tokens) - 1) // block_size * block_size
-        print(f"val_loss {loss:.6f}  ppl {np.exp(loss):.2f}  ({n} target tokens, "
-              f"block_size {block_size}, dataset {args.dataset})", flush=True)
+    with cli_accelerator(cpu=args.device == "cpu") as accelerator:
+        model = load_model(args.model, pick_device(args.device, accelerator))
+        block_size = args.block_size or model_block_size(model)
+        loss = evaluate_loss(model, tokens, block_size=block_size, batch_size=args.batch_size,
+                             accelerator=accelerator)
+        if accelerator.is_main_process:
+            n = (len(tokens) - 1) // block_size * block_size
+            print(f"val_loss {loss:.6f}  ppl {np.exp(loss):.2f}  ({n} target tokens, "
+                  f"block_size {block_size}, dataset {args.dataset})", flush=True)
     return loss
 
 

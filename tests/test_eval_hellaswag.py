@@ -1,5 +1,6 @@
 """HellaSwag scorer: harness preprocessing, a hand-checkable model, batched vs one-at-a-time
-scoring, exact totals for any world size, and bad input."""
+scoring, exact totals for any world size, the accuracies of the evaluate metric on hand-made
+scores, and bad input (including a missing `evaluate`)."""
 from __future__ import annotations
 
 import gzip
@@ -15,16 +16,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import eval.hellaswag as hellaswag
 from common.errors import UserError, run_cli
 from data import get_tokenizer
-from eval.hellaswag import evaluate_hellaswag, item_loglikelihoods, load_items, preprocess
+from eval.hellaswag import (
+    evaluate_hellaswag,
+    item_loglikelihoods,
+    load_items,
+    preprocess,
+    require_metric_packages,
+)
 from eval.hellaswag_data import query_and_choices
 from model import GPT, GPTConfig
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eval"
 sys.path.insert(0, str(FIXTURES))
+import fake_ranks  # noqa: E402
 from conftest import free_port
-from fake_ranks import run_ranks  # noqa: E402
+from fake_ranks import CountingModel, run_ranks  # noqa: E402
 
 TINY = FIXTURES / "hellaswag_tiny.jsonl"
 UNIFORM = FIXTURES / "hellaswag_uniform.jsonl"
@@ -162,6 +171,28 @@ def test_totals_exact_for_any_world_size(single_process, world, batch_size):
     assert models[0].calls == math.ceil(math.ceil(7 / world) / batch_size)
 
 
+@pytest.mark.parametrize("world", [1, 3, 8])
+def test_metric_gets_every_item_once_in_order_on_the_main_process(single_process, monkeypatch, world):
+    """The accuracies are computed once, on rank 0, from the single-process records in item order
+    (the accuracies alone would not show a shuffle: labels and scores would move together)."""
+    model, _ = single_process
+    items = load_items(TINY)
+    calls, real = [], hellaswag._accuracies
+
+    def spy(lls, meta):
+        calls.append((fake_ranks._current.accelerator.process_index, lls.copy(), meta.copy()))
+        return real(lls, meta)
+
+    monkeypatch.setattr(hellaswag, "_accuracies", spy)
+    run_ranks(lambda m, acc: evaluate_hellaswag(m, items, batch_size=2, accelerator=acc), model, world)
+    assert [rank for rank, _, _ in calls] == [0]
+    _, lls, meta = calls[0]
+    np.testing.assert_allclose(lls, item_loglikelihoods(model, items, batch_size=2), rtol=1e-5)
+    encoded = hellaswag.encode_items(items, get_tokenizer(), model.config.block_size)
+    assert meta.tolist() == [[e.label, *e.choice_chars, *e.n_cont] for e in encoded]
+    assert meta[:, 0].tolist() == [3, 3, 0, 1, 2, 1, 0]
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_cli_two_processes_match_one(tmp_path):
@@ -248,19 +279,37 @@ def test_bad_files_raise_user_error(tmp_path):
         load_items(TINY, limit=0)
 
 
-@pytest.mark.slow
-def test_evaluate_metric_module_loads_offline_and_agrees():
-    """eval/metrics/hellaswag_acc loads through `evaluate.load(<local folder>)` with the Hub
-    offline and gives the scorer's numbers from the same log-likelihoods."""
-    evaluate = pytest.importorskip("evaluate")
-    from eval.hellaswag import _encode_all
+# ---------------------------------------------------------------- the accuracies (evaluate metric)
 
-    model = tiny_gpt(seed=4, block_size=128)
-    items = load_items(TINY)
-    lls = item_loglikelihoods(model, items, batch_size=4)
-    encoded = _encode_all(items, model)
-    metric = evaluate.load(str(Path(__file__).resolve().parents[1] / "eval" / "metrics" / "hellaswag_acc"))
-    got = metric.compute(predictions=lls.tolist(), references=[it["label"] for it in items],
-                         choice_lengths=[e.choice_chars for e in encoded],
-                         token_counts=[e.n_cont for e in encoded])
-    assert got == pytest.approx(evaluate_hellaswag(model, items, batch_size=4))
+# Ending scores for which the three accuracies pick different endings, worked out by hand:
+#   A: lls [-4, -6, -9, -8], chars [2, 6, 9, 16], tokens [1, 3, 3, 2]
+#      acc: -4 is highest -> 0; acc_norm: [-2, -1, -1, -0.5] -> 3; acc_norm_tokens: [-4, -2, -3, -4] -> 1
+#   T (ties): lls [-5, -3, -3, -7], chars [5, 3, 3, 7], tokens [1, 1, 1, 1]
+#      acc: -3 twice -> 1 (the first); acc_norm: all -1 -> 0; acc_norm_tokens: as acc -> 1
+A = ([-4.0, -6.0, -9.0, -8.0], [2, 6, 9, 16], [1, 3, 3, 2])
+T = ([-5.0, -3.0, -3.0, -7.0], [5, 3, 3, 7], [1, 1, 1, 1])
+HAND = [(A, 0), (A, 3), (A, 3), (A, 1), (A, 1), (A, 1), (T, 1), (T, 0)]
+
+
+def test_accuracies_by_hand_ties_go_to_the_first_ending():
+    """acc: items 0 and 6 (2/8); acc_norm: items 1, 2 and 7 (3/8); acc_norm_tokens: items 3-6 (4/8).
+    Ties going to a later ending would lose item 6 for acc and acc_norm_tokens and item 7 for acc_norm."""
+    lls = np.array([scores for (scores, _, _), _ in HAND], dtype=np.float64)
+    meta = np.array([[label, *chars, *tokens] for (_, chars, tokens), label in HAND], dtype=np.int64)
+    assert hellaswag._accuracies(lls, meta) == {"n": 8, "acc": 2 / 8, "acc_norm": 3 / 8,
+                                                 "acc_norm_tokens": 4 / 8}
+
+
+def test_missing_evaluate_is_a_one_line_user_error_before_scoring(monkeypatch):
+    monkeypatch.setitem(sys.modules, "evaluate", None)  # `import evaluate` now raises ImportError
+    with pytest.raises(UserError) as info:
+        require_metric_packages()
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("HellaSwag accuracies need the `evaluate` package")
+    assert message.endswith("; pip install evaluate")
+    model = CountingModel(tiny_gpt())
+    with pytest.raises(UserError) as info:
+        evaluate_hellaswag(model, load_items(UNIFORM), batch_size=2)
+    assert str(info.value) == message
+    assert model.calls == 0  # failed before the forward passes, not after

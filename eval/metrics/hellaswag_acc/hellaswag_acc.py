@@ -1,16 +1,18 @@
 """HellaSwag accuracies from per-ending log-likelihoods, as an `evaluate` metric.
 
-Load it from this folder (offline, no Hub access):
+The one definition of acc / acc_norm / acc_norm_tokens in this project: `eval.hellaswag` scores
+the endings and computes its accuracies by loading this folder (offline, no Hub access):
 
     import evaluate
-    metric = evaluate.load("eval/metrics/hellaswag_acc")
+    metric = evaluate.load("/abs/path/to/eval/metrics/hellaswag_acc")
     metric.compute(predictions=[[ll0, ll1, ll2, ll3], ...], references=[label, ...],
                    choice_lengths=[[chars0, ...], ...], token_counts=[[n0, ...], ...])
 
-The same definitions as `eval.hellaswag` (which does not import `evaluate`, so training and GPU
-machines need no extra package): acc = argmax of the summed log-likelihood; acc_norm = argmax of
-log-likelihood / ending length in characters (lm-evaluation-harness); acc_norm_tokens = argmax of
-log-likelihood / ending tokens (build-nanogpt, llm.c). Ties go to the first ending (np.argmax).
+acc = argmax of the summed log-likelihood; acc_norm = argmax of log-likelihood / ending length in
+characters (lm-evaluation-harness); acc_norm_tokens = argmax of log-likelihood / ending tokens
+(build-nanogpt, llm.c). Lengths below 1 count as 1. Ties go to the first ending (np.argmax).
+Each accuracy is the float64 mean of 0/1 correctness, i.e. exactly (number correct) / n: it does
+not depend on the order of the items.
 """
 import datasets
 import evaluate
