@@ -1,0 +1,89 @@
+"""Preflight checks of the run folder: writable (one-line error otherwise) and enough free disk (a warning).
+
+We run as root here, and root ignores permission bits, so a chmod'ed folder cannot show a refused write
+on these machines. The refusal is exercised three ways: a file standing where a parent folder should be,
+/proc (where the kernel refuses new files even for root), and tempfile.mkstemp replaced by one that fails
+with EROFS/EACCES as a read-only mount would; the chmod test runs only for a non-root user.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from common.errors import UserError
+from training import preflight
+from training.preflight import check_out_dir_writable, checkpoint_bytes, nearest_existing, warn_if_low_disk
+
+
+def test_writable_folder_passes_and_is_left_as_it_was(tmp_path: Path):
+    (tmp_path / "kept.txt").write_text("x")
+    check_out_dir_writable(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["kept.txt"]
+
+
+def test_a_missing_out_dir_is_checked_at_its_nearest_parent_and_not_created(tmp_path: Path):
+    out = tmp_path / "a" / "b" / "run"
+    assert nearest_existing(out) == tmp_path
+    check_out_dir_writable(out)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_on_the_path_is_a_user_error(tmp_path: Path):
+    (tmp_path / "blocker").write_text("x")
+    with pytest.raises(UserError, match=r"blocker is a file, so the run folder cannot be created there"):
+        check_out_dir_writable(tmp_path / "blocker" / "run")
+
+
+@pytest.mark.parametrize("code", [errno.EROFS, errno.EACCES])
+def test_a_refused_write_names_the_folder(tmp_path: Path, monkeypatch, code):
+    def refuse(**kwargs):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    with pytest.raises(UserError) as err:
+        check_out_dir_writable(tmp_path / "run")
+    assert str(err.value) == (f"--out_dir {tmp_path / 'run'}: cannot write to {tmp_path} ({os.strerror(code)}); "
+                              "make it writable or choose another --out_dir")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
+def test_a_folder_the_kernel_refuses_files_in():
+    with pytest.raises(UserError, match=r"cannot write to /proc"):
+        check_out_dir_writable("/proc/run")
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_folder_for_a_normal_user(tmp_path: Path):
+    tmp_path.chmod(0o555)
+    try:
+        with pytest.raises(UserError, match="cannot write to"):
+            check_out_dir_writable(tmp_path / "run")
+    finally:
+        tmp_path.chmod(0o755)
+
+
+def _free(monkeypatch, free: int) -> None:
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**15, 0, free))
+
+
+def test_low_disk_warns_with_the_estimate(tmp_path: Path, monkeypatch, capsys):
+    per_checkpoint = checkpoint_bytes(124_000_000)  # GPT-2 124M: about 2 GB a checkpoint
+    assert per_checkpoint == 16 * 124_000_000
+    _free(monkeypatch, 5 * per_checkpoint - 1)  # keep_last 3 + 2 checkpoints need 5
+    message = warn_if_low_disk(tmp_path / "run", per_checkpoint, keep_last=3)
+    assert message is not None and "need about 9.92 GB (1.98 GB each)" in message and str(tmp_path) in message
+    assert capsys.readouterr().err == f"warning: {message}\n"
+
+
+def test_enough_disk_is_silent(tmp_path: Path, monkeypatch, capsys):
+    _free(monkeypatch, 5 * 1000)
+    assert warn_if_low_disk(tmp_path, 1000, keep_last=3) is None
+    assert capsys.readouterr().err == ""
+    monkeypatch.undo()  # the real filesystem has room for five 1-byte checkpoints
+    assert warn_if_low_disk(tmp_path / "new" / "run", 1, keep_last=3) is None
