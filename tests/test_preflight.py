@@ -87,3 +87,59 @@ def test_enough_disk_is_silent(tmp_path: Path, monkeypatch, capsys):
     assert capsys.readouterr().err == ""
     monkeypatch.undo()  # the real filesystem has room for five 1-byte checkpoints
     assert warn_if_low_disk(tmp_path / "new" / "run", 1, keep_last=3) is None
+
+
+# ---- the validation split: refused when the run starts, not at its first evaluation ----------------------
+
+TINY_MODEL = ["--n_layer", "1", "--n_head", "2", "--n_embd", "16", "--block_size", "32", "--val_tokens", "256",
+              "--total_batch_size", "64", "--micro_batch_size", "2", "--eval_batch_size", "2", "--max_steps", "2"]
+
+
+def _small_corpus(folder: Path) -> Path:
+    """About 200 tokens: the first 90% fill several training windows of 33, the last 10% not one."""
+    corpus = folder / "small.txt"
+    corpus.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    return corpus
+
+
+def test_a_validation_split_shorter_than_a_window_is_refused_with_working_advice(tmp_path: Path):
+    from configs import parse_config
+    from data.local import local_tokens
+    from training.evaluation import TrainingEvals
+
+    corpus = _small_corpus(tmp_path)
+    n_val = len(local_tokens(str(corpus))) - int(len(local_tokens(str(corpus))) * 0.9)
+    cfg = parse_config(TINY_MODEL + ["--dataset", str(corpus), "--out_dir", str(tmp_path / "run")])
+    with pytest.raises(UserError) as err:
+        TrainingEvals(cfg, accelerator=None)
+    assert str(err.value) == (
+        f"the validation set has {n_val} tokens, fewer than one window of block_size + 1 = 33; the validation split "
+        f"of {corpus} is the last 10% of its tokens; pass --block_size {n_val - 1} or less, or add text to the corpus "
+        "(about 330 tokens in all)")
+    # The advice works: that block_size gives a validation window.
+    smaller = parse_config(TINY_MODEL + ["--dataset", str(corpus), "--block_size", str(n_val - 1)])
+    assert len(TrainingEvals(smaller, accelerator=None).val_tokens) >= n_val
+
+
+def test_advice_for_token_shards(tmp_path: Path):
+    from data.loader import small_val_advice
+
+    (tmp_path / "manifest.json").write_text("{}")
+    assert small_val_advice(str(tmp_path), 1, 1024) == (
+        f"the validation split of {tmp_path} is its val_000000.bin shard; prepare the data again into a new --out "
+        "with a larger `python -m data.prepare --val_tokens`")
+
+
+def test_train_py_stops_before_the_first_step_and_leaves_no_run_folder(tmp_path: Path):
+    import subprocess
+
+    from conftest import REPO_ROOT
+
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "train.py", *TINY_MODEL, "--dataset", str(_small_corpus(tmp_path)),
+                           "--out_dir", str(out)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: the validation set has ")
+    assert "Traceback" not in proc.stderr and "step" not in proc.stdout
+    assert not out.exists()
