@@ -264,3 +264,21 @@ def test_evaluate_metric_module_loads_offline_and_agrees():
                          choice_lengths=[e.choice_chars for e in encoded],
                          token_counts=[e.n_cont for e in encoded])
     assert got == pytest.approx(evaluate_hellaswag(model, items, batch_size=4))
+
+
+# ---- damaged HellaSwag files (faults and bad input) --------------------------------------------------------
+
+@pytest.mark.parametrize("damage", [lambda b: b[: len(b) // 2], lambda b: b"<html>not gzip</html>"],
+                         ids=["truncated", "not-gzip"])
+def test_a_damaged_jsonl_gz_is_one_line_naming_the_file(tmp_path, damage):
+    src = Path(__file__).parent / "fixtures" / "eval" / "hellaswag_tiny.jsonl"
+    whole = tmp_path / "whole.jsonl.gz"
+    whole.write_bytes(gzip.compress(src.read_bytes() * 20))
+    assert len(load_items(whole)) > 0
+    path = tmp_path / "hellaswag_val.jsonl.gz"
+    path.write_bytes(damage(whole.read_bytes()))
+    with pytest.raises(UserError) as err:
+        load_items(path)
+    message = str(err.value)
+    assert message.startswith(f"{path} is a truncated or damaged gzip file (") and "\n" not in message
+    assert message.endswith("download it again, or pass the uncompressed .jsonl")
