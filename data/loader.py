@@ -108,3 +108,22 @@ def load_val_tokens(
 
     name, config = parse_hub_id(dataset, dataset_config)
     return hub_val_tokens(name, config, max_tokens=max_tokens, text_column=text_column)
+
+
+def small_val_advice(dataset: str, n_val: int, block_size: int) -> str:
+    """How `dataset`'s validation split is made and what enlarges it to one window (block_size + 1 tokens),
+    for an error about a split of `n_val` tokens. The advice only names changes that work for that source
+    (`--val_tokens` only caps a split, so it never helps here)."""
+    smaller = f"pass --block_size {n_val - 1} or less, or " if n_val >= 2 else ""
+    kind = source_kind(dataset)
+    if kind in ("shakespeare", "local"):
+        need = round((block_size + 1) / (1 - TRAIN_FRACTION))
+        return (f"the validation split of {dataset} is the last {1 - TRAIN_FRACTION:.0%} of its tokens; "
+                f"{smaller}add text to the corpus (about {need:,} tokens in all)")
+    if kind == "shards":
+        return (f"the validation split of {dataset} is its val_000000.bin shard; {smaller}prepare the data again into "
+                "a new --out with a larger `python -m data.prepare --val_tokens`")
+    from data.streaming import VAL_DOCS
+
+    return (f"the validation split of {dataset} is its first {VAL_DOCS:,} documents; {smaller}pre-tokenize it with "
+            "`python -m data.prepare --val_tokens N` and train on that folder")

@@ -4,12 +4,17 @@ A .txt file is one document; a .jsonl line and a parquet row are one document ea
 `text_column`). Files are read in sorted path order so every run and every rank sees the same
 stream. Small corpora are tokenized in memory (`local_tokens`); larger ones go through
 `python -m data.prepare` into token shards.
+
+Text must be UTF-8: a .jsonl line that is not is refused (file, line and byte offset), a .parquet file
+that pyarrow cannot read is refused; a .txt file's invalid bytes become U+FFFD, with a warning when they
+are 1% or more of it (a binary file passed by mistake), and the run goes on.
 """
 from __future__ import annotations
 
 import functools
 import glob
 import json
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -22,6 +27,8 @@ EXTENSIONS = (".txt", ".jsonl", ".parquet")
 # Above this many bytes of input, in-memory tokenization would hold several GB: use data.prepare.
 MAX_IN_MEMORY_BYTES = 1 << 30
 DOCS_PER_BATCH = 1024
+# A .txt file with at least this share of U+FFFD (bytes that are not UTF-8) or NUL characters gets a warning.
+MAX_BINARY_SHARE = 0.01
 
 
 def looks_local(dataset: str) -> bool:
@@ -55,8 +62,15 @@ def resolve_files(dataset: str) -> list[Path]:
 
 
 def _iter_jsonl(path: Path, text_column: str) -> Iterator[str]:
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
+    with path.open("rb") as f:  # bytes, so that a non-UTF-8 line is named by its number and offset
+        offset = 0
+        for line_no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise UserError(f"{path}:{line_no} is not UTF-8 (byte {offset + err.start} of the file); re-save the "
+                                "file as UTF-8 or remove that line") from None
+            offset += len(raw)
             if not line.strip():
                 continue
             try:
@@ -72,16 +86,38 @@ def _iter_jsonl(path: Path, text_column: str) -> Iterator[str]:
 def _iter_parquet(path: Path, text_column: str) -> Iterator[str]:
     import pyarrow.parquet as pq
 
+    def damaged(err: Exception) -> UserError:  # pyarrow raises several types for a damaged file
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return UserError(f"cannot read parquet file {path} ({reason}); check that it is a complete parquet file")
+
     try:
         pf = pq.ParquetFile(path)
-    except Exception as err:  # pyarrow raises several types for a damaged file
-        raise UserError(f"cannot read parquet file {path} ({err}); check the file is complete") from None
+    except Exception as err:
+        raise damaged(err) from None
     if text_column not in pf.schema_arrow.names:
         raise UserError(
             f"{path} has no column {text_column!r} (columns: {', '.join(pf.schema_arrow.names)}); pass --text_column"
         )
-    for batch in pf.iter_batches(batch_size=DOCS_PER_BATCH, columns=[text_column]):
+    batches = pf.iter_batches(batch_size=DOCS_PER_BATCH, columns=[text_column])
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as err:  # a footer that reads but row groups that do not
+            raise damaged(err) from None
         yield from (str(t) for t in batch.column(0).to_pylist() if t is not None)
+
+
+def _read_txt(path: Path) -> str:
+    """The file's text; bytes that are not UTF-8 become U+FFFD, with a warning when they are many."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    bad = text.count("\ufffd") + text.count("\x00")
+    if text and bad / len(text) >= MAX_BINARY_SHARE:
+        print(f"warning: {path}: {bad:,} of {len(text):,} characters ({bad / len(text):.0%}) are invalid UTF-8 or "
+              "NUL bytes, so it looks binary or not UTF-8; training goes on with them as U+FFFD/NUL tokens; re-save "
+              "it as UTF-8 text or remove it from the dataset", file=sys.stderr, flush=True)
+    return text
 
 
 def iter_documents(files: list[Path], text_column: str = "text") -> Iterator[str]:
@@ -89,7 +125,7 @@ def iter_documents(files: list[Path], text_column: str = "text") -> Iterator[str
     for path in files:
         suffix = path.suffix.lower()
         if suffix == ".txt":
-            yield path.read_text(encoding="utf-8", errors="replace")
+            yield _read_txt(path)
         elif suffix == ".jsonl":
             yield from _iter_jsonl(path, text_column)
         else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,9 @@ def _read_jsonl(path: Path) -> list[Any]:
                     except json.JSONDecodeError as err:
                         raise UserError(f"{path}:{lineno}: not valid JSON ({err.msg}); "
                                         "the file must hold one JSON object per line") from err
+    except (EOFError, zlib.error, gzip.BadGzipFile) as err:  # cut short by a download, or not gzip at all
+        raise UserError(f"{path} is a truncated or damaged gzip file ({err}); download it again, or pass the "
+                        "uncompressed .jsonl") from err
     except (OSError, UnicodeDecodeError) as err:
         raise UserError(f"cannot read {path} ({err}); pass a jsonl or jsonl.gz file") from err
     return rows

@@ -1,9 +1,11 @@
 """The config schema and the shipped presets."""
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
 
+from common.errors import UserError
 from configs import PRESETS_DIR, TrainConfig, parse_config
 
 
@@ -30,3 +32,95 @@ def test_gpt2_124m_preset_is_the_build_nanogpt_recipe():
     assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size) == (12, 12, 768, 1024)
     assert (cfg.total_batch_size, cfg.lr, cfg.warmup_steps, cfg.hellaswag_every) == (524_288, 6e-4, 715, 250)
     assert cfg.max_steps * cfg.total_batch_size == pytest.approx(10e9, rel=1e-3)  # one pass over 10B tokens
+
+
+def _bad_paths(tmp: Path) -> dict[str, str]:
+    """Paths of the wrong kind under tmp: a file, a folder, a missing name."""
+    (tmp / "file.txt").write_text("x")
+    (tmp / "folder").mkdir()
+    return {"file": str(tmp / "file.txt"), "folder": str(tmp / "folder"), "missing": str(tmp / "missing")}
+
+
+# (flags, fragment of the one-line message); {file}/{folder}/{missing} are filled with paths under tmp_path.
+BAD_VALUES = [
+    (["--lr", "0"], "--lr must be positive, got 0.0"),
+    (["--lr=-1e-3"], "--lr must be positive"),
+    (["--lr", "nan"], "--lr must be a finite number, got nan"),
+    (["--lr", "inf"], "--lr must be a finite number"),
+    (["--min_lr_ratio", "1.5"], "--min_lr_ratio must be in [0, 1]"),
+    (["--min_lr_ratio", "-0.1"], "--min_lr_ratio must be in [0, 1]"),
+    (["--warmup_steps", "-1"], "--warmup_steps must be 0 or more, got -1"),
+    (["--weight_decay", "-0.1"], "--weight_decay must be 0 or more"),
+    (["--beta1", "1.0"], "--beta1 must be in [0, 1), got 1.0"),
+    (["--beta2", "-0.5"], "--beta2 must be in [0, 1)"),
+    (["--grad_clip", "0"], "--grad_clip must be positive"),
+    (["--dropout", "1.0"], "dropout must be in [0, 1)"),
+    (["--hellaswag_every", "-5"], "--hellaswag_every must be 0 or more"),
+    (["--hellaswag_limit", "0"], "--hellaswag_limit must be at least 1, got 0"),
+    (["--sample_tokens", "-1"], "--sample_tokens must be 0 or more"),
+    (["--hub_push_every", "-2"], "--hub_push_every must be 0 or more"),
+    (["--mfu_peak_flops", "0"], "--mfu_peak_flops must be positive"),
+    (["--mfu_peak_flops=-1e12"], "--mfu_peak_flops must be positive"),
+    (["--max_steps", "0"], "--max_steps must be positive, got 0"),
+    (["--keep_last", "0"], "--keep_last must be positive"),
+    (["--seed", "-1"], "--seed must be in [0, 4294967295], got -1"),
+    (["--val_tokens", "100", "--block_size", "128"], "--val_tokens 100 is less than one validation window"),
+    (["--n_embd", "130"], "n_embd (130) must be divisible by n_head (4)"),
+    (["--text_column", ""], "--text_column is empty"),
+    (["--dataset", " "], "--dataset is empty"),
+    (["--out_dir", ""], "--out_dir is empty"),
+    (["--run_name", ""], "--run_name is empty"),
+    (["--dataset_config", ""], "--dataset_config is empty"),
+    (["--sample_prompt", ""], "sample_prompt is empty"),
+    (["--on_nan", "ignore"], "on_nan must be 'stop' or 'skip'"),
+    (["--report_to", "mlflow"], "report_to must be one of"),
+    (["--push_to_hub", "true"], "--push_to_hub needs --hub_model_id"),
+    (["--out_dir", "{file}"], "is an existing file, not a folder; choose another --out_dir"),
+    (["--resume", "{file}"], "is a file; pass 'latest'"),
+    (["--resume", "{missing}"], "no such folder; pass 'latest'"),
+    (["--init_from", "{file}"], "is a file; pass 'scratch'"),
+    (["--init_from", "./no/such/model"], "--init_from ./no/such/model: no such folder"),
+    (["--hellaswag_data", "{folder}"], "is a folder; pass a HellaSwag .jsonl"),
+    (["--hellaswag_data", "{missing}"], "is not an existing file; pass a HellaSwag .jsonl"),
+]
+
+
+@pytest.mark.parametrize("flags,fragment", BAD_VALUES, ids=[" ".join(f)[:40] for f, _ in BAD_VALUES])
+def test_bad_values_are_one_line_user_errors(tmp_path: Path, flags, fragment):
+    paths = _bad_paths(tmp_path)
+    argv = [f.format(**paths) for f in flags]
+    with pytest.raises(UserError) as err:
+        parse_config(["--out_dir", str(tmp_path / "run"), *argv])
+    message = str(err.value)
+    assert fragment in message and "\n" not in message
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("yaml_text,fragment", [
+    ("max_steps: 2.5\n", "--max_steps must be int, got 2.5"),
+    ("max_steps: true\n", "--max_steps must be int, got True"),
+    ("lr: [1, 2]\n", "--lr must be float"),
+    ("dataset: null\n", "--dataset must be str, got None"),
+    ("run_name: 7\n", "--run_name must be str, got 7"),
+    ("grad_clip: .nan\n", "--grad_clip must be a finite number"),
+])
+def test_bad_preset_types(tmp_path: Path, yaml_text, fragment):
+    preset = tmp_path / "p.yaml"
+    preset.write_text(yaml_text)
+    with pytest.raises(UserError, match=re.escape(fragment)):
+        parse_config(["--config", str(preset), "--out_dir", str(tmp_path / "run")])
+
+
+def test_whole_floats_in_a_preset_are_ints(tmp_path: Path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("max_steps: 1.0e+3\nhellaswag_limit: 10.0\n")  # YAML reads both as floats
+    cfg = parse_config(["--config", str(preset)])
+    assert (cfg.max_steps, cfg.hellaswag_limit) == (1000, 10)
+    assert type(cfg.max_steps) is int and type(cfg.hellaswag_limit) is int
+
+
+def test_good_paths_pass(tmp_path: Path):
+    paths = _bad_paths(tmp_path)
+    cfg = parse_config(["--out_dir", paths["folder"], "--resume", paths["folder"], "--init_from", "gpt2",
+                        "--hellaswag_data", paths["file"], "--hellaswag_limit", "1", "--mfu_peak_flops", "1e12"])
+    assert (cfg.resume, cfg.init_from, cfg.hellaswag_data) == (paths["folder"], "gpt2", paths["file"])

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -184,3 +185,51 @@ def test_corpus_smaller_than_a_block_is_a_user_error(tmp_path):
     (tmp_path / "tiny.txt").write_text("Too short.")
     with pytest.raises(UserError, match="smaller --block_size"):
         build_train_loader(str(tmp_path / "tiny.txt"), block_size=64, micro_batch_size=1, rank=0, world_size=1)
+
+
+# ---- damaged or mistaken input files ---------------------------------------------------------------------
+
+def test_non_utf8_jsonl_names_the_line_and_byte(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    first = b'{"text": "fine"}\n'
+    path.write_bytes(first + '{"text": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(UserError) as err:
+        load_val_tokens(str(path), max_tokens=10)
+    offset = len(first) + len(b'{"text": "caf')
+    assert str(err.value) == f"{path}:2 is not UTF-8 (byte {offset} of the file); re-save the file as UTF-8 or remove that line"
+
+
+def test_a_binary_txt_file_warns_and_training_goes_on(tmp_path, capsys):
+    path = tmp_path / "noise.txt"
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, 20_000, dtype=np.uint8).tobytes())
+    loader = build_train_loader(str(path), block_size=8, micro_batch_size=2, rank=0, world_size=1)
+    assert loader.next_batch()[0].shape == (2, 8)
+    warning = capsys.readouterr().err.strip()
+    assert warning.startswith(f"warning: {path}: ") and "invalid UTF-8 or NUL bytes" in warning
+    assert "training goes on" in warning and len(warning.splitlines()) == 1
+
+
+def test_text_with_a_few_non_utf8_bytes_is_silent(tmp_path, capsys):
+    path = tmp_path / "mostly_fine.txt"
+    path.write_bytes(b"plain text " * 100 + b"\xff")  # 1 bad byte in 1,101: under 1%
+    build_train_loader(str(path), block_size=8, micro_batch_size=2, rank=0, world_size=1)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_parquet_file_that_is_not_parquet(tmp_path):
+    path = tmp_path / "fake.parquet"
+    path.write_text('{"text": "this is json, not parquet"}\n')
+    with pytest.raises(UserError) as err:
+        build_train_loader(str(path), block_size=8, micro_batch_size=1, rank=0, world_size=1)
+    assert str(err.value).startswith(f"cannot read parquet file {path} (") and "\n" not in str(err.value)
+    assert str(err.value).endswith("check that it is a complete parquet file")
+
+
+def test_a_parquet_file_damaged_inside_its_row_groups(tmp_path):
+    path = tmp_path / "damaged.parquet"
+    pq.write_table(pa.table({"text": [f"document {i} " * 20 for i in range(2000)]}), path, compression="snappy")
+    data = bytearray(path.read_bytes())
+    data[100:5000] = b"\xab" * 4900  # the footer still reads; the first data pages do not
+    path.write_bytes(bytes(data))
+    with pytest.raises(UserError, match=r"^cannot read parquet file .*damaged\.parquet \(.*\); check that it is"):
+        build_train_loader(str(path), block_size=8, micro_batch_size=1, rank=0, world_size=1)

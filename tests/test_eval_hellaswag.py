@@ -313,3 +313,21 @@ def test_missing_evaluate_is_a_one_line_user_error_before_scoring(monkeypatch):
         evaluate_hellaswag(model, load_items(UNIFORM), batch_size=2)
     assert str(info.value) == message
     assert model.calls == 0  # failed before the forward passes, not after
+
+
+# ---- damaged HellaSwag files (faults and bad input) --------------------------------------------------------
+
+@pytest.mark.parametrize("damage", [lambda b: b[: len(b) // 2], lambda b: b"<html>not gzip</html>"],
+                         ids=["truncated", "not-gzip"])
+def test_a_damaged_jsonl_gz_is_one_line_naming_the_file(tmp_path, damage):
+    src = Path(__file__).parent / "fixtures" / "eval" / "hellaswag_tiny.jsonl"
+    whole = tmp_path / "whole.jsonl.gz"
+    whole.write_bytes(gzip.compress(src.read_bytes() * 20))
+    assert len(load_items(whole)) > 0
+    path = tmp_path / "hellaswag_val.jsonl.gz"
+    path.write_bytes(damage(whole.read_bytes()))
+    with pytest.raises(UserError) as err:
+        load_items(path)
+    message = str(err.value)
+    assert message.startswith(f"{path} is a truncated or damaged gzip file (") and "\n" not in message
+    assert message.endswith("download it again, or pass the uncompressed .jsonl")
