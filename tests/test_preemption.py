@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, free_port
 from test_train import TINY, read_metrics
 
 ARGS = TINY + ["--max_steps", "400", "--micro_batch_size", "2", "--total_batch_size", "128", "--save_every", "1000",
@@ -81,3 +82,59 @@ def test_after_a_signal_a_dead_stream_is_pointed_at_devnull():
     raw.write("z")
     raw.flush()
     raw.close()
+
+
+# ---- SIGTERM to `accelerate launch` -----------------------------------------------------------------------
+
+# The job-script pattern of docs/faults.md: the script's trap hands the signal to the launcher's children
+# (the training processes), which checkpoint and exit 0; the launcher then exits 0 like after any finished run.
+JOB_SCRIPT = """
+{launch} &
+launcher=$!
+trap 'pkill -TERM -P "$launcher"' TERM USR1
+wait "$launcher"  # a trapped signal ends this wait early...
+wait "$launcher"  # ...this one returns the launcher's own exit status
+"""
+
+
+def accelerate_launch(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            str(REPO_ROOT / "accelerate_configs" / "cpu_2proc.yaml"), "--main_process_port", str(free_port()),
+            "train.py", *args]
+
+
+def signal_after_step(proc: subprocess.Popen, out: Path, step: int, pid: int) -> str:
+    """Send SIGTERM to `pid` once a step beyond `step` is logged; return the run's output."""
+    deadline = time.time() + 180
+    while not (out / "metrics.jsonl").exists() or not read_metrics(out) or read_metrics(out)[-1]["step"] <= step:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() < deadline, "no step logged in time"
+        time.sleep(0.2)
+    os.kill(pid, signal.SIGTERM)
+    return proc.communicate(timeout=180)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sigterm_to_the_launcher_checkpoints_and_the_job_script_pattern_exits_0(tmp_path):
+    out = tmp_path / "run"
+    args = ARGS + ["--total_batch_size", "256", "--out_dir", str(out)]
+    popen = dict(cwd=REPO_ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                 start_new_session=True)
+
+    # SIGTERM to the launcher itself: torch's elastic agent forwards it to the workers, which checkpoint and
+    # exit 0, then re-raises it as SignalException: the launcher's status is 1 whatever the workers did.
+    launcher = subprocess.Popen(accelerate_launch(args), **popen)
+    output = signal_after_step(launcher, out, 0, launcher.pid)
+    assert launcher.returncode == 1, output
+    assert "SignalException" in output and "continue with --resume latest" in output
+    first = saved_steps(out)[-1]
+    assert first >= 1
+
+    # Resumed under the documented job script, SIGTERM to the script: the workers save, everything exits 0.
+    job = subprocess.Popen(["bash", "-c", JOB_SCRIPT.format(launch=shlex.join(accelerate_launch(
+        args + ["--resume", "latest"])))], **popen)
+    output = signal_after_step(job, out, first, job.pid)
+    assert job.returncode == 0, output
+    assert f"resumed from {out / 'checkpoints' / f'step_{first:06d}'}" in output
+    assert saved_steps(out)[-1] > first
