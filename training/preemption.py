@@ -82,4 +82,6 @@ class _DropAfterSignal:
             pass
 
     def __getattr__(self, name: str) -> object:  # encoding, isatty, fileno, ... of the real stream
+        if name == "_stream":  # not set yet (an instance made without __init__, e.g. by copy): no recursion
+            raise AttributeError(name)
         return getattr(self._stream, name)
