@@ -28,6 +28,7 @@ from training.metrics import Throughput
 from training.mfu import estimate_mfu, peak_flops
 from training.optim import build_optimizer
 from training.preemption import PreemptionFlag
+from training.preflight import check_out_dir_writable, checkpoint_bytes, warn_if_low_disk
 from training.ranks import same_outcome_on_every_rank
 from training.setup import build_model, claim_run_folder, describe_run, open_run_folder, restore, start_accelerator
 from training.step import NonFinitePolicy, learning_rate, train_step
@@ -49,8 +50,11 @@ def main() -> None:
                                           rank=rank, world_size=world, text_column=cfg.text_column,
                                           dataset_config=cfg.dataset_config, seed=cfg.seed)
         evals = TrainingEvals(cfg, accelerator)
+        check_out_dir_writable(run.path)
         lock = claim_run_folder(accelerator, cfg, resume)  # one run per folder; the checkpoint checked file by file
     arch, n_params, flops_per_token = model.config, model.num_params(), model.flops_per_token()
+    if accelerator.is_main_process:
+        warn_if_low_disk(run.path, checkpoint_bytes(n_params), cfg.keep_last)
     optimizer = build_optimizer(model, cfg, accelerator.device.type)
     model, optimizer = accelerator.prepare(model, optimizer)  # no scheduler: the LR is computed from the step
     torch.manual_seed(cfg.seed + rank)  # from here on, each rank draws its own dropout masks

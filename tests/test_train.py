@@ -450,18 +450,24 @@ def test_push_to_hub_from_training(tmp_path):
 
 
 def test_runs_without_the_optional_packages(tmp_path):
-    """The GPU image has torch/accelerate/transformers/tiktoken only: nothing else may be imported eagerly."""
+    """The GPU image has torch/accelerate/transformers/tiktoken only: nothing else may be imported eagerly.
+    HellaSwag needs `evaluate` (it computes the accuracies): without it, the run is refused at start."""
     script = f"""
 import sys, runpy
 for name in ("datasets", "evaluate", "wandb", "matplotlib"):
     sys.modules[name] = None  # any import of them fails
-sys.argv = ["train.py", "--out_dir", {str(tmp_path / "run")!r}, *{TINY!r}, "--max_steps", "2", "--micro_batch_size", "2",
-            "--total_batch_size", "64", "--eval_every", "2", "--hellaswag_every", "2", "--hellaswag_data", {HELLASWAG!r}]
+common = [*{TINY!r}, "--max_steps", "2", "--micro_batch_size", "2", "--total_batch_size", "64", "--eval_every", "2"]
+sys.argv = ["train.py", "--out_dir", {str(tmp_path / "run")!r}, *common]
+runpy.run_path("train.py", run_name="__main__")
+sys.argv = ["train.py", "--out_dir", {str(tmp_path / "hellaswag")!r}, *common, "--hellaswag_every", "2",
+            "--hellaswag_data", {HELLASWAG!r}]
 runpy.run_path("train.py", run_name="__main__")
 """
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "hellaswag_acc" in read_metrics(tmp_path / "run")[-1]
+    assert "val_loss" in read_metrics(tmp_path / "run")[-1]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: HellaSwag accuracies need the `evaluate` package")
+    assert not (tmp_path / "hellaswag").exists()
 
 
 @pytest.mark.slow

@@ -47,7 +47,9 @@ class TrainingEvals:
                             + small_val_advice(cfg.dataset, len(self.val_tokens), cfg.block_size))
         self.hellaswag_items = None
         if cfg.hellaswag_every:
-            from eval.hellaswag import load_items
+            from eval.hellaswag import load_items, require_metric_packages
+
+            require_metric_packages()
 
             self.hellaswag_items = load_items(cfg.hellaswag_data, cfg.hellaswag_limit)
 
