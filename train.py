@@ -67,37 +67,37 @@ def main() -> None:
     accelerator.print(describe_run(accelerator, cfg, n_params, grad_accum))
 
     # The loop: one optimizer step, then whatever is due after it (log, evals, checkpoint, a signal).
-    bar = tqdm(total=cfg.max_steps, initial=progress.step, disable=not accelerator.is_main_process, unit="step",
-               dynamic_ncols=True)
     model.train()
-    while progress.step < cfg.max_steps:
-        with throughput.timing():
-            lr = learning_rate(cfg, progress.step)
-            loss_sum, grad_norm = train_step(accelerator, model, optimizer, train_loader.next_batch, grad_accum, lr,
-                                             cfg.grad_clip)
-        nan_policy.after_step(progress.step + 1, grad_norm)
-        progress.step += 1
-        progress.tokens += cfg.total_batch_size
-        bar.update(1)
-        last = progress.step == cfg.max_steps
+    with tqdm(total=cfg.max_steps, initial=progress.step, disable=not accelerator.is_main_process, unit="step",
+              dynamic_ncols=True) as bar:  # closed (its line ended) also when an error stops the run
+        while progress.step < cfg.max_steps:
+            with throughput.timing():
+                lr = learning_rate(cfg, progress.step)
+                loss_sum, grad_norm = train_step(accelerator, model, optimizer, train_loader.next_batch, grad_accum, lr,
+                                                 cfg.grad_clip)
+            nan_policy.after_step(progress.step + 1, grad_norm)
+            progress.step += 1
+            progress.tokens += cfg.total_batch_size
+            bar.update(1)
+            last = progress.step == cfg.max_steps
 
-        record = {}
-        if progress.step % cfg.log_every == 0 or last:
-            loss = accelerator.reduce(loss_sum / grad_accum, reduction="mean").item()
-            tok_per_sec = throughput.read()
-            record = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": progress.tokens,
-                      "tok_per_sec": tok_per_sec, "mfu": estimate_mfu(flops_per_token, tok_per_sec, world, peak)}
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_per_sec:,.0f}")
-        record.update(evals.run_due(model, progress.step, last, write=bar.write))
-        if record:
-            metrics.log(progress.step, record)
-        stop = preempted.any_rank(accelerator)
-        if progress.step % cfg.save_every == 0 or last or stop:
-            uploads.checkpoint_saved(progress.step, checkpoints.save(model, progress, train_loader.state_dict()))
-        if stop:
-            accelerator.print(f"signal received: checkpoint saved at step {progress.step}; continue with --resume latest")
-            break
-    bar.close()
+            record = {}
+            if progress.step % cfg.log_every == 0 or last:
+                loss = accelerator.reduce(loss_sum / grad_accum, reduction="mean").item()
+                tok_per_sec = throughput.read()
+                record = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": progress.tokens,
+                          "tok_per_sec": tok_per_sec, "mfu": estimate_mfu(flops_per_token, tok_per_sec, world, peak)}
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_per_sec:,.0f}")
+            record.update(evals.run_due(model, progress.step, last, write=bar.write))
+            if record:
+                metrics.log(progress.step, record)
+            stop = preempted.any_rank(accelerator)
+            if progress.step % cfg.save_every == 0 or last or stop:
+                uploads.checkpoint_saved(progress.step, checkpoints.save(model, progress, train_loader.state_dict()))
+            if stop:
+                accelerator.print(f"signal received: checkpoint saved at step {progress.step}; "
+                                  "continue with --resume latest")
+                break
 
     # Shutdown: the final export, then an orderly end (two gloo processes that exit with live tensors and an
     # open group abort now and then), then the final push, after the process group is gone so that no rank

@@ -63,7 +63,8 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     on_nan: str = field(default="stop", metadata={"help": "'stop' (keep the last good checkpoint) or 'skip' the step"})
-    max_nan_skips: int = field(default=10, metadata={"help": "with --on_nan skip: stop after this many skipped steps in a row"})
+    max_nan_skips: int = field(default=10,
+                               metadata={"help": "with --on_nan skip: stop after this many skipped steps in a row"})
     seed: int = 1337
     # Evaluation, sampling, logging
     log_every: int = 10

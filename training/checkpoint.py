@@ -27,10 +27,13 @@ from typing import Any, Callable
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import load as accelerate_load
 
 from common.atomic import fresh_temp_dir, publish, temp_path
 from common.errors import UserError
 from common.run_dir import GPT_CONFIG, MANIFEST, RUN_STATE, RunDir, checkpoint_step, data_state_file
+
+FORMAT = 2  # run_state.json's "format": 2 = the checkpoint has a manifest (format 1, without, still resumes)
 
 
 @dataclass
@@ -59,14 +62,24 @@ class ResumePoint:
             raise UserError(f"{self.path / RUN_STATE} is damaged; resume from another checkpoint") from None
 
 
+def _fallback_advice(checkpoint: Path) -> str:
+    """What to do when `checkpoint` cannot be used: the checkpoint before it, if its folder has one."""
+    step = checkpoint_step(checkpoint)
+    earlier = [p for p in RunDir(checkpoint.parent.parent).list_checkpoints()
+               if step is not None and checkpoint_step(p) < step]
+    return (f"resume from the checkpoint before it with --resume {earlier[-1]}" if earlier
+            else "no earlier checkpoint exists: start a new run in another --out_dir")
+
+
 def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from a checkpoint file; a one-line error naming the file and the way out."""
     try:
         value = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise UserError(f"{path} is missing or damaged ({err.__class__.__name__}); resume from another checkpoint "
-                        "(--resume <run>/checkpoints/step_N)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UserError(f"checkpoint file {path} is missing or damaged ({err.__class__.__name__}); "
+                        f"{_fallback_advice(path.parent)}") from None
     if not isinstance(value, dict):
-        raise UserError(f"{path} is damaged (not a JSON object); resume from another checkpoint")
+        raise UserError(f"checkpoint file {path} is damaged (not a JSON object); {_fallback_advice(path.parent)}")
     return value
 
 
@@ -93,7 +106,7 @@ def find_resume_point(resume: str | None, out_dir: str | Path) -> ResumePoint | 
                             "to start that run over, or choose another --out_dir")
         return None
     path = newest if resume == "latest" else Path(resume)
-    if not (path / RUN_STATE).is_file():
+    if resume != "latest" and not (path / RUN_STATE).is_file():
         path = RunDir(path).latest_checkpoint()  # a run folder: its newest checkpoint
         if path is None:
             raise UserError(f"--resume {resume} is not a checkpoint (no {RUN_STATE}); pass 'latest' or a "
@@ -123,10 +136,10 @@ def _write_manifest(folder: Path) -> None:
 
 
 def _required_files(point: ResumePoint) -> list[str]:
-    """What a resume reads besides the manifest: our state files, every saved rank's RNG and data state,
-    the model and the optimizer (single files, or the folders of FSDP's sharded state)."""
+    """What a resume reads: our state files (and the manifest, for checkpoints that have one), every saved
+    rank's RNG and data state, the model and the optimizer (files, or folders of FSDP's sharded state)."""
     world = int(point.run_state.get("world_size", 1))
-    names = [GPT_CONFIG, RUN_STATE]
+    names = [GPT_CONFIG, RUN_STATE] + ([MANIFEST] if point.run_state.get("format", 1) >= FORMAT else [])
     for rank in range(world):
         names += [data_state_file(rank), f"random_states_{rank}.pkl"]
     sharded = (point.path / "pytorch_model_fsdp_0").is_dir()
@@ -136,20 +149,33 @@ def _required_files(point: ResumePoint) -> list[str]:
 def verify_checkpoint(point: ResumePoint) -> None:
     """Check that everything `load_checkpoint` will read is present and unchanged since it was saved.
 
-    Checkpoints written before manifests existed are checked for presence only."""
-    earlier = [p for p in RunDir(point.path.parent.parent).list_checkpoints()
-               if checkpoint_step(p) is not None and checkpoint_step(p) < (checkpoint_step(point.path) or 0)]
-    advice = (f"resume from the checkpoint before it with --resume {earlier[-1]}" if earlier
-              else "no earlier checkpoint exists: start a new run in another --out_dir")
+    Checkpoints written before manifests existed are checked for the presence of every file and readable RNG
+    states only."""
+    advice = _fallback_advice(point.path)
     for name in _required_files(point):
         if not (point.path / name).exists():
             raise UserError(f"checkpoint {point.path} is incomplete: {name} is missing; {advice}")
-    if not (point.path / MANIFEST).is_file():
-        return
-    for name, entry in _read_json(point.path / MANIFEST).get("files", {}).items():
-        file = point.path / name
+    if (point.path / MANIFEST).is_file():
+        _check_against_manifest(point.path, advice)
+    # accelerate swallows a failed RNG load (it logs at info level and goes on: a silently inexact resume),
+    # so read the RNG states here first, the way it will: weights_only, which never runs pickled code.
+    for rank in range(int(point.run_state.get("world_size", 1))):
+        file = point.path / f"random_states_{rank}.pkl"
+        try:
+            accelerate_load(file)
+        except Exception as err:  # noqa: BLE001 - any failure to unpickle is a damaged file here
+            raise UserError(f"checkpoint file {file} cannot be read ({type(err).__name__}); {advice}") from None
+
+
+def _check_against_manifest(folder: Path, advice: str) -> None:
+    files = _read_json(folder / MANIFEST).get("files")
+    if not isinstance(files, dict) or not all(isinstance(e, dict) and {"bytes", "sha256"} <= e.keys()
+                                              for e in files.values()):
+        raise UserError(f"{folder / MANIFEST} is damaged; {advice}")
+    for name, entry in files.items():
+        file = folder / name
         if not file.is_file():
-            raise UserError(f"checkpoint {point.path} is incomplete: {name} is missing; {advice}")
+            raise UserError(f"checkpoint {folder} is incomplete: {name} is missing; {advice}")
         if file.stat().st_size != entry["bytes"]:
             raise UserError(f"checkpoint file {file} was cut short or overwritten ({file.stat().st_size} bytes, "
                             f"{entry['bytes']} when saved); {advice}")
@@ -203,7 +229,8 @@ def save_checkpoint(
 
     if accelerator.is_main_process:
         (tmp / GPT_CONFIG).write_text(json.dumps(asdict(gpt_config), indent=2))
-        (tmp / RUN_STATE).write_text(json.dumps({**asdict(progress), "world_size": accelerator.num_processes}, indent=2))
+        run_state = {**asdict(progress), "world_size": accelerator.num_processes, "format": FORMAT}
+        (tmp / RUN_STATE).write_text(json.dumps(run_state, indent=2))
         _write_manifest(tmp)
         publish(tmp, final)  # replaces a same-step checkpoint of an earlier attempt
         for old in run.list_checkpoints()[:-keep_last]:

@@ -21,7 +21,8 @@ from common.run_dir import RunDir
 
 def trackers_for(report_to: str) -> list[str] | None:
     """`--report_to` value -> accelerate's `log_with` list."""
-    return {"none": None, "tensorboard": ["tensorboard"], "wandb": ["wandb"], "all": ["tensorboard", "wandb"]}[report_to]
+    choices = {"none": None, "tensorboard": ["tensorboard"], "wandb": ["wandb"], "all": ["tensorboard", "wandb"]}
+    return choices[report_to]
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -52,7 +52,8 @@ def build_model(cfg: TrainConfig, resume: ResumePoint | None) -> GPT:
         try:
             arch = GPTConfig(**{**resume.gpt_config, "block_size": cfg.block_size, "dropout": cfg.dropout})
         except (TypeError, ValueError) as err:
-            raise UserError(f"the model config in {resume.path} is damaged ({err}); resume from another checkpoint") from None
+            raise UserError(f"the model config in {resume.path} is damaged ({err}); resume from another "
+                            "checkpoint") from None
         return GPT(arch)
     return GPT.from_pretrained(cfg.init_from, block_size=cfg.block_size, dropout=cfg.dropout)
 
@@ -76,12 +77,15 @@ def claim_run_folder(accelerator: Accelerator, cfg: TrainConfig, resume: ResumeP
     except Timeout:
         raise UserError(f"another run is writing into {run.path} (it holds {run.lock_file}); wait for it to end "
                         "or choose another --out_dir") from None
-    now = find_resume_point(cfg.resume, run.path)
-    if (now and (now.path, now.superseded)) != (resume and (resume.path, resume.superseded)):
+    try:
+        now = find_resume_point(cfg.resume, run.path)
+        if (now and (now.path, now.superseded)) != (resume and (resume.path, resume.superseded)):
+            raise UserError(f"another run changed {run.path} while this one was starting; start this one again")
+        if resume is not None:
+            verify_checkpoint(resume)
+    except UserError:
         lock.release()
-        raise UserError(f"another run changed {run.path} while this one was starting; start this one again")
-    if resume is not None:
-        verify_checkpoint(resume)
+        raise
     return lock
 
 
@@ -106,9 +110,9 @@ def open_run_folder(accelerator: Accelerator, cfg: TrainConfig, progress: Progre
     if accelerator.is_main_process:
         aside = set_aside_superseded(resume, run) if resume is not None else None
         if aside is not None:
-            print(f"resuming from {resume.path.name}: the newer checkpoints ({', '.join(p.name for p in resume.superseded)}) "
-                  f"and final/, if any, were moved to {aside} (with a copy of metrics.jsonl); nothing was deleted",
-                  flush=True)
+            newer = ", ".join(p.name for p in resume.superseded)
+            print(f"resuming from {resume.path.name}: the newer checkpoints ({newer}) and final/, if any, were moved "
+                  f"to {aside} (with a copy of metrics.jsonl); nothing was deleted", flush=True)
         write_run_config(cfg, run.config_file)
     accelerator.init_trackers(cfg.wandb_project, config=asdict(cfg),
                               init_kwargs={"wandb": {"id": progress.run_id, "resume": "allow",

@@ -77,8 +77,9 @@ class NonFinitePolicy:
         self.skipped_in_a_row += 1
         limit = self.cfg.max_nan_skips
         if self.cfg.on_nan == "stop" or self.skipped_in_a_row > limit:
-            why = "" if self.cfg.on_nan == "stop" else f" ({self.skipped_in_a_row} steps in a row, over --max_nan_skips {limit})"
-            advice = "Lower --lr and resume from it" + ("" if self.cfg.on_nan == "skip" else ", or resume with --on_nan skip")
+            skip = self.cfg.on_nan == "skip"
+            why = f" ({self.skipped_in_a_row} steps in a row, over --max_nan_skips {limit})" if skip else ""
+            advice = "Lower --lr and resume from it" + ("" if skip else ", or resume with --on_nan skip")
             raise UserError(f"non-finite loss/gradient norm at step {step}{why}; last good checkpoint: "
                             f"{self.run.latest_checkpoint()}. {advice}", on_every_rank=True)
         self.accelerator.print(f"step {step}: non-finite gradient norm, step skipped ({self.skipped_in_a_row} in a row; "

@@ -1,0 +1,221 @@
+"""Fault injection: every file of a checkpoint damaged every way, NaN blow-ups, two runs in one folder,
+errors under two processes. Each case ends in one line and exit status 2 with nothing changed, or in a
+resume that ends bit-identical to the uninterrupted run; never a traceback, never executed code.
+
+One small run (2 checkpoints) is made once; each case works on a copy of it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO_ROOT, free_port
+from test_train import TINY, assert_same_weights, launch, read_metrics, run_in_process, tree_digest
+
+import train
+from common.errors import UserError
+from training.checkpoint import find_resume_point, verify_checkpoint
+
+# 4 steps, a checkpoint at 2 and 4, dropout so that a lost RNG state would change the weights.
+RUN = TINY + ["--max_steps", "4", "--micro_batch_size", "2", "--total_batch_size", "64", "--save_every", "2",
+              "--eval_every", "4", "--dropout", "0.1"]
+FILES = ["model.safetensors", "optimizer.bin", "random_states_0.pkl", "data_state_rank0.json", "run_state.json",
+         "gpt_config.json", "manifest.json"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("faults") / "run"
+    launch(RUN + ["--out_dir", str(out)])
+    return out
+
+
+@pytest.fixture
+def run_copy(reference, tmp_path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    return out
+
+
+class WritesAMarker:
+    """A pickle that would create a file when loaded by a plain `pickle.load`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def damage(file: Path, how: str, marker: Path) -> None:
+    data = file.read_bytes()
+    if how == "delete":
+        file.unlink()
+    elif how == "truncate":
+        file.write_bytes(data[: len(data) // 2])
+    elif how == "garbage":  # same size, other bytes: only the hash can tell
+        file.write_bytes(bytes((b + 1) % 256 for b in data))
+    elif how == "pickle":
+        file.write_bytes(pickle.dumps(WritesAMarker(marker)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FILES)
+@pytest.mark.parametrize("how", ["delete", "truncate", "garbage", "pickle"])
+def test_every_damaged_checkpoint_file_is_refused_by_name(run_copy, tmp_path, name, how):
+    newest = run_copy / "checkpoints" / "step_000004"
+    marker = tmp_path / "code_was_run"
+    damage(newest / name, how, marker)
+    if (name, how) == ("gpt_config.json", "delete"):
+        # Without it the folder is not a complete checkpoint (a save publishes it last but for the manifest):
+        # the newest complete one is resumed, exactly, and says so.
+        assert find_resume_point("latest", run_copy).path.name == "step_000002"
+        return
+    with pytest.raises(UserError) as err:
+        verify_checkpoint(find_resume_point("latest", run_copy))
+    message = str(err.value)
+    assert "\n" not in message and name in message
+    if name != "manifest.json":  # the advice names the checkpoint to fall back to
+        assert f"--resume {run_copy / 'checkpoints' / 'step_000002'}" in message
+    assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_without_manifest_still_refuses_a_bad_rng_state_and_never_runs_it(run_copy, tmp_path):
+    """Checkpoints from before manifests resume (presence checks) but a damaged RNG pickle, which accelerate
+    would skip with an info-level log, is refused, and its code is never run."""
+    newest = run_copy / "checkpoints" / "step_000004"
+    (newest / "manifest.json").unlink()  # as written before manifests (run_state format 1)
+    state = json.loads((newest / "run_state.json").read_text())
+    del state["format"]
+    (newest / "run_state.json").write_text(json.dumps(state))
+    verify_checkpoint(find_resume_point("latest", run_copy))  # an old, intact checkpoint is fine
+    marker = tmp_path / "code_was_run"
+    damage(newest / "random_states_0.pkl", "pickle", marker)
+    with pytest.raises(UserError, match="random_states_0.pkl cannot be read"):
+        verify_checkpoint(find_resume_point("latest", run_copy))
+    assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_train_py_refuses_a_damaged_checkpoint_then_resumes_from_the_earlier_one_exactly(run_copy, reference,
+                                                                                       monkeypatch, capsys):
+    (run_copy / "checkpoints" / "step_000004" / "random_states_0.pkl").unlink()
+    before = tree_digest(run_copy)
+    err = run_in_process(monkeypatch, capsys, RUN + ["--out_dir", str(run_copy), "--resume", "latest"])
+    assert "random_states_0.pkl is missing; resume from the checkpoint before it with --resume" in err
+    assert tree_digest(run_copy) == before
+    # Following the advice: step 2, then steps 3-4 again, bit for bit; the damaged step 4 is set aside.
+    earlier = run_copy / "checkpoints" / "step_000002"
+    launch(RUN + ["--out_dir", str(run_copy), "--resume", str(earlier)])
+    assert_same_weights(reference, run_copy)
+    assert [r["step"] for r in read_metrics(run_copy)] == [r["step"] for r in read_metrics(reference)]
+    assert len(list((run_copy / "superseded").glob("*/step_000004"))) == 1
+
+
+@pytest.mark.slow
+def test_a_checkpoint_past_max_steps_is_refused(run_copy, monkeypatch, capsys):
+    before = tree_digest(run_copy)
+    args = RUN + ["--out_dir", str(run_copy), "--resume", "latest", "--max_steps", "3"]
+    assert "is at step 4, past --max_steps 3; pass a larger --max_steps" in run_in_process(monkeypatch, capsys, args)
+    assert tree_digest(run_copy) == before
+
+
+# ---- runaway training: nothing non-finite is ever kept or named as good --------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("on_nan", ["stop", "skip"])
+def test_an_exploding_run_keeps_only_good_checkpoints(tmp_path, monkeypatch, capsys, on_nan):
+    """lr 1e6: the first update leaves finite but useless weights whose loss is not finite. That state is
+    never saved (or named as the last good one), and --on_nan skip does not skip forever."""
+    out = tmp_path / "run"
+    args = TINY + ["--out_dir", str(out), "--max_steps", "30", "--micro_batch_size", "2", "--total_batch_size", "64",
+                   "--lr", "1e6", "--warmup_steps", "1", "--save_every", "1", "--on_nan", on_nan,
+                   "--max_nan_skips", "3"]
+    monkeypatch.setattr(sys, "argv", ["train.py", *args])
+    with pytest.raises(SystemExit) as exit_info:
+        train.run_cli(train.main)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.endswith("\n")
+    last = err.strip().splitlines()[-1]  # after the progress bar, on a line of its own
+    assert last.startswith("error: ") and "last good checkpoint: None" in last, err
+    assert not (out / "checkpoints").exists() or not list((out / "checkpoints").glob("step_*"))
+    assert not (out / "final").exists()
+
+
+def test_skipped_steps_are_bounded(tmp_path):
+    from accelerate import Accelerator
+
+    from common.run_dir import RunDir
+    from configs import TrainConfig
+    from training.step import NonFinitePolicy
+
+    policy = NonFinitePolicy(TrainConfig(on_nan="skip", max_nan_skips=2), RunDir(tmp_path), Accelerator(cpu=True))
+    policy.after_step(1, float("nan"))
+    policy.after_step(2, 1.0)  # a good step resets the count
+    policy.after_step(3, float("inf"))
+    policy.after_step(4, float("nan"))
+    with pytest.raises(UserError, match=r"at step 5 \(3 steps in a row, over --max_nan_skips 2\)"):
+        policy.after_step(5, float("nan"))
+
+
+# ---- one run per folder -------------------------------------------------------------------------------------
+
+def test_a_second_run_in_a_locked_folder_is_refused(tmp_path, monkeypatch, capsys):
+    from filelock import FileLock
+
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = FileLock(out / ".lock")  # another run's lock (a separate lock object, as another process has)
+    holder.acquire()
+    try:
+        err = run_in_process(monkeypatch, capsys, TINY + ["--out_dir", str(out), "--max_steps", "1"])
+    finally:
+        holder.release()
+    assert f"another run is writing into {out}" in err
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]
+
+
+def test_a_lock_file_left_by_a_dead_run_is_no_obstacle(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".lock").write_text("")  # left behind by a killed run: nobody holds it
+    launch(TINY + ["--out_dir", str(out), "--max_steps", "1", "--micro_batch_size", "2", "--total_batch_size", "64"])
+    assert (out / "final" / "model.safetensors").is_file()
+
+
+# ---- two processes: an error is printed once and every rank exits 2 --------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_process_errors_print_once(reference, tmp_path):
+    """A config error (every rank parses it alike) and a refusal found during setup (the ranks agree on it)."""
+    finished = tmp_path / "finished"
+    (finished / "final").mkdir(parents=True)
+    (finished / "final" / "config.json").write_text("{}")
+    cases = [(["--lr", "-1"], "error: --lr must be positive"),
+             (["--out_dir", str(finished), "--resume", "latest"], "holds a finished run (final/)")]
+    script = ";".join([
+        "import os, runpy, sys",
+        "sys.argv = ['train.py', *sys.argv[1:]]",
+        "runpy.run_path('train.py', run_name='__main__')",
+    ])
+    for args, message in cases:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), "--no-python", sys.executable, "-c", script, *RUN, "--total_batch_size", "128",
+               "--out_dir", str(tmp_path / "new"), *args]
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and message in errors[0], proc.stderr[-3000:]
+        # torchrun's summary: the first rank to finish exited 2 (the launcher then stops the other, by SIGTERM
+        # if it is still shutting down).
+        assert "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]
+        assert "raise UserError" not in proc.stderr  # no worker traceback
