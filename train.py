@@ -51,7 +51,7 @@ def main() -> None:
                                           dataset_config=cfg.dataset_config, seed=cfg.seed)
         evals = TrainingEvals(cfg, accelerator)
         check_out_dir_writable(run.path)
-        lock = claim_run_folder(accelerator, cfg, resume)  # one run per folder; the checkpoint checked file by file
+        claim_run_folder(accelerator, cfg, resume)  # one run per folder (locked); the checkpoint checked file by file
     arch, n_params, flops_per_token = model.config, model.num_params(), model.flops_per_token()
     if accelerator.is_main_process:
         warn_if_low_disk(run.path, checkpoint_bytes(n_params), cfg.keep_last)
@@ -112,8 +112,6 @@ def main() -> None:
     uploads.wait()
     if finished:
         uploads.push_final()
-    if lock is not None:
-        lock.release()
 
 
 if __name__ == "__main__":

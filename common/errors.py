@@ -51,6 +51,15 @@ def fail(message: str, *, quiet: bool = False) -> NoReturn:
     raise SystemExit(2)
 
 
+_when_done: list[Callable[[], None]] = []
+
+
+def when_done(release: Callable[[], None]) -> None:
+    """Have `run_cli` call `release` when its entry point returns or stops with an error (e.g. to drop a lock
+    also when the entry point runs in-process, where no process exit would drop it)."""
+    _when_done.append(release)
+
+
 def run_cli(main: Callable[[], object]) -> None:
     """Run an entry point, turning a `UserError` into a one-line message and exit status 2."""
     try:
@@ -62,3 +71,6 @@ def run_cli(main: Callable[[], object]) -> None:
         fail(f"(rank {rank}) {err}")
     except KeyboardInterrupt:
         fail("interrupted")
+    finally:
+        while _when_done:
+            _when_done.pop()()

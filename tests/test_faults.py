@@ -43,6 +43,21 @@ def run_copy(reference, tmp_path) -> Path:
     return out
 
 
+
+def train_until_error(monkeypatch, capsys, args: list[str]) -> str:
+    """train.py's entry point in this process, for runs that fail after the progress bar started: exit status
+    2, no traceback, the error alone on the last line of stderr (which the function returns)."""
+    monkeypatch.setattr(sys, "argv", ["train.py", *args])
+    with pytest.raises(SystemExit) as exit_info:
+        train.run_cli(train.main)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.endswith("\n")
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: "), err
+    return last
+
+
 class WritesAMarker:
     """A pickle that would create a file when loaded by a plain `pickle.load`."""
 
@@ -138,14 +153,7 @@ def test_an_exploding_run_keeps_only_good_checkpoints(tmp_path, monkeypatch, cap
     args = TINY + ["--out_dir", str(out), "--max_steps", "30", "--micro_batch_size", "2", "--total_batch_size", "64",
                    "--lr", "1e6", "--warmup_steps", "1", "--save_every", "1", "--on_nan", on_nan,
                    "--max_nan_skips", "3"]
-    monkeypatch.setattr(sys, "argv", ["train.py", *args])
-    with pytest.raises(SystemExit) as exit_info:
-        train.run_cli(train.main)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and err.endswith("\n")
-    last = err.strip().splitlines()[-1]  # after the progress bar, on a line of its own
-    assert last.startswith("error: ") and "last good checkpoint: None" in last, err
+    assert "last good checkpoint: None" in train_until_error(monkeypatch, capsys, args)
     assert not (out / "checkpoints").exists() or not list((out / "checkpoints").glob("step_*"))
     assert not (out / "final").exists()
 
@@ -219,3 +227,45 @@ def test_two_process_errors_print_once(reference, tmp_path):
         # if it is still shutting down).
         assert "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]
         assert "raise UserError" not in proc.stderr  # no worker traceback
+
+
+# ---- the disk fills up -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("at", ["save_state", "export"])
+def test_a_full_disk_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path, monkeypatch, capsys, at):
+    """ENOSPC in the second checkpoint (or in final/): one line, no partial folder, the first checkpoint intact,
+    and --resume latest then finishes the run."""
+    import errno
+
+    from accelerate import Accelerator
+
+    import training.export
+
+    out = tmp_path / "run"
+    args = TINY + ["--out_dir", str(out), "--max_steps", "4", "--micro_batch_size", "2", "--total_batch_size", "64",
+                   "--save_every", "2", "--eval_every", "4"]
+    full = OSError(errno.ENOSPC, "No space left on device")
+    if at == "save_state":
+        save_state = Accelerator.save_state
+
+        def save_state_until_full(self, output_dir=None, **kwargs):
+            if output_dir.endswith("step_000004"):
+                (Path(output_dir) / "model.safetensors").write_bytes(b"partial")
+                raise full
+            return save_state(self, output_dir, **kwargs)
+
+        monkeypatch.setattr(Accelerator, "save_state", save_state_until_full)
+    else:
+        def full_export(self, directory, overwrite=False):
+            (Path(directory) / "model.safetensors").write_bytes(b"partial")
+            raise full
+
+        monkeypatch.setattr(training.export.GPT, "save_pretrained", full_export)
+    last = train_until_error(monkeypatch, capsys, args)
+    assert last.startswith("error: could not write ") and "No space left on device" in last
+    assert not list(out.rglob(".tmp-*")) and not (out / "final").exists()
+    expected = ["step_000002"] if at == "save_state" else ["step_000002", "step_000004"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == expected
+    monkeypatch.undo()
+    launch(args + ["--resume", "latest"])
+    assert (out / "final" / "model.safetensors").is_file()

@@ -5,7 +5,6 @@ references are independent runs: one process for DDP, an uninterrupted run for r
 """
 from __future__ import annotations
 
-import gc
 import json
 import os
 import shutil
@@ -249,9 +248,6 @@ def run_in_process(monkeypatch, capsys, args: list[str]) -> str:
     with pytest.raises(SystemExit) as exit_info:
         train.run_cli(train.main)
     assert exit_info.value.code == 2
-    # A process exit would drop the run folder's lock; here, free the frames that hold it.
-    del exit_info
-    gc.collect()
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: "), err
     return err

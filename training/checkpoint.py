@@ -21,13 +21,15 @@ import pickle
 import secrets
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import load as accelerate_load
+from safetensors import SafetensorError
 
 from common.atomic import fresh_temp_dir, publish, temp_path
 from common.errors import UserError
@@ -223,20 +225,37 @@ def save_checkpoint(
     accelerator.wait_for_everyone()
 
     logging.getLogger("accelerate.utils.other").addFilter(_quiet_tied_weight_warning)  # once: filters are a set
-    accelerator.save_state(str(tmp))
-    (tmp / data_state_file(accelerator.process_index)).write_text(json.dumps(data_state, indent=2))
+    with _disk_errors_as_user_errors(tmp, final):
+        accelerator.save_state(str(tmp))
+        (tmp / data_state_file(accelerator.process_index)).write_text(json.dumps(data_state, indent=2))
     accelerator.wait_for_everyone()  # every rank's files are in tmp
 
     if accelerator.is_main_process:
-        (tmp / GPT_CONFIG).write_text(json.dumps(asdict(gpt_config), indent=2))
-        run_state = {**asdict(progress), "world_size": accelerator.num_processes, "format": FORMAT}
-        (tmp / RUN_STATE).write_text(json.dumps(run_state, indent=2))
-        _write_manifest(tmp)
-        publish(tmp, final)  # replaces a same-step checkpoint of an earlier attempt
+        with _disk_errors_as_user_errors(tmp, final):
+            (tmp / GPT_CONFIG).write_text(json.dumps(asdict(gpt_config), indent=2))
+            run_state = {**asdict(progress), "world_size": accelerator.num_processes, "format": FORMAT}
+            (tmp / RUN_STATE).write_text(json.dumps(run_state, indent=2))
+            _write_manifest(tmp)
+            publish(tmp, final)  # replaces a same-step checkpoint of an earlier attempt
         for old in run.list_checkpoints()[:-keep_last]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
+
+
+@contextmanager
+def _disk_errors_as_user_errors(tmp: Path, final: Path) -> Iterator[None]:
+    """A full disk or a folder that became unwritable while saving: remove the partial checkpoint and say so in
+    one line (the published checkpoints are untouched: a save only ever renames a finished folder into place).
+    Under several processes only the rank that failed knows; the others stop at their next collective."""
+    try:
+        yield
+    except (OSError, SafetensorError) as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
+        raise UserError(f"could not write checkpoint {final.name} in {final.parent} ({reason}); the earlier "
+                        "checkpoints are intact: free disk space (or fix the folder) and continue with --resume "
+                        "latest") from None
 
 
 def load_checkpoint(accelerator: Accelerator, point: ResumePoint, gpt_config: Any) -> dict[str, Any]:

@@ -1,10 +1,14 @@
 """The end of a finished run: `final/`, the model as a Hugging Face GPT-2 folder."""
 from __future__ import annotations
 
+import shutil
+
 import torch
 from accelerate import Accelerator
+from safetensors import SafetensorError
 
 from common.atomic import fresh_temp_dir, publish
+from common.errors import UserError
 from common.run_dir import RunDir
 from model import GPT, GPTConfig
 from model.hf_io import strip_wrapper_prefixes
@@ -17,6 +21,12 @@ def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConf
         export = GPT(arch)
         export.load_state_dict(state_dict)
         tmp = fresh_temp_dir(run.final)
-        export.save_pretrained(tmp, overwrite=True)
-        publish(tmp, run.final)
+        try:
+            export.save_pretrained(tmp, overwrite=True)
+            publish(tmp, run.final)
+        except (OSError, SafetensorError) as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
+            raise UserError(f"could not write {run.final} ({reason}); the last checkpoint is intact: free disk space "
+                            "and run again with --resume latest, which only writes final/") from None
         accelerator.print(f"final model written to {run.final}")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -10,7 +11,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import ProjectConfiguration
 from filelock import FileLock, Timeout
 
-from common.errors import UserError
+from common.errors import UserError, when_done
 from common.run_dir import RunDir
 from configs import TrainConfig, write_run_config
 from model import GPT, GPTConfig
@@ -58,25 +59,20 @@ def build_model(cfg: TrainConfig, resume: ResumePoint | None) -> GPT:
     return GPT.from_pretrained(cfg.init_from, block_size=cfg.block_size, dropout=cfg.dropout)
 
 
-def claim_run_folder(accelerator: Accelerator, cfg: TrainConfig, resume: ResumePoint | None) -> FileLock | None:
+def claim_run_folder(accelerator: Accelerator, cfg: TrainConfig, resume: ResumePoint | None) -> None:
     """Make `--out_dir` this run's own, once `find_resume_point` accepted it (so a refused run created nothing).
 
     The main process takes the folder's lock (one run per folder; the OS drops the lock of a process that
-    died), sees that the folder still resumes the same way, and checks the resume point file by file. Call
-    inside `same_outcome_on_every_rank`. Returns the held lock (None on the other ranks)."""
+    died, `run_cli` the lock of an entry point that ended), sees that the folder still resumes the same way,
+    and checks the resume point file by file. Call inside `same_outcome_on_every_rank`."""
     run = RunDir(cfg.out_dir)
     if resume is not None and resume.progress.step > cfg.max_steps:
         raise UserError(f"{resume.path} is at step {resume.progress.step}, past --max_steps {cfg.max_steps}; "
                         "pass a larger --max_steps to train on")
     if not accelerator.is_main_process:
-        return None
+        return
     run.path.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(run.lock_file, is_singleton=True)  # re-entrant within one process (in-process callers)
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise UserError(f"another run is writing into {run.path} (it holds {run.lock_file}); wait for it to end "
-                        "or choose another --out_dir") from None
+    lock = _lock(run.lock_file)
     try:
         now = find_resume_point(cfg.resume, run.path)
         if (now and (now.path, now.superseded)) != (resume and (resume.path, resume.superseded)):
@@ -86,6 +82,18 @@ def claim_run_folder(accelerator: Accelerator, cfg: TrainConfig, resume: ResumeP
     except UserError:
         lock.release()
         raise
+
+
+def _lock(path: Path) -> FileLock:
+    """Take the lock at `path` (released when the entry point ends, see `common.errors.when_done`), or say
+    which run holds it."""
+    lock = FileLock(path)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise UserError(f"another run is writing into {path.parent} (it holds {path}); wait for it to end or "
+                        "choose another --out_dir") from None
+    when_done(lock.release)
     return lock
 
 

@@ -82,5 +82,5 @@ class NonFinitePolicy:
             advice = "Lower --lr and resume from it" + ("" if skip else ", or resume with --on_nan skip")
             raise UserError(f"non-finite loss/gradient norm at step {step}{why}; last good checkpoint: "
                             f"{self.run.latest_checkpoint()}. {advice}", on_every_rank=True)
-        self.accelerator.print(f"step {step}: non-finite gradient norm, step skipped ({self.skipped_in_a_row} in a row; "
-                               f"--on_nan skip stops after {limit})")
+        self.accelerator.print(f"step {step}: non-finite gradient norm, step skipped ({self.skipped_in_a_row} in a "
+                               f"row; --on_nan skip stops after {limit})")
