@@ -64,7 +64,7 @@ def main() -> None:
     nan_policy = NonFinitePolicy(cfg, run, accelerator)
     preempted, throughput = PreemptionFlag(), Throughput(cfg.total_batch_size)
     peak = peak_flops(accelerator.device, cfg.mfu_peak_flops)
-    accelerator.print(describe_run(accelerator, cfg, n_params, grad_accum))
+    accelerator.print(describe_run(accelerator, cfg, model, n_params, grad_accum))
 
     # The loop: one optimizer step, then whatever is due after it (log, evals, checkpoint, a signal).
     model.train()

@@ -5,10 +5,18 @@
 FAULT (environment) picks the fault; without it this is plain train.py:
 - `kill_after_step:N`  SIGKILL every process once N optimizer steps are done (between checkpoints)
 - `kill_in_save:N`     SIGKILL every process while the checkpoint of step N is written, before it is published
+- `kill_in_save_state:N`  SIGKILL inside accelerate's save_state of step N: the model file is written, the
+                       optimizer state not yet
+- `kill_in_rotation:N` SIGKILL while the save of step N deletes older checkpoints (one file of the oldest gone)
+- `kill_in_export`     SIGKILL while final/ is written (its files in the temp folder, not yet renamed into place)
 - `nan_at_step:N`      the loss of optimizer step N (1-based) is NaN
+
+FAKE_HUB_PARQUET (environment, comma-separated files): any Hub dataset id streams these local parquet files
+instead (the streaming path of train.py, offline).
 """
 import importlib.util
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -43,6 +51,44 @@ elif kind == "kill_in_save":
         publish(tmp, final)
 
     checkpoint.publish = die_before_publish
+elif kind == "kill_in_save_state":
+    import accelerate.checkpointing as checkpointing
+
+    save = checkpointing.save
+
+    def save_then_die_before_the_optimizer(obj, f, *args, **kwargs):
+        if Path(f).name == "optimizer.bin" and Path(f).parent.name == f".tmp-step_{at:06d}":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return save(obj, f, *args, **kwargs)
+
+    checkpointing.save = save_then_die_before_the_optimizer
+elif kind == "kill_in_rotation":
+    import training.checkpoint as checkpoint
+
+    class ShutilDyingInRotation:
+        """training.checkpoint's shutil, whose rmtree of an old checkpoint dies after one file."""
+
+        def __getattr__(self, name):
+            return getattr(shutil, name)
+
+        @staticmethod
+        def rmtree(path, *args, **kwargs):
+            path = Path(path)
+            if path.name.startswith("step_") and (path.parent / f"step_{at:06d}").is_dir():
+                next(p for p in path.iterdir() if p.is_file()).unlink()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return shutil.rmtree(path, *args, **kwargs)
+
+    checkpoint.shutil = ShutilDyingInRotation()
+elif kind == "kill_in_export":
+    import training.export as export
+
+    publish = export.publish
+
+    def die_before_final_is_published(tmp, final):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    export.publish = die_before_final_is_published
 elif kind == "nan_at_step":
     from model import GPT
 
@@ -59,5 +105,15 @@ elif kind == "nan_at_step":
         return logits, loss
 
     GPT.forward = forward_with_nan
+
+if os.environ.get("FAKE_HUB_PARQUET"):
+    import data.streaming as streaming
+
+    open_hub_stream = streaming.open_hub_stream
+
+    def open_local_parquet(name, config, split="train", data_files=None):
+        return open_hub_stream("parquet", None, "train", data_files=os.environ["FAKE_HUB_PARQUET"].split(","))
+
+    streaming.open_hub_stream = open_local_parquet
 
 train.run_cli(train.main)

@@ -144,7 +144,8 @@ def test_resume_after_kill_is_bit_exact(uninterrupted, tmp_path, fault):
 
 
 @pytest.mark.slow
-def test_sigterm_saves_and_exits_cleanly(uninterrupted, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_sigterm_saves_and_exits_cleanly(uninterrupted, tmp_path, sig):
     out = tmp_path / "run"
     args = RESUME_ARGS + ["--out_dir", str(out), "--max_steps", "400", "--save_every", "1000"]
     proc = launch(args, background=True)
@@ -153,7 +154,7 @@ def test_sigterm_saves_and_exits_cleanly(uninterrupted, tmp_path):
         assert proc.poll() is None, proc.stdout.read()
         assert time.time() < deadline, "no step logged in time"
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGTERM)
+    os.killpg(proc.pid, sig)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output
     assert "continue with --resume latest" in output
@@ -236,6 +237,58 @@ def test_ddp_resume_after_kill_is_bit_exact(ddp_run, tmp_path):
     assert "data_state_rank0.json" in states and "data_state_rank1.json" in states
     launch(DDP_ARGS + ["--out_dir", str(out), "--resume", "latest"], nproc=2)
     assert_same_weights(ddp_run, out)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_killed_then_resumed_on_one(ddp_run, tmp_path):
+    """DDP_ARGS on 2 processes (accumulation 2), killed after step 1; resumed on 1 process (accumulation 4):
+    the same global batches, so the weights end where the uninterrupted 2-process run ends, to float rounding."""
+    out = tmp_path / "run"
+    args = DDP_ARGS + ["--out_dir", str(out), "--save_every", "1"]
+    launch(args, nproc=2, fault="kill_after_step:1", check=False)
+    resumed = launch(args + ["--resume", "latest"])
+    assert "saved by 2 process(es), this run has 1" in resumed.stdout + resumed.stderr
+    assert "1 process(es) x 4 accumulation" in resumed.stdout + resumed.stderr
+    assert_same_weights(ddp_run, out, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path):
+    """SIGUSR1 to one worker only: the flag is reduced over ranks, so both checkpoint the same step, exit 0."""
+    out = tmp_path / "run"
+    proc = launch(DDP_ARGS + ["--out_dir", str(out), "--max_steps", "400", "--save_every", "1000"], nproc=2,
+                  background=True)
+    deadline = time.time() + 120
+    while not (out / "metrics.jsonl").exists() or not read_metrics(out):
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() < deadline, "no step logged in time"
+        time.sleep(0.2)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2, workers
+    os.kill(int(workers[1]), signal.SIGUSR1)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output
+    saved = json.loads(next((out / "checkpoints").glob("step_*/run_state.json")).read_text())
+    assert saved["world_size"] == 2 and 1 <= saved["step"] < 400
+    assert (out / "checkpoints" / f"step_{saved['step']:06d}" / "random_states_1.pkl").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_cpu_multi_process_launch_runs_on_gloo_by_itself(tmp_path):
+    """torchrun without any accelerate config (no use_cpu): train.py sees several processes and no CUDA, and
+    puts them on gloo itself (otherwise every process would believe it is rank 0)."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "train.py", *DDP_ARGS, "--out_dir", str(out), "--max_steps", "2"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 process(es) x 2 accumulation" in proc.stdout and "distributed: MULTI_CPU" in proc.stdout
+    assert json.loads((out / "checkpoints" / "step_000002" / "run_state.json").read_text())["world_size"] == 2
 
 
 # ---- bad input: one line on stderr, exit status 2, nothing overwritten ----------------------------------
@@ -346,8 +399,9 @@ def test_compiled_model_exports_plain_weights(tmp_path):
     """torch.compile through accelerate (the `eager` dynamo backend: no C compiler needed) prefixes the
     state-dict keys with `_orig_mod.`; the final export must not."""
     out = tmp_path / "run"
-    launch(TINY + ["--out_dir", str(out), "--max_steps", "2", "--micro_batch_size", "2", "--total_batch_size", "64",
-                   "--eval_every", "2"], extra_env={"ACCELERATE_DYNAMO_BACKEND": "EAGER"})
+    proc = launch(TINY + ["--out_dir", str(out), "--max_steps", "2", "--micro_batch_size", "2", "--total_batch_size",
+                          "64", "--eval_every", "2"], extra_env={"ACCELERATE_DYNAMO_BACKEND": "EAGER"})
+    assert "| torch.compile (eager) |" in proc.stdout  # the model that trained was compiled
     weights = final_weights(out)
     assert "transformer.wte.weight" in weights and not any("_orig_mod" in k for k in weights)
 
@@ -359,7 +413,47 @@ def test_block_size_beyond_the_pretrained_positions(monkeypatch, capsys, tmp_pat
     capsys.readouterr()  # transformers' progress bar
     err = run_in_process(monkeypatch, capsys, TINY + ["--out_dir", str(tmp_path / "r"), "--init_from",
                                                       str(tmp_path / "hf"), "--block_size", "64"])
-    assert "64" in err and "32" in err
+    assert f"block_size=64 exceeds the 32 positions of {tmp_path / 'hf'}; use a block_size of at most 32" in err
+
+
+@pytest.mark.slow
+def test_resume_latest_in_an_empty_folder_starts_a_new_run(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    proc = launch(TINY + ["--out_dir", str(out), "--resume", "latest", "--max_steps", "1", "--micro_batch_size", "2",
+                          "--total_batch_size", "64"])
+    assert f"no checkpoint in {out} yet: starting a new run" in proc.stdout
+    assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_hub_access_is_checked_before_training(monkeypatch, capsys, tmp_path):
+    import huggingface_hub.constants
+
+    args = TINY + ["--out_dir", str(tmp_path / "r"), "--push_to_hub", "true", "--hub_model_id", "alice/tiny"]
+    assert "cannot push: HF_HUB_OFFLINE is set" in run_in_process(monkeypatch, capsys, args)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # no stored token
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "hf_home" / "token"))
+    assert "cannot push: no Hugging Face token found" in run_in_process(monkeypatch, capsys, args)
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_a_failed_push_during_training_is_a_warning(tmp_path):
+    from fake_hub import FakeHub
+
+    out = tmp_path / "run"
+    args = TINY + ["--out_dir", str(out), "--max_steps", "2", "--micro_batch_size", "2", "--total_batch_size", "64",
+                   "--save_every", "1", "--push_to_hub", "true", "--hub_model_id", "alice/tiny",
+                   "--hub_push_every", "1"]
+    with FakeHub() as hub:
+        hub.deny_status = 403
+        proc = launch(args, extra_env={"HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_x", "HF_HUB_OFFLINE": "0",
+                                       "HF_HOME": str(tmp_path / "hf_home")})
+    output = proc.stdout + proc.stderr
+    assert output.count("warning: push to alice/tiny failed: no write access") == 3, output  # step-1, step-2, main
+    assert (out / "final" / "model.safetensors").is_file()
 
 
 # ---- the pieces of the loop -------------------------------------------------------------------------------

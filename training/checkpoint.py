@@ -237,8 +237,11 @@ def save_checkpoint(
             (tmp / RUN_STATE).write_text(json.dumps(run_state, indent=2))
             _write_manifest(tmp)
             publish(tmp, final)  # replaces a same-step checkpoint of an earlier attempt
-        for old in run.list_checkpoints()[:-keep_last]:
-            shutil.rmtree(old)
+        # Everything older than the kept ones goes, also a folder a crash left half-deleted (no longer complete).
+        oldest_kept = checkpoint_step(run.list_checkpoints()[-keep_last:][0])  # the one just published, at least
+        for old in run.checkpoints.iterdir():
+            if (step := checkpoint_step(old)) is not None and step < oldest_kept:
+                shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
 

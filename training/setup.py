@@ -128,8 +128,13 @@ def open_run_folder(accelerator: Accelerator, cfg: TrainConfig, progress: Progre
     return MetricsLog(accelerator, run.path, resume_step=progress.step)
 
 
-def describe_run(accelerator: Accelerator, cfg: TrainConfig, n_params: int, grad_accum: int) -> str:
-    """The run's header line: model size, batch geometry, distribution, precision, device."""
+def describe_run(accelerator: Accelerator, cfg: TrainConfig, model: torch.nn.Module, n_params: int,
+                 grad_accum: int) -> str:
+    """The run's header line: model size, batch geometry, distribution, precision, compilation, device."""
+    # accelerate wraps the prepared model in torch.compile's OptimizedModule when a dynamo backend is set.
+    compiled = f"torch.compile ({accelerator.state.dynamo_plugin.backend.value.lower()})" \
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else "eager"
     return (f"GPT {n_params / 1e6:.2f}M params | {accelerator.num_processes} process(es) x {grad_accum} accumulation x "
             f"{cfg.micro_batch_size} x {cfg.block_size} = {cfg.total_batch_size:,} tokens per step | distributed: "
-            f"{accelerator.distributed_type.value} | precision: {accelerator.mixed_precision} | {accelerator.device}")
+            f"{accelerator.distributed_type.value} | precision: {accelerator.mixed_precision} | {compiled} | "
+            f"{accelerator.device}")
