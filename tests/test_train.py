@@ -486,9 +486,12 @@ def test_optimizer_groups_decay_only_matrices():
 
 
 def test_accumulated_micro_steps_give_the_big_batch_gradient():
+    """train_step with 4 micro-steps applies the gradient of the one big batch: with SGD at lr 1 (and no
+    clipping) the weights move by exactly minus that gradient."""
     from accelerate import Accelerator
 
     from model import GPT, GPTConfig
+    from training.step import train_step
 
     torch.manual_seed(0)
     config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=100, dropout=0.0)
@@ -500,13 +503,14 @@ def test_accumulated_micro_steps_give_the_big_batch_gradient():
     big(x, y)[1].backward()
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
-    model = accelerator.prepare(accumulated)
-    for xs, ys in zip(x.chunk(4), y.chunk(4)):
-        with accelerator.accumulate(model):
-            accelerator.backward(model(xs, ys)[1])
-    assert accelerator.sync_gradients
-    for (name, p), q in zip(big.named_parameters(), accumulated.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, atol=1e-6, rtol=1e-5, msg=name)
+    model, optimizer = accelerator.prepare(accumulated, torch.optim.SGD(accumulated.parameters(), lr=1.0))
+    batches = iter(zip(x.chunk(4), y.chunk(4)))
+    loss_sum, grad_norm = train_step(accelerator, model, optimizer, lambda: next(batches), grad_accum=4, lr=1.0,
+                                     grad_clip=1e9)
+    assert loss_sum.item() / 4 == pytest.approx(big(x, y)[1].item(), rel=1e-6)
+    assert grad_norm == pytest.approx(torch.cat([p.grad.flatten() for p in big.parameters()]).norm().item(), rel=1e-5)
+    for (name, before), after in zip(big.named_parameters(), accumulated.parameters()):
+        torch.testing.assert_close(before.detach() - after.detach(), before.grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
 @pytest.mark.slow
