@@ -7,7 +7,7 @@ FAULT (environment) picks the fault; without it this is plain train.py:
 - `kill_in_save:N`     SIGKILL every process while the checkpoint of step N is written, before it is published
 - `kill_in_save_state:N`  SIGKILL inside accelerate's save_state of step N: the model file is written, the
                        optimizer state not yet
-- `kill_in_rotation:N` SIGKILL while the save of step N deletes older checkpoints (one file of the oldest gone)
+- `kill_in_rotation:N` SIGKILL while the save of step N deletes older checkpoints (gpt_config.json of the oldest gone)
 - `kill_in_export`     SIGKILL while final/ is written (its files in the temp folder, not yet renamed into place)
 - `nan_at_step:N`      the loss of optimizer step N (1-based) is NaN
 
@@ -75,7 +75,7 @@ elif kind == "kill_in_rotation":
         def rmtree(path, *args, **kwargs):
             path = Path(path)
             if path.name.startswith("step_") and (path.parent / f"step_{at:06d}").is_dir():
-                next(p for p in path.iterdir() if p.is_file()).unlink()
+                (path / "gpt_config.json").unlink()  # the file that makes a step folder a complete checkpoint
                 os.kill(os.getpid(), signal.SIGKILL)
             return shutil.rmtree(path, *args, **kwargs)
 
