@@ -16,7 +16,6 @@ Several GPUs: accelerate launch -m eval.hellaswag --model ...
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from common.cli import CliParser
 from common.errors import UserError, run_cli
 from eval.common import (
     autocast,
@@ -245,15 +245,16 @@ def _table(result: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = CliParser(prog="python -m eval.hellaswag", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True,
                         help="Hub id, HF GPT-2 folder, our checkpoint folder or run folder")
     parser.add_argument("--data", default=None,
                         help="local HellaSwag .jsonl or .jsonl.gz (default: the Hub's Rowan/hellaswag validation)")
-    parser.add_argument("--limit", type=int, default=None, help="score only the first N items")
-    parser.add_argument("--output", default=None, help="write the results as JSON here")
+    parser.add_argument("--limit", type=int, default=None, help="score only the first N items; default: all")
+    parser.add_argument("--output", default=None, help="write the results as JSON here; default: print them only")
     parser.add_argument("--batch_size", type=int, default=16, help="items per forward pass")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (single process)")
+    parser.add_argument("--device", default=None,
+                        help="cpu, cuda, cuda:1, ... (single process); default: the accelerator's")
     parser.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
                         help="auto: bf16 autocast on CUDA, fp32 elsewhere")
     args = parser.parse_args(argv)

@@ -10,12 +10,12 @@ Usage: python -m eval.val_loss --model <Hub id | HF folder | checkpoint | run> \
 """
 from __future__ import annotations
 
-import argparse
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
+from common.cli import CliParser
 from common.errors import UserError, run_cli
 from eval.common import (
     autocast,
@@ -77,17 +77,18 @@ def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray | Sequence[int] | t
 
 
 def main(argv: Sequence[str] | None = None) -> float:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = CliParser(prog="python -m eval.val_loss", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True,
                         help="Hub id, HF GPT-2 folder, our checkpoint folder or run folder")
     parser.add_argument("--dataset", default="shakespeare",
                         help="shakespeare, a local file/folder, prepared shards or a Hub dataset id")
-    parser.add_argument("--dataset_config", default=None, help="Hub dataset config name")
-    parser.add_argument("--text_column", default="text")
-    parser.add_argument("--max_tokens", type=int, default=1_000_000)
+    parser.add_argument("--dataset_config", default=None, help="Hub dataset config name; default: none")
+    parser.add_argument("--text_column", default="text", help="the column holding the text")
+    parser.add_argument("--max_tokens", type=int, default=1_000_000, help="validation tokens to score")
     parser.add_argument("--block_size", type=int, default=None, help="default: the model's")
-    parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (single process)")
+    parser.add_argument("--batch_size", type=int, default=8, help="windows per forward pass")
+    parser.add_argument("--device", default=None,
+                        help="cpu, cuda, cuda:1, ... (single process); default: the accelerator's")
     args = parser.parse_args(argv)
 
     from data.loader import load_val_tokens
