@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from common.cli import CliParser
+from common.console import TerminalBar
 from common.errors import UserError, run_cli
 from eval.common import (
     autocast,
@@ -58,7 +59,9 @@ def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray | Sequence[int] | t
     loss_sum = torch.zeros((), dtype=torch.float64)
     count = 0
     with eval_mode(model):
-        for step in range(steps_per_rank(n_windows, world, batch_size)):
+        # A bar on the main process's terminal: long validation sets take a while, and the user should see why.
+        for step in TerminalBar(range(steps_per_rank(n_windows, world, batch_size)), show=rank == 0,
+                                desc="validation loss", unit="batch", leave=False, dynamic_ncols=True):
             batch = mine[step * batch_size:(step + 1) * batch_size]
             # Fixed shape (batch_size, block_size): rows past the end are padding with no targets.
             x = torch.zeros(batch_size, block_size, dtype=torch.long)

@@ -1,9 +1,11 @@
-"""The command lines as a user meets them: `--help`, mistyped flags, presets, and the config a run records."""
+"""The command lines as a user meets them: `--help`, mistyped flags, presets, the config a run records,
+and its log lines."""
 from __future__ import annotations
 
 import io
 import re
 import sys
+import time
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import MISSING, fields
 from pathlib import Path
@@ -12,8 +14,10 @@ import pytest
 import yaml
 
 from common.cli import DefaultsHelpFormatter
+from common.console import TerminalBar
 from common.errors import UserError, run_cli
 from configs import PRESETS_DIR, TrainConfig, _config_parser, parse_config
+from training.metrics import StepLine
 
 # ---- train.py's flags -----------------------------------------------------------------------------------
 
@@ -125,12 +129,33 @@ def test_entry_point_help_shows_each_default_once(monkeypatch, capsys, name):
         assert "tokenizer threads (default: all cores)" in text
 
 
+# ---- the console ---------------------------------------------------------------------------------------------
+
+def test_the_bar_is_drawn_only_on_a_terminal(monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert not TerminalBar(total=1).disable
+    assert TerminalBar(total=1, show=False).disable  # not the main process
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    assert TerminalBar(total=1).disable
+
+
+def test_step_line(monkeypatch):
+    clock = iter([100.0, 131.0])
+    monkeypatch.setattr(time, "monotonic", lambda: next(clock))
+    line = StepLine(max_steps=150, start_step=0)
+    record = {"loss": 6.41234, "lr": 9.6e-4, "grad_norm": 0.8123, "tok_per_sec": 1120.4, "mfu": None}
+    assert line.format(30, record) == ("step 30/150 | loss 6.412 | lr 9.6e-04 | grad 0.81 | 1,120 tok/s | mfu - | "
+                                       "0:00:31 elapsed, 0:02:04 left")
+    clock = iter([50.0, 50.0])
+    assert StepLine(150, 0).format(150, {**record, "mfu": 0.4123}).endswith("mfu 41.2% | 0:00:00 elapsed, 0:00:00 left")
+
+
 # ---- a tiny fine-tuning run, in this process ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> tuple[Path, str, str]:
     """3 steps of train.py from a 1-layer HF GPT-2 folder, the architecture flags left at their defaults
-    (4 layers, 4 heads, 128 wide); its run folder, stdout and stderr."""
+    (4 layers, 4 heads, 128 wide); its run folder, stdout and stderr (not a terminal)."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -154,3 +179,14 @@ def test_config_yaml_records_the_loaded_architecture(tiny_run):
     out, _, _ = tiny_run
     recorded = yaml.safe_load((out / "config.yaml").read_text())
     assert (recorded["n_layer"], recorded["n_head"], recorded["n_embd"], recorded["block_size"]) == (1, 2, 32, 32)
+
+
+def test_logs_are_plain_lines_without_bars(tiny_run):
+    _, stdout, stderr = tiny_run
+    assert "\r" not in stdout + stderr  # no progress bar when stderr is not a terminal
+    steps = [line for line in stdout.splitlines() if line.startswith("step ") and " | " in line]
+    assert [s.split(" | ")[0] for s in steps] == ["step 1/3", "step 2/3", "step 3/3"]
+    pattern = (r"step \d/3 \| loss \d+\.\d{3} \| lr \d\.\de-\d\d \| grad \d+\.\d\d \| [\d,]+ tok/s \| mfu - \| "
+               r"\d+:\d\d:\d\d elapsed, \d+:\d\d:\d\d left")
+    assert all(re.fullmatch(pattern, s) for s in steps), steps
+    assert re.search(r"^step 2: val_loss \d+\.\d{4}$", stdout, re.M)
