@@ -1,8 +1,9 @@
-"""The command lines as a user meets them: `--help`, mistyped flags, presets, the config a run records,
-and its log lines."""
+"""The command lines as a user meets them: `--help`, mistyped flags, presets, log lines, and
+`python -m eval.val_loss` on a run reproducing the loss the run logged."""
 from __future__ import annotations
 
 import io
+import json
 import re
 import sys
 import time
@@ -190,3 +191,16 @@ def test_logs_are_plain_lines_without_bars(tiny_run):
                r"\d+:\d\d:\d\d elapsed, \d+:\d\d:\d\d left")
     assert all(re.fullmatch(pattern, s) for s in steps), steps
     assert re.search(r"^step 2: val_loss \d+\.\d{4}$", stdout, re.M)
+
+
+@pytest.mark.parametrize("where", ["", "final", "checkpoints/step_000003"])
+def test_val_loss_of_a_run_reproduces_the_logged_loss(tiny_run, capsys, where):
+    from eval.val_loss import main
+
+    out, _, _ = tiny_run
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    assert logged["step"] == 3
+    assert main(["--model", str(out / where), "--device", "cpu"]) == logged["val_loss"]  # exactly: same windows
+    assert f"settings from {out / 'config.yaml'}" in capsys.readouterr().out
+    # A flag the user passes wins over the run's setting.
+    assert main(["--model", str(out), "--max-tokens", "100", "--batch-size", "2"]) != logged["val_loss"]
