@@ -14,8 +14,8 @@ import gc
 
 import torch
 from accelerate.utils import set_seed
-from tqdm.auto import tqdm
 
+from common.console import TerminalBar
 from common.errors import alike_on_every_rank, run_cli
 from common.run_dir import RunDir
 from configs import parse_config
@@ -24,7 +24,7 @@ from publish.uploads import HubUploads
 from training.checkpoint import Checkpointer, find_resume_point
 from training.evaluation import TrainingEvals
 from training.export import export_final
-from training.metrics import Throughput
+from training.metrics import StepLine, Throughput
 from training.mfu import estimate_mfu, peak_flops
 from training.optim import build_optimizer
 from training.preemption import PreemptionFlag
@@ -66,10 +66,12 @@ def main() -> None:
     peak = peak_flops(accelerator.device, cfg.mfu_peak_flops)
     accelerator.print(describe_run(accelerator, cfg, model, n_params, grad_accum))
 
-    # The loop: one optimizer step, then whatever is due after it (log, evals, checkpoint, a signal).
+    # The loop: one optimizer step, then whatever is due after it (log, evals, checkpoint, a signal). Each log
+    # step and evaluation is a plain line; the live bar is drawn only on a terminal.
     model.train()
-    with tqdm(total=cfg.max_steps, initial=progress.step, disable=not accelerator.is_main_process, unit="step",
-              dynamic_ncols=True) as bar:  # closed (its line ended) also when an error stops the run
+    step_line = StepLine(cfg.max_steps, progress.step)
+    with TerminalBar(total=cfg.max_steps, initial=progress.step, show=accelerator.is_main_process, unit="step",
+                     dynamic_ncols=True) as bar:  # closed (its line ended) also when an error stops the run
         while progress.step < cfg.max_steps:
             with throughput.timing():
                 lr = learning_rate(cfg, progress.step)
@@ -87,7 +89,8 @@ def main() -> None:
                 tok_per_sec = throughput.read()
                 record = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": progress.tokens,
                           "tok_per_sec": tok_per_sec, "mfu": estimate_mfu(flops_per_token, tok_per_sec, world, peak)}
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_per_sec:,.0f}")
+                if accelerator.is_main_process:
+                    bar.write(step_line.format(progress.step, record))
             record.update(evals.run_due(model, progress.step, last, write=bar.write))
             if record:
                 metrics.log(progress.step, record)

@@ -1,8 +1,9 @@
 """The training configuration: one dataclass schema, YAML presets, command-line overrides.
 
 `python train.py --config configs/gpt2_124m_fineweb_edu.yaml --lr 3e-4` reads the preset, then
-applies the flags. Parsing is HfArgumentParser's (every field becomes `--field`); we only add the
-preset layer and turn argparse's usage dumps into one-line errors.
+applies the flags; `python train.py configs/x.yaml` is the same as `--config configs/x.yaml`. Parsing
+is HfArgumentParser's (every field becomes `--field`, also spelled `--fi-eld`) in the style of every
+CLI here (`common.cli`): one-line errors with "did you mean", no prefix matching, defaults in `--help`.
 """
 from __future__ import annotations
 
@@ -11,87 +12,136 @@ import sys
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import yaml
 from transformers import HfArgumentParser
 
+from common.cli import CliParser, suggest, unknown_arguments_message
 from common.errors import UserError
 
 PRESETS_DIR = Path(__file__).resolve().parent
 REPORT_TO = ("none", "tensorboard", "wandb", "all")
 
 
+def _field(default: Any, help: str) -> Any:
+    """A config field with its `--help` text (HfArgumentParser reads it from the field's metadata)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class TrainConfig:
-    """Every knob of a run. Defaults are the embedded Shakespeare run (`python train.py`)."""
+    """Every knob of a run. Defaults are the embedded Shakespeare run (`python train.py`).
 
-    config: str | None = field(default=None, metadata={"help": "YAML preset; flags override it"})
+    Every field has a help text: `python train.py --help` prints it with the default. A default of None
+    must say in its help what None means (`tests/test_cli.py` checks both)."""
+
+    config: str | None = _field(None, "YAML preset, e.g. configs/shakespeare.yaml (or given first, without "
+                                      "--config); flags override it; default: none, the values below")
     # Run folder and resumption
-    out_dir: str = field(default="out/shakespeare", metadata={"help": "run folder (checkpoints, metrics, final/)"})
-    resume: str | None = field(default=None, metadata={"help": "'latest' or a checkpoint folder"})
+    out_dir: str = _field("out/shakespeare", "run folder (checkpoints, metrics, final/)")
+    resume: str | None = _field(None, "'latest' or a checkpoint folder; default: start a new run")
     # Model
-    init_from: str = field(
-        default="scratch",
-        metadata={"help": "'scratch', a Hub id (gpt2...gpt2-xl), an HF folder or one of our runs; the architecture "
-                          "flags (n_layer, n_head, n_embd, bias) then come from those weights"},
-    )
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    block_size: int = 128
-    dropout: float = 0.0
-    bias: bool = True
+    init_from: str = _field("scratch", "'scratch', a Hub id (gpt2...gpt2-xl), an HF folder or one of our runs; "
+                                       "the architecture flags (n_layer, n_head, n_embd, bias) then come from "
+                                       "those weights")
+    n_layer: int = _field(4, "transformer blocks (with --init_from scratch)")
+    n_head: int = _field(4, "attention heads per block; must divide n_embd")
+    n_embd: int = _field(128, "embedding width")
+    block_size: int = _field(128, "context length in tokens (training windows and the model's positions)")
+    dropout: float = _field(0.0, "dropout probability while training, in [0, 1)")
+    bias: bool = _field(True, "biases in the linear layers and LayerNorms, as GPT-2 (--no_bias: none)")
     # Data
-    dataset: str = field(
-        default="shakespeare",
-        metadata={"help": "'shakespeare', a local .txt/.jsonl/.parquet file/glob/folder, a shard folder, or a Hub id[:config]"},
-    )
-    text_column: str = "text"
-    dataset_config: str | None = None
-    val_tokens: int = field(default=8_192, metadata={"help": "size of the fixed validation set, in tokens"})
+    dataset: str = _field("shakespeare", "'shakespeare', a local .txt/.jsonl/.parquet file/glob/folder, a shard "
+                                         "folder, or a Hub id[:config]")
+    text_column: str = _field("text", "column holding the text in .jsonl/.parquet files and Hub datasets")
+    dataset_config: str | None = _field(None, "Hub dataset config name; default: the one given after ':' in "
+                                              "--dataset, or the dataset's default")
+    val_tokens: int = _field(8_192, "size of the fixed validation set, in tokens")
     # Batch: total_batch_size (tokens) = micro_batch_size * block_size * processes * accumulation
-    total_batch_size: int = 2048
-    micro_batch_size: int = 8
-    max_steps: int = 150
+    total_batch_size: int = _field(2048, "tokens per optimizer step; gradient accumulation = total_batch_size / "
+                                         "(micro_batch_size x block_size x processes)")
+    micro_batch_size: int = _field(8, "sequences per forward pass on each process")
+    max_steps: int = _field(150, "optimizer steps of the whole run")
     # Optimizer and schedule: linear warmup, then cosine decay to lr * min_lr_ratio
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 15
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    on_nan: str = field(default="stop", metadata={"help": "'stop' (keep the last good checkpoint) or 'skip' the step"})
-    max_nan_skips: int = field(default=10,
-                               metadata={"help": "with --on_nan skip: stop after this many skipped steps in a row"})
-    seed: int = 1337
+    lr: float = _field(1e-3, "peak learning rate (AdamW), reached after --warmup_steps")
+    min_lr_ratio: float = _field(0.1, "the cosine decay ends at lr x min_lr_ratio, at --max_steps")
+    warmup_steps: int = _field(15, "steps of linear warmup from lr / warmup_steps to lr")
+    weight_decay: float = _field(0.1, "AdamW weight decay, on weights of 2 or more dimensions (matrices, embeddings)")
+    beta1: float = _field(0.9, "AdamW beta1")
+    beta2: float = _field(0.95, "AdamW beta2")
+    grad_clip: float = _field(1.0, "clip the global gradient norm to this")
+    on_nan: str = _field("stop", "'stop' (keep the last good checkpoint) or 'skip' the step")
+    max_nan_skips: int = _field(10, "with --on_nan skip: stop after this many skipped steps in a row")
+    seed: int = _field(1337, "seed of the initial weights, data order, dropout and samples")
     # Evaluation, sampling, logging
-    log_every: int = 10
-    eval_every: int = 50
-    eval_batch_size: int = 16
-    hellaswag_every: int = field(default=0, metadata={"help": "0 = never; needs the eval package"})
-    hellaswag_data: str | None = field(default=None, metadata={"help": "local HellaSwag jsonl; default: the Hub split"})
-    hellaswag_limit: int | None = None
-    sample_tokens: int = 64
-    sample_prompt: str = "\n"
-    report_to: str = field(default="none", metadata={"help": "'none', 'tensorboard', 'wandb', or 'all'"})
-    wandb_project: str = "gpt2-accelerate"
-    run_name: str | None = None
+    log_every: int = _field(10, "log a line (loss, lr, grad norm, tokens/s, MFU, ETA) every N steps")
+    eval_every: int = _field(50, "validation loss and a sample every N steps (and at the last)")
+    eval_batch_size: int = _field(16, "sequences (validation) or HellaSwag items per evaluation forward pass")
+    hellaswag_every: int = _field(0, "HellaSwag every N steps; 0 = never; needs the eval package")
+    hellaswag_data: str | None = _field(None, "local HellaSwag jsonl; default: the Hub split")
+    hellaswag_limit: int | None = _field(None, "score only the first N HellaSwag items; default: all 10,042")
+    sample_tokens: int = _field(64, "tokens of the text sample printed at each evaluation; 0 = no sample")
+    sample_prompt: str = _field("\n", "prompt of that sample")
+    report_to: str = _field("none", "'none', 'tensorboard', 'wandb', or 'all'")
+    wandb_project: str = _field("gpt2-accelerate", "wandb project (with --report_to wandb)")
+    run_name: str | None = _field(None, "run name for the trackers; default: the --out_dir folder's name")
     # Checkpoints and publishing
-    save_every: int = 100
-    keep_last: int = 3
-    push_to_hub: bool = False
-    hub_model_id: str | None = None
-    hub_push_every: int = field(default=0, metadata={"help": "also push every K-th checkpoint to branch step-N; 0 = never"})
-    mfu_peak_flops: float | None = field(default=None, metadata={"help": "override the accelerator's bf16 peak FLOP/s"})
+    save_every: int = _field(100, "checkpoint every N steps (and at the last, and on SIGTERM/SIGUSR1)")
+    keep_last: int = _field(3, "checkpoints kept; older ones are deleted")
+    push_to_hub: bool = _field(False, "push final/ to the Hub at the end (needs --hub_model_id)")
+    hub_model_id: str | None = _field(None, "Hub repo to push to, user/name; default: none")
+    hub_push_every: int = _field(0, "also push every K-th checkpoint to branch step-N; 0 = never")
+    mfu_peak_flops: float | None = _field(None, "bf16 peak FLOP/s per device for MFU; default: the "
+                                                "accelerator's if known (none on CPU or an unlisted GPU: no MFU)")
 
 
-class _Parser(HfArgumentParser):
-    """HfArgumentParser whose errors are one line, not a usage dump."""
+# Names other trainers (HF Trainer, nanoGPT, Megatron, ...) use for our fields: `--learning_rate` gets
+# "did you mean --lr?" rather than a bare "unknown argument".
+FIELD_ALIASES = {
+    "learning_rate": "lr", "max_lr": "lr", "min_lr": "min_lr_ratio",
+    "batch_size": "micro_batch_size", "per_device_train_batch_size": "micro_batch_size",
+    "train_batch_size": "micro_batch_size", "gradient_accumulation_steps": "total_batch_size",
+    "per_device_eval_batch_size": "eval_batch_size",
+    "max_iters": "max_steps", "max_train_steps": "max_steps", "num_train_steps": "max_steps",
+    "warmup_iters": "warmup_steps", "lr_warmup_steps": "warmup_steps",
+    "adam_beta1": "beta1", "adam_beta2": "beta2", "max_grad_norm": "grad_clip", "clip_grad": "grad_clip",
+    "output_dir": "out_dir", "resume_from_checkpoint": "resume", "model_name_or_path": "init_from",
+    "context_length": "block_size", "seq_len": "block_size", "n_positions": "block_size",
+    "num_layers": "n_layer", "n_layers": "n_layer", "num_heads": "n_head", "n_heads": "n_head",
+    "hidden_size": "n_embd", "d_model": "n_embd",
+    "log_interval": "log_every", "logging_steps": "log_every", "eval_interval": "eval_every",
+    "eval_steps": "eval_every", "save_steps": "save_every", "save_total_limit": "keep_last",
+    "dataset_name": "dataset", "dataset_config_name": "dataset_config", "wandb_log": "report_to",
+}
+FIELD_NAMES = [f.name for f in fields(TrainConfig)]
 
-    def error(self, message: str) -> NoReturn:
-        raise UserError(f"{message}; see `python train.py --help` for the fields")
+
+class _Parser(CliParser, HfArgumentParser):
+    """HfArgumentParser (every field is `--field` and `--fi-eld`, help from the field metadata) in the
+    project's CLI style: one-line errors, no prefix matching, every default in `--help`."""
+
+
+def _config_parser() -> _Parser:
+    return _Parser(TrainConfig, prog="python train.py", aliases=FIELD_ALIASES,
+                   description="Train a GPT; every flag is a field of configs.TrainConfig. A preset "
+                               "(--config FILE, or FILE first) sets fields, flags override it.")
+
+
+def yaml_error_place(err: yaml.YAMLError) -> str:
+    """Where and what PyYAML found wrong, e.g. `line 3, column 1: could not find expected ':' (while
+    scanning a simple key at line 2, column 1)`; the context often points at the real mistake."""
+
+    def at(mark: Any) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}"
+
+    mark, context_mark = getattr(err, "problem_mark", None), getattr(err, "context_mark", None)
+    message = getattr(err, "problem", None) or err.__class__.__name__
+    if mark is not None:
+        message = f"{at(mark)}: {message}"
+    if getattr(err, "context", None) and context_mark is not None:
+        message += f" ({err.context} at {at(context_mark)})"
+    return message
 
 
 def _load_preset(path: str) -> dict[str, Any]:
@@ -103,13 +153,16 @@ def _load_preset(path: str) -> dict[str, Any]:
     try:
         values = yaml.safe_load(preset.read_text()) or {}
     except yaml.YAMLError as err:
-        raise UserError(f"--config {path} is not valid YAML ({err.__class__.__name__}); fix the file") from None
+        raise UserError(f"--config {path} is not valid YAML ({yaml_error_place(err)}); fix the file") from None
     if not isinstance(values, dict):
         raise UserError(f"--config {path} must be a mapping of field: value")
-    known = {f.name for f in fields(TrainConfig)}
-    unknown = sorted(set(values) - known)
+    unknown = sorted(set(values) - set(FIELD_NAMES))
     if unknown:
-        raise UserError(f"--config {path}: unknown field(s) {', '.join(unknown)}; see `python train.py --help`")
+        hints = [f"{name} -> {guess}" for name in unknown
+                 if (guess := suggest(str(name), FIELD_NAMES, FIELD_ALIASES)) is not None]
+        raise UserError(f"--config {path}: unknown field(s) {', '.join(map(str, unknown))}"
+                        + (f" (did you mean {', '.join(hints)}?)" if hints else "")
+                        + "; see `python train.py --help`")
     return values
 
 
@@ -142,16 +195,29 @@ def _check_types(cfg: TrainConfig) -> None:
         setattr(cfg, name, value)
 
 
+def _preset_first(argv: list[str]) -> list[str]:
+    """`python train.py configs/x.yaml --lr 3e-4` (the nanoGPT habit) means `--config configs/x.yaml`."""
+    if not argv or argv[0].startswith("-"):
+        return argv
+    if not argv[0].endswith((".yaml", ".yml")):
+        raise UserError(f"unexpected argument {argv[0]!r}: a preset given first must be a .yaml file "
+                        "(python train.py configs/shakespeare.yaml), and every other value follows its --flag")
+    if any(a == "--config" or a.startswith("--config=") for a in argv[1:]):
+        raise UserError(f"two presets: {argv[0]} and --config; pass one")
+    return ["--config", *argv]
+
+
 def parse_config(argv: list[str] | None = None) -> TrainConfig:
-    """Build the config from defaults, an optional `--config` preset, and command-line flags."""
-    argv = sys.argv[1:] if argv is None else argv
-    parser = _Parser(TrainConfig)
+    """Build the config from defaults, an optional preset (`--config`, or a .yaml file given first), and
+    command-line flags."""
+    argv = _preset_first(sys.argv[1:] if argv is None else list(argv))
+    parser = _config_parser()
     preset_args, _ = parser.parse_known_args(argv)
     if preset_args.config:
         parser.set_defaults(**_load_preset(preset_args.config))
     cfg, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
     if unknown:
-        raise UserError(f"unknown argument(s) {' '.join(unknown)}; see `python train.py --help` for the fields")
+        parser.error(unknown_arguments_message(unknown, parser.option_names(), FIELD_ALIASES))
     _check_types(cfg)
     _check_values(cfg)
     return cfg
@@ -264,5 +330,5 @@ def read_run_config(path: Path) -> dict[str, Any]:
     try:
         config = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
-        raise UserError(f"{path} is not valid YAML ({err.__class__.__name__}); fix or remove it") from None
+        raise UserError(f"{path} is not valid YAML ({yaml_error_place(err)}); fix or remove it") from None
     return config if isinstance(config, dict) else {}

@@ -11,7 +11,6 @@ offset). Re-running the same command continues from there; the loader refuses an
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 from pathlib import Path
 from typing import Any, Iterator
@@ -19,6 +18,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from common.atomic import write_json_atomic
+from common.cli import CliParser
 from common.errors import UserError, run_cli
 from data.local import DOCS_PER_BATCH
 from data.shards import FORMAT, FORMAT_VERSION, MANIFEST, ShardWriter, read_manifest
@@ -165,16 +165,18 @@ def prepare(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = CliParser(prog="python -m data.prepare", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset", required=True, help="Hub id (id or id:config), local file/glob/folder, or shakespeare")
     parser.add_argument("--out", required=True, help="folder for the shards and manifest.json")
-    parser.add_argument("--dataset_config", default=None, help="Hub config name, e.g. sample-10BT")
-    parser.add_argument("--split", default="train")
+    parser.add_argument("--dataset_config", default=None,
+                        help="Hub config name, e.g. sample-10BT; default: the one after ':' in --dataset, or none")
+    parser.add_argument("--split", default="train", help="the Hub dataset's split to read")
     parser.add_argument("--val_split", default=None, help="the dataset's own validation split (default: the first --val_tokens tokens)")
-    parser.add_argument("--text_column", default="text")
-    parser.add_argument("--shard_tokens", type=int, default=100_000_000)
-    parser.add_argument("--val_tokens", type=int, default=10_000_000)
-    parser.add_argument("--max_tokens", type=int, default=None, help="stop after this many training tokens")
+    parser.add_argument("--text_column", default="text", help="the column holding the text")
+    parser.add_argument("--shard_tokens", type=int, default=100_000_000, help="tokens per shard file")
+    parser.add_argument("--val_tokens", type=int, default=10_000_000, help="tokens of the validation shard")
+    parser.add_argument("--max_tokens", type=int, default=None,
+                        help="stop after this many training tokens; default: the whole dataset")
     parser.add_argument("--num_proc", type=int, default=None, help="tokenizer threads (default: all cores)")
     args = parser.parse_args()
     if args.shard_tokens < 1 or args.val_tokens < 1:

@@ -16,7 +16,6 @@ Several GPUs: accelerate launch -m eval.hellaswag --model ...
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from dataclasses import dataclass
@@ -26,6 +25,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from common.cli import CliParser
+from common.console import TerminalBar
 from common.errors import UserError, run_cli
 from eval.common import (
     autocast,
@@ -127,14 +128,16 @@ def _forward(model: torch.nn.Module, encoded: Sequence[Encoded], batch: list[int
 
 
 def _score(model: torch.nn.Module, encoded: Sequence[Encoded], *, batch_size: int,
-           n_steps: int, bf16: bool | None) -> np.ndarray:
-    """Log-likelihoods (len(encoded), 4), running exactly n_steps forward passes."""
+           n_steps: int, bf16: bool | None, show_progress: bool) -> np.ndarray:
+    """Log-likelihoods (len(encoded), 4), running exactly n_steps forward passes; with `show_progress`,
+    a progress bar on a terminal (see common.console)."""
     device, block_size = model_device(model), model_block_size(model)
     lls = torch.zeros(len(encoded), N_ENDINGS, dtype=torch.float64)
     batches = _batches(encoded, batch_size)
     batches += [[] for _ in range(n_steps - len(batches))]
     with eval_mode(model):
-        for batch in batches:
+        for batch in TerminalBar(batches, show=show_progress, desc="HellaSwag", unit="batch", leave=False,
+                                 dynamic_ncols=True):
             out = _forward(model, encoded, batch, n_rows=batch_size * N_ENDINGS,
                            block_size=block_size, device=device, bf16=bf16)
             lls[batch] = out.double().cpu()
@@ -152,7 +155,7 @@ def item_loglikelihoods(model: torch.nn.Module, items: Sequence[dict[str, Any]],
     """Sum log-likelihood of each ending, shape (len(items), 4), on this process only."""
     encoded = _encode_all(items, model)
     return _score(model, encoded, batch_size=batch_size,
-                  n_steps=steps_per_rank(len(encoded), 1, batch_size), bf16=bf16)
+                  n_steps=steps_per_rank(len(encoded), 1, batch_size), bf16=bf16, show_progress=True)
 
 
 def require_metric_packages() -> None:
@@ -226,7 +229,7 @@ def evaluate_hellaswag(model: torch.nn.Module, items: Sequence[dict[str, Any]], 
         require_metric_packages()  # before scoring: a missing package should not cost a full pass
     encoded = _encode_all(items[rank::world], model)
     lls = _score(model, encoded, batch_size=batch_size, bf16=bf16,
-                 n_steps=steps_per_rank(len(items), world, batch_size))
+                 n_steps=steps_per_rank(len(items), world, batch_size), show_progress=rank == 0)
     scores, meta = _records(lls, encoded, n_rows=-(-len(items) // world))  # rank 0 holds the most
     scores = _in_item_order(gather_rows(scores, accelerator), world, len(items))
     meta = _in_item_order(gather_rows(meta, accelerator), world, len(items))
@@ -245,15 +248,16 @@ def _table(result: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = CliParser(prog="python -m eval.hellaswag", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True,
                         help="Hub id, HF GPT-2 folder, our checkpoint folder or run folder")
     parser.add_argument("--data", default=None,
                         help="local HellaSwag .jsonl or .jsonl.gz (default: the Hub's Rowan/hellaswag validation)")
-    parser.add_argument("--limit", type=int, default=None, help="score only the first N items")
-    parser.add_argument("--output", default=None, help="write the results as JSON here")
+    parser.add_argument("--limit", type=int, default=None, help="score only the first N items; default: all")
+    parser.add_argument("--output", default=None, help="write the results as JSON here; default: print them only")
     parser.add_argument("--batch_size", type=int, default=16, help="items per forward pass")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (single process)")
+    parser.add_argument("--device", default=None,
+                        help="cpu, cuda, cuda:1, ... (single process); default: the accelerator's")
     parser.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
                         help="auto: bf16 autocast on CUDA, fp32 elsewhere")
     args = parser.parse_args(argv)

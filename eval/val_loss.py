@@ -7,16 +7,24 @@ for any world size and batch size (up to float summation order).
 
 Usage: python -m eval.val_loss --model <Hub id | HF folder | checkpoint | run> \
            [--dataset shakespeare] [--max_tokens 1000000] [--block_size N] [--batch_size 8]
+
+For one of our runs (its folder, final/ or a checkpoint), what the flags leave out comes from the run's
+config.yaml (dataset, val_tokens, block_size, eval_batch_size): the result is the val_loss the run
+logged with those weights, exactly on CPU in fp32.
 """
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
+from common.cli import CliParser
+from common.console import TerminalBar
 from common.errors import UserError, run_cli
+from common.run_dir import RunDir
 from eval.common import (
     autocast,
     cli_accelerator,
@@ -58,7 +66,9 @@ def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray | Sequence[int] | t
     loss_sum = torch.zeros((), dtype=torch.float64)
     count = 0
     with eval_mode(model):
-        for step in range(steps_per_rank(n_windows, world, batch_size)):
+        # A bar on the main process's terminal: long validation sets take a while, and the user should see why.
+        for step in TerminalBar(range(steps_per_rank(n_windows, world, batch_size)), show=rank == 0,
+                                desc="validation loss", unit="batch", leave=False, dynamic_ncols=True):
             batch = mine[step * batch_size:(step + 1) * batch_size]
             # Fixed shape (batch_size, block_size): rows past the end are padding with no targets.
             x = torch.zeros(batch_size, block_size, dtype=torch.long)
@@ -76,33 +86,76 @@ def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray | Sequence[int] | t
     return (totals[0] / totals[1]).item()
 
 
+# This CLI's settings, the run config fields they default to for a run, and their defaults otherwise.
+_RUN_FIELDS = {"dataset": "dataset", "dataset_config": "dataset_config", "text_column": "text_column",
+               "max_tokens": "val_tokens", "block_size": "block_size", "batch_size": "eval_batch_size"}
+_DEFAULTS = {"dataset": "shakespeare", "dataset_config": None, "text_column": "text", "max_tokens": 1_000_000,
+             "block_size": None, "batch_size": 8}
+
+
+def run_folder_of(model: str) -> RunDir | None:
+    """The training run that `--model` names: the run folder itself, its final/ or one of its
+    checkpoints/step_N; None for a Hub id or an HF folder that is not inside a run (no config.yaml)."""
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        return None
+    for run in (RunDir(path), RunDir(path.parent), RunDir(path.parent.parent)):
+        inside = path in (run.path, run.final) or path.parent == run.checkpoints
+        if inside and run.config_file.is_file():
+            return run
+    return None
+
+
+def settings(args: argparse.Namespace) -> tuple[dict[str, Any], RunDir | None]:
+    """The dataset, token count, block and batch size to score with: each flag the user passed, else the
+    run's own (so the loss is the one the run logged: the same windows in the same batches), else the
+    defaults. Returns them and the run they came from (None when --model is not a run)."""
+    from configs import read_run_config  # here: scoring a model from Python needs no config schema
+
+    run = run_folder_of(args.model)
+    recorded = read_run_config(run.config_file) if run is not None else {}
+    chosen = {}
+    for name, default in _DEFAULTS.items():
+        given = getattr(args, name)
+        chosen[name] = given if given is not None else recorded.get(_RUN_FIELDS[name], default)
+    return chosen, run
+
+
 def main(argv: Sequence[str] | None = None) -> float:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = CliParser(prog="python -m eval.val_loss", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True,
                         help="Hub id, HF GPT-2 folder, our checkpoint folder or run folder")
-    parser.add_argument("--dataset", default="shakespeare",
-                        help="shakespeare, a local file/folder, prepared shards or a Hub dataset id")
-    parser.add_argument("--dataset_config", default=None, help="Hub dataset config name")
-    parser.add_argument("--text_column", default="text")
-    parser.add_argument("--max_tokens", type=int, default=1_000_000)
-    parser.add_argument("--block_size", type=int, default=None, help="default: the model's")
-    parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (single process)")
+    run_default = "default: the run's --{} when --model is one of our runs, else {}"
+    parser.add_argument("--dataset", default=None,
+                        help="shakespeare, a local file/folder, prepared shards or a Hub dataset id; "
+                             + run_default.format("dataset", "shakespeare"))
+    parser.add_argument("--dataset_config", default=None,
+                        help="Hub dataset config name; " + run_default.format("dataset_config", "none"))
+    parser.add_argument("--text_column", default=None, help=run_default.format("text_column", "text"))
+    parser.add_argument("--max_tokens", type=int, default=None,
+                        help="validation tokens to score; " + run_default.format("val_tokens", "1000000"))
+    parser.add_argument("--block_size", type=int, default=None, help=run_default.format("block_size", "the model's"))
+    parser.add_argument("--batch_size", type=int, default=None,
+                        help="windows per forward pass; " + run_default.format("eval_batch_size", "8"))
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (single process); default: "
+                                                       "the accelerator's")
     args = parser.parse_args(argv)
+    chosen, run = settings(args)
 
     from data.loader import load_val_tokens
 
-    tokens = load_val_tokens(args.dataset, max_tokens=args.max_tokens,
-                             text_column=args.text_column, dataset_config=args.dataset_config)
+    tokens = load_val_tokens(chosen["dataset"], max_tokens=chosen["max_tokens"],
+                             text_column=chosen["text_column"], dataset_config=chosen["dataset_config"])
     with cli_accelerator(cpu=args.device == "cpu") as accelerator:
         model = load_model(args.model, pick_device(args.device, accelerator))
-        block_size = args.block_size or model_block_size(model)
-        loss = evaluate_loss(model, tokens, block_size=block_size, batch_size=args.batch_size,
+        block_size = chosen["block_size"] or model_block_size(model)
+        loss = evaluate_loss(model, tokens, block_size=block_size, batch_size=chosen["batch_size"],
                              accelerator=accelerator)
         if accelerator.is_main_process:
             n = (len(tokens) - 1) // block_size * block_size
+            source = f", settings from {run.config_file}" if run is not None else ""
             print(f"val_loss {loss:.6f}  ppl {np.exp(loss):.2f}  ({n} target tokens, "
-                  f"block_size {block_size}, dataset {args.dataset})", flush=True)
+                  f"block_size {block_size}, dataset {chosen['dataset']}{source})", flush=True)
     return loss
 
 

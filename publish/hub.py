@@ -14,13 +14,13 @@ the main process only; every failure is a one-line `UserError` that leaves the r
 """
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 from common.atomic import publish, temp_path
+from common.cli import CliParser
 from common.errors import UserError, run_cli
 from common.run_dir import RunDir
 from model.hf_io import is_repo_id
@@ -175,14 +175,17 @@ def upload_export(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Push a finished or interrupted training run to the Hugging Face Hub.")
+    parser = CliParser(prog="python -m publish.hub",
+                       description="Push a finished or interrupted training run to the Hugging Face Hub.")
     parser.add_argument("--run_dir", required=True, help="the training run's --out_dir")
     parser.add_argument("--hub_model_id", required=True, help="target repo, user/name or org/name")
-    parser.add_argument("--revision", default=None, help="branch to push to (created if missing), e.g. step-1000")
+    parser.add_argument("--revision", default=None,
+                        help="branch to push to (created if missing), e.g. step-1000; default: main")
     parser.add_argument("--private", action="store_true", help="create the repo as private (if it does not exist)")
     parser.add_argument("--include_state", action="store_true",
                         help="also upload the latest checkpoint under training_state/ so the run can resume")
-    parser.add_argument("--commit_message", default=None)
+    parser.add_argument("--commit_message", default=None,
+                        help="default: 'Upload <what> (gpt2-accelerate)'")
     args = parser.parse_args(argv)
     url = push_to_hub(args.run_dir, args.hub_model_id, revision=args.revision, private=args.private,
                       include_state=args.include_state, commit_message=args.commit_message)

@@ -18,7 +18,7 @@ ALLOWED = {
     "common": set(),
     "data": {"common"},
     "model": {"common", "data"},
-    "eval": {"common", "data", "model"},
+    "eval": {"common", "configs", "data", "model"},
     "configs": {"common"},
     "training": {"common", "configs", "data", "eval", "model"},
     "publish": {"common", "configs", "data", "model", "training"},

@@ -1,4 +1,5 @@
-"""Where a run's numbers go: `metrics.jsonl` in the run folder and accelerate's trackers.
+"""Where a run's numbers go: `metrics.jsonl` in the run folder, accelerate's trackers, and one plain
+console line per logged step (`StepLine`).
 
 `metrics.jsonl` has one JSON object per logged step (`step`, `loss`, `lr`, `grad_norm`, `tokens`,
 `tok_per_sec`, `mfu`, and `val_loss` / `hellaswag_*` on the steps they are computed). Scripts outside
@@ -11,6 +12,7 @@ import json
 import math
 import time
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -85,3 +87,30 @@ class Throughput:
         rate = self.tokens_per_step * self.steps / self.seconds if self.seconds else 0.0
         self.seconds, self.steps = 0.0, 0
         return rate
+
+
+class StepLine:
+    """The console line of a logged step, made to be read in a log file and grepped:
+
+        step 30/150 | loss 6.412 | lr 9.6e-04 | grad 0.81 | 1,120 tok/s | mfu - | 0:00:31 elapsed, 0:02:04 left
+
+    Elapsed is wall time since this process started training (evaluations and saves included, so the ETA,
+    extrapolated from the steps done since then, includes them too); `mfu -` where the peak is unknown."""
+
+    def __init__(self, max_steps: int, start_step: int) -> None:
+        self.max_steps, self.start_step = max_steps, start_step
+        self.start = time.monotonic()
+
+    def format(self, step: int, record: dict[str, Any]) -> str:
+        elapsed = time.monotonic() - self.start
+        done = step - self.start_step
+        left = elapsed / done * (self.max_steps - step) if done else 0.0
+        mfu = record["mfu"]
+        return (f"step {step}/{self.max_steps} | loss {record['loss']:.3f} | lr {record['lr']:.1e} | "
+                f"grad {record['grad_norm']:.2f} | {record['tok_per_sec']:,.0f} tok/s | "
+                f"mfu {'-' if mfu is None else f'{mfu:.1%}'} | {_clock(elapsed)} elapsed, {_clock(left)} left")
+
+
+def _clock(seconds: float) -> str:
+    """H:MM:SS, whole seconds."""
+    return str(timedelta(seconds=round(seconds)))

@@ -45,7 +45,18 @@ def start_accelerator(cfg: TrainConfig) -> tuple[Accelerator, int]:
 
 def build_model(cfg: TrainConfig, resume: ResumePoint | None) -> GPT:
     """The network this run trains: from the flags (`init_from scratch`), from `init_from` weights, or, for a
-    fine-tune being resumed, the checkpoint's architecture (its weights replace init_from's when loaded)."""
+    fine-tune being resumed, the checkpoint's architecture (its weights replace init_from's when loaded).
+
+    The architecture fields of `cfg` are then set to the network's, so that the run's config.yaml and its
+    trackers record the model that ran, not the flags' unused defaults (`n_layer: 4` for a 2-layer model)."""
+    model = _network(cfg, resume)
+    arch = model.config
+    cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.bias = arch.n_layer, arch.n_head, arch.n_embd, arch.bias
+    cfg.block_size = arch.block_size
+    return model
+
+
+def _network(cfg: TrainConfig, resume: ResumePoint | None) -> GPT:
     if cfg.init_from == "scratch":
         return GPT(GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size,
                              dropout=cfg.dropout, bias=cfg.bias))

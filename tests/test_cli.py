@@ -1,0 +1,206 @@
+"""The command lines as a user meets them: `--help`, mistyped flags, presets, log lines, and
+`python -m eval.val_loss` on a run reproducing the loss the run logged."""
+from __future__ import annotations
+
+import io
+import json
+import re
+import sys
+import time
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+import pytest
+import yaml
+
+from common.cli import DefaultsHelpFormatter
+from common.console import TerminalBar
+from common.errors import UserError, run_cli
+from configs import PRESETS_DIR, TrainConfig, _config_parser, parse_config
+from training.metrics import StepLine
+
+# ---- train.py's flags -----------------------------------------------------------------------------------
+
+
+def test_help_documents_every_field_with_its_default():
+    parser = _config_parser()
+    formatter = DefaultsHelpFormatter("train.py")
+    for f in fields(TrainConfig):
+        assert f.metadata.get("help"), f"{f.name} has no help"
+        action = next(a for a in parser._actions if f"--{f.name}" in a.option_strings)
+        shown = formatter._get_help_string(action)
+        # The default is appended by the formatter, or (for None) said in the help's own words.
+        assert f"(default: {f.default})" in shown if f.default not in (None, MISSING, "\n") else "default" in shown, \
+            f"--{f.name}: {shown!r}"
+    text = " ".join(parser.format_help().split())
+    assert "--lr LR peak learning rate (AdamW), reached after --warmup_steps (default: 0.001)" in text
+    assert "prompt of that sample (default: '\\n')" in text  # whitespace defaults are visible
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max_step", "2"], "unknown argument(s) --max_step 2 (did you mean --max_steps?)"),  # no prefix matching
+    (["--learning_rate", "1e-3"], "(did you mean --lr?)"),
+    (["--learning-rate=1e-3"], "unknown argument(s) --learning-rate=1e-3 (did you mean --lr?)"),
+    (["--batch_size", "4"], "(did you mean --micro_batch_size?)"),
+    (["--n_layr", "2", "--max_iters", "9"], "(did you mean --n_layer for --n_layr, --max_steps for --max_iters?)"),
+    (["--not_a_field", "1"], "unknown argument(s) --not_a_field 1; see `python train.py --help`"),
+])
+def test_unknown_flags_suggest_the_field(argv, message):
+    with pytest.raises(UserError) as err:
+        parse_config(argv)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_dashed_spellings_are_the_same_flags():
+    assert parse_config(["--max-steps", "7", "--micro-batch-size", "4"]) == \
+        parse_config(["--max_steps", "7", "--micro_batch_size", "4"])
+
+
+def test_a_preset_given_first_is_the_config():
+    preset = str(PRESETS_DIR / "gpt2_124m_fineweb_edu.yaml")
+    cfg = parse_config([preset, "--max_steps", "5"])
+    assert (cfg.config, cfg.n_layer, cfg.max_steps) == (preset, 12, 5)
+    assert cfg == parse_config(["--config", preset, "--max_steps", "5"])
+    with pytest.raises(UserError, match=re.escape("a preset given first must be a .yaml file")):
+        parse_config(["config/train_shakespeare_char.py"])
+    with pytest.raises(UserError, match="two presets"):
+        parse_config([preset, "--config", preset])
+
+
+def test_yaml_errors_name_the_line(tmp_path: Path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("n_layer: 2\nlr: 3\n  warmup_steps: 1\n")
+    with pytest.raises(UserError) as err:
+        parse_config(["--config", str(preset)])
+    assert "is not valid YAML (line 3, column 15: mapping values are not allowed here)" in str(err.value)
+
+
+def test_unknown_preset_fields_suggest_the_field(tmp_path: Path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("learning_rate: 1e-3\nzzz: 1\n")
+    with pytest.raises(UserError, match=re.escape("unknown field(s) learning_rate, zzz (did you mean "
+                                                  "learning_rate -> lr?)")):
+        parse_config(["--config", str(preset)])
+
+
+# ---- the other entry points: same style, one-line errors ---------------------------------------------------
+
+def _entry_points(monkeypatch):
+    """(name, main taking argv) of every CLI besides train.py."""
+    from data import prepare
+    from eval import hellaswag, val_loss
+    from publish import hub
+
+    def prepare_main(argv):
+        monkeypatch.setattr(sys, "argv", ["prepare", *argv])
+        return prepare.main()
+
+    return {"eval.val_loss": val_loss.main, "eval.hellaswag": hellaswag.main, "data.prepare": prepare_main,
+            "publish.hub": hub.main}
+
+
+@pytest.mark.parametrize("name, argv, message", [
+    ("eval.val_loss", ["--model", "m", "--batch_sze", "2"], "unknown argument(s) --batch_sze 2 (did you mean "
+                                                            "--batch_size?); see `python -m eval.val_loss --help`"),
+    ("eval.hellaswag", ["--model", "m", "--limt", "2"], "(did you mean --limit?)"),
+    ("eval.hellaswag", ["--model", "m", "--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16'"),
+    ("data.prepare", ["--dataset", "x", "--out", "y", "--shard_token", "5"], "(did you mean --shard_tokens?)"),
+    ("publish.hub", ["--run_dir", "r"], "the following arguments are required: --hub_model_id/--hub-model-id; "
+                                        "see `python -m publish.hub --help`"),
+])
+def test_entry_point_errors_are_one_line(monkeypatch, capsys, name, argv, message):
+    main = _entry_points(monkeypatch)[name]
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(lambda: main(argv))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("name", ["eval.val_loss", "eval.hellaswag", "data.prepare", "publish.hub"])
+def test_entry_point_help_shows_each_default_once(monkeypatch, capsys, name):
+    with pytest.raises(SystemExit) as exit_info:
+        _entry_points(monkeypatch)[name](["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"usage: python -m {name}" in text
+    assert "(default: None)" not in text and not re.search(r"\(default: [^)]*\) \(default:", text)
+    if name == "data.prepare":
+        assert "tokenizer threads (default: all cores)" in text
+
+
+# ---- the console ---------------------------------------------------------------------------------------------
+
+def test_the_bar_is_drawn_only_on_a_terminal(monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert not TerminalBar(total=1).disable
+    assert TerminalBar(total=1, show=False).disable  # not the main process
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    assert TerminalBar(total=1).disable
+
+
+def test_step_line(monkeypatch):
+    clock = iter([100.0, 131.0])
+    monkeypatch.setattr(time, "monotonic", lambda: next(clock))
+    line = StepLine(max_steps=150, start_step=0)
+    record = {"loss": 6.41234, "lr": 9.6e-4, "grad_norm": 0.8123, "tok_per_sec": 1120.4, "mfu": None}
+    assert line.format(30, record) == ("step 30/150 | loss 6.412 | lr 9.6e-04 | grad 0.81 | 1,120 tok/s | mfu - | "
+                                       "0:00:31 elapsed, 0:02:04 left")
+    clock = iter([50.0, 50.0])
+    assert StepLine(150, 0).format(150, {**record, "mfu": 0.4123}).endswith("mfu 41.2% | 0:00:00 elapsed, 0:00:00 left")
+
+
+# ---- a tiny fine-tuning run, in this process ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> tuple[Path, str, str]:
+    """3 steps of train.py from a 1-layer HF GPT-2 folder, the architecture flags left at their defaults
+    (4 layers, 4 heads, 128 wide); its run folder, stdout and stderr (not a terminal)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import train
+
+    tmp = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_positions=64, n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp / "hf")
+    out = tmp / "run"
+    args = ["--init_from", str(tmp / "hf"), "--block_size", "32", "--val_tokens", "300", "--eval_batch_size", "3",
+            "--sample_tokens", "2", "--micro_batch_size", "2", "--total_batch_size", "64", "--max_steps", "3",
+            "--log_every", "1", "--eval_every", "2", "--save_every", "2", "--out_dir", str(out)]
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, redirect_stdout(stdout), redirect_stderr(stderr):
+        mp.setattr(sys, "argv", ["train.py", *args])
+        train.run_cli(train.main)
+    return out, stdout.getvalue(), stderr.getvalue()
+
+
+def test_config_yaml_records_the_loaded_architecture(tiny_run):
+    out, _, _ = tiny_run
+    recorded = yaml.safe_load((out / "config.yaml").read_text())
+    assert (recorded["n_layer"], recorded["n_head"], recorded["n_embd"], recorded["block_size"]) == (1, 2, 32, 32)
+
+
+def test_logs_are_plain_lines_without_bars(tiny_run):
+    _, stdout, stderr = tiny_run
+    assert "\r" not in stdout + stderr  # no progress bar when stderr is not a terminal
+    steps = [line for line in stdout.splitlines() if line.startswith("step ") and " | " in line]
+    assert [s.split(" | ")[0] for s in steps] == ["step 1/3", "step 2/3", "step 3/3"]
+    pattern = (r"step \d/3 \| loss \d+\.\d{3} \| lr \d\.\de-\d\d \| grad \d+\.\d\d \| [\d,]+ tok/s \| mfu - \| "
+               r"\d+:\d\d:\d\d elapsed, \d+:\d\d:\d\d left")
+    assert all(re.fullmatch(pattern, s) for s in steps), steps
+    assert re.search(r"^step 2: val_loss \d+\.\d{4}$", stdout, re.M)
+
+
+@pytest.mark.parametrize("where", ["", "final", "checkpoints/step_000003"])
+def test_val_loss_of_a_run_reproduces_the_logged_loss(tiny_run, capsys, where):
+    from eval.val_loss import main
+
+    out, _, _ = tiny_run
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    assert logged["step"] == 3
+    assert main(["--model", str(out / where), "--device", "cpu"]) == logged["val_loss"]  # exactly: same windows
+    assert f"settings from {out / 'config.yaml'}" in capsys.readouterr().out
+    # A flag the user passes wins over the run's setting.
+    assert main(["--model", str(out), "--max-tokens", "100", "--batch-size", "2"]) != logged["val_loss"]
