@@ -20,6 +20,7 @@ from common.errors import alike_on_every_rank, run_cli
 from common.run_dir import RunDir
 from configs import parse_config
 from data.loader import build_train_loader
+from publish.card import write_card
 from publish.uploads import HubUploads
 from training.checkpoint import Checkpointer, find_resume_point
 from training.evaluation import TrainingEvals
@@ -108,6 +109,8 @@ def main() -> None:
     finished = progress.step == cfg.max_steps
     if finished:
         export_final(accelerator, model, arch, run)
+        if accelerator.is_main_process:  # final/ gets the card and curves the Hub push would upload
+            write_card(run.path, hub_model_id=cfg.hub_model_id if cfg.push_to_hub else None)
     accelerator.wait_for_everyone()
     del model, optimizer
     gc.collect()

@@ -3,6 +3,7 @@
     <out_dir>/
       config.yaml              the run's TrainConfig (after a resume is accepted)
       metrics.jsonl            one JSON object per logged step
+      harness.jsonl            one JSON object per `python -m eval.harness` call on this run's weights
       tensorboard/             when --report_to tensorboard
       checkpoints/step_000100/ accelerate's save_state files plus the files named below
       final/                   the finished model as a Hugging Face GPT-2 folder
@@ -53,6 +54,10 @@ class RunDir:
     @property
     def metrics_file(self) -> Path:
         return self.path / "metrics.jsonl"
+
+    @property
+    def harness_file(self) -> Path:
+        return self.path / "harness.jsonl"
 
     @property
     def tensorboard(self) -> Path:

@@ -50,6 +50,21 @@ def _fingerprint(folder: Path) -> list[list[Any]]:
                   for p in folder.rglob("*") if p.is_file())
 
 
+def describe_weights(run: RunDir, source: Path) -> str:
+    """What a card says the weights are: the run's final weights or an unfinished run's checkpoint."""
+    return "the final weights of the run" if source == run.final else f"checkpoint {source.name} (the run had not finished)"
+
+
+def build_hf_folder(run: RunDir, source: Path, dest: Path) -> None:
+    """Make `dest` (absent) an HF model folder of `source`: `final/` copied as it is, a checkpoint converted."""
+    if source == run.final:
+        shutil.copytree(source, dest)
+    else:
+        from model import GPT
+
+        GPT.from_pretrained(source).save_pretrained(dest)
+
+
 def stage_export(run_dir: str | Path, source: Path | None = None) -> tuple[Path, str]:
     """Make `<run_dir>/hub_export/model/` hold the HF export of `source` (default: the run's newest weights).
 
@@ -62,7 +77,7 @@ def stage_export(run_dir: str | Path, source: Path | None = None) -> tuple[Path,
     if source is None:
         raise UserError(f"{run.path} has neither final/ nor a checkpoints/step_* folder; "
                         "train first or pass the run's --out_dir")
-    what = "the final weights of the run" if source == run.final else f"checkpoint {source.name} (the run had not finished)"
+    what = describe_weights(run, source)
     export, marker = run.hub_export / "model", run.hub_export / "export.json"
     record = {"source": str(source.relative_to(run.path)), "files": _fingerprint(source)}
     if export.is_dir() and marker.is_file() and json.loads(marker.read_text()) == record:
@@ -72,12 +87,7 @@ def stage_export(run_dir: str | Path, source: Path | None = None) -> tuple[Path,
     run.hub_export.mkdir(exist_ok=True)
     tmp = temp_path(export)
     shutil.rmtree(tmp, ignore_errors=True)
-    if source == run.final:
-        shutil.copytree(source, tmp)
-    else:
-        from model import GPT
-
-        GPT.from_pretrained(source).save_pretrained(tmp)
+    build_hf_folder(run, source, tmp)
     marker.unlink(missing_ok=True)
     publish(tmp, export)
     marker.write_text(json.dumps(record))

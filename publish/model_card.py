@@ -1,4 +1,5 @@
-"""The model card (README.md) and loss-curve image that go with a pushed checkpoint.
+"""The model card (README.md) and curves image (loss_curve.png) that go with a run's HF weights: in its
+`final/` (written at the end of training, or by `python -m publish.card`) and in every Hub push.
 
 Everything here is read from the run folder the trainer wrote: `config.yaml` (the training config),
 `metrics.jsonl` (one JSON object per logged step) and the export's own `config.json` /
@@ -10,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 
@@ -40,32 +41,47 @@ def summarize(metrics: list[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
-def plot_loss_curve(metrics: list[dict[str, Any]], path: Path) -> bool:
-    """Render train/val loss against step as a PNG; False when there is nothing to plot or no matplotlib."""
-    train = [(r["step"], r["loss"]) for r in metrics if isinstance(r.get("loss"), (int, float))]
-    val = [(r["step"], r["val_loss"]) for r in metrics if isinstance(r.get("val_loss"), (int, float))]
-    if not train and not val:
-        return False
+def _series(metrics: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+    return [(r["step"], r[key]) for r in metrics if isinstance(r.get(key), (int, float))]
+
+
+def plot_curves(metrics: list[dict[str, Any]], path: Path) -> list[str]:
+    """Render the run's curves against step as one PNG: train/val loss, HellaSwag when it was measured, the
+    learning rate. Returns the titles of the panels drawn; empty (and no file) when there is nothing to plot
+    or no matplotlib."""
+    panels = [
+        ("loss", "cross-entropy (nats/token)", [("train loss", _series(metrics, "loss"), "-"),
+                                                ("val loss", _series(metrics, "val_loss"), "o-")]),
+        ("HellaSwag", "accuracy", [("acc", _series(metrics, "hellaswag_acc"), "o-"),
+                                   ("acc_norm", _series(metrics, "hellaswag_acc_norm"), "o-")]),
+        ("learning rate", "learning rate", [("lr", _series(metrics, "lr"), "-")]),
+    ]
+    panels = [(title, ylabel, [line for line in lines if line[1]]) for title, ylabel, lines in panels]
+    panels = [panel for panel in panels if panel[2]]
+    # Without any loss the picture says nothing about the run: no image, as without matplotlib.
+    if not panels or panels[0][0] != "loss":
+        return []
     try:  # optional: the card simply has no image without it
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        return False
+        return []
     # The object API with an explicit Agg canvas: no pyplot, no global backend, no display needed.
-    fig = Figure(figsize=(7, 4), dpi=100)
+    fig = Figure(figsize=(7, 1 + 2.6 * len(panels)), dpi=100)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    if train:
-        ax.plot(*zip(*train), label="train loss", linewidth=1)
-    if val:
-        ax.plot(*zip(*val), "o-", label="val loss", markersize=3)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy loss (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (title, ylabel, lines) in zip(axes, panels):
+        for label, points, style in lines:
+            ax.plot(*zip(*points), style, label=label, linewidth=1, markersize=3)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if len(lines) > 1:
+            ax.legend()
+    axes[-1].set_xlabel("optimizer step")
     fig.tight_layout()
     fig.savefig(path, format="png")
-    return True
+    return [title for title, _, _ in panels]
 
 
 def redact(value: Any) -> Any:
@@ -132,17 +148,21 @@ def _fmt(value: Any, digits: int = 4) -> str:
 
 
 def render_card(
-    hub_model_id: str,
+    model_id: str,
     config: dict[str, Any],
     summary: dict[str, Any],
     arch: dict[str, Any],
     *,
     source: str,
     revision: str | None = None,
-    has_curve: bool = False,
+    curves: Sequence[str] = (),
     state_step: str | None = None,
+    name: str | None = None,
 ) -> str:
-    """README.md text: YAML metadata block, then usage, results, loss curve and training config."""
+    """README.md text: YAML metadata block, then usage, results, curves and training config.
+
+    `model_id`: what `pipeline(model=...)` loads, the Hub repo id or, for a card kept on disk, the folder's
+    path; `name` the title (default: the repo name). `curves`: the panels of loss_curve.png, if drawn."""
     from huggingface_hub import ModelCardData
 
     dataset = _lookup(config, "dataset")
@@ -156,7 +176,7 @@ def render_card(
         pipeline_tag="text-generation",
         tags=["gpt2", "causal-lm", "gpt2-accelerate", "accelerate"],
     )
-    name = hub_model_id.split("/")[-1]
+    name = name or model_id.split("/")[-1]
     size = f"{arch['params'] / 1e6:.1f}M-parameter " if arch.get("params") else ""
     shape = ", ".join(f"{k}={arch[k]}" for k in ("n_layer", "n_head", "n_embd", "n_positions") if arch.get(k))
     trained_on = f"[{dataset_id}](https://huggingface.co/datasets/{dataset_id})" if dataset_id else (
@@ -175,7 +195,7 @@ def render_card(
         "```python",
         "from transformers import pipeline",
         "",
-        f'generator = pipeline("text-generation", model="{hub_model_id}"{rev_arg})',
+        f'generator = pipeline("text-generation", model="{model_id}"{rev_arg})',
         'print(generator("Hello, I am a language model,", max_new_tokens=40)[0]["generated_text"])',
         "```", "",
         "## Results", "",
@@ -190,14 +210,14 @@ def render_card(
                   "likelihood (acc_norm: per-character normalised).", ""]
     else:
         lines += ["No metrics were logged (the run has no metrics.jsonl).", ""]
-    if has_curve:
-        lines += ["![Training and validation loss](loss_curve.png)", ""]
+    if curves:
+        lines += [f"![Training curves: {', '.join(curves)}]({LOSS_CURVE})", ""]
     if state_step:
         lines += [
             "## Training state", "",
             f"`training_state/` holds the raw Accelerate checkpoint `{state_step}` (model, optimizer, RNG and "
             "data-loader state), so the run can be resumed: download it with "
-            f"`huggingface_hub.snapshot_download(\"{hub_model_id}\"{', revision=' + repr(revision) if revision else ''}, "
+            f"`huggingface_hub.snapshot_download(\"{model_id}\"{', revision=' + repr(revision) if revision else ''}, "
             "allow_patterns=\"training_state/*\")` and point the trainer's resume option at that folder.", "",
         ]
     if config:
@@ -214,23 +234,28 @@ def render_card(
 def write_model_card(
     run_dir: str | Path,
     export_dir: str | Path,
-    hub_model_id: str,
+    hub_model_id: str | None,
     *,
     source: str = "the final weights of the run",
     revision: str | None = None,
     state_step: str | None = None,
+    local_path: Path | None = None,
 ) -> Path:
-    """Write README.md (and loss_curve.png when there are losses) into `export_dir`; returns the card's path."""
+    """Write README.md (and loss_curve.png when there are losses) into `export_dir`; returns the card's path.
+
+    The same files for the Hub export and for a run's own `final/`: without a `hub_model_id` the card is
+    named after the run folder and its usage example loads `local_path` (default: `export_dir`) from disk."""
     from huggingface_hub import get_token
 
     run, export_dir = RunDir(run_dir), Path(export_dir)
     metrics = read_metrics(run.metrics_file)
     curve = export_dir / LOSS_CURVE
-    has_curve = plot_loss_curve(metrics, curve)
-    if not has_curve:
-        curve.unlink(missing_ok=True)  # never ship a stale image from an earlier push
-    text = render_card(hub_model_id, read_run_config(run.config_file), summarize(metrics), _architecture(export_dir),
-                       source=source, revision=revision, has_curve=has_curve, state_step=state_step)
+    curves = plot_curves(metrics, curve)
+    if not curves:
+        curve.unlink(missing_ok=True)  # never leave a stale image from an earlier card
+    model_id, name = (hub_model_id, None) if hub_model_id else ((local_path or export_dir).as_posix(), run.path.resolve().name)
+    text = render_card(model_id, read_run_config(run.config_file), summarize(metrics), _architecture(export_dir),
+                       source=source, revision=revision, curves=curves, state_step=state_step, name=name)
     token = get_token()
     if token:
         text = text.replace(token, "***")

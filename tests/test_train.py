@@ -98,6 +98,9 @@ def test_run_writes_metrics_checkpoints_and_final(uninterrupted):
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(uninterrupted / "final")
     assert hf.config.n_layer == 2
+    card = (uninterrupted / "final" / "README.md").read_text()  # written by train.py beside the weights
+    assert "![Training curves: loss, HellaSwag, learning rate](loss_curve.png)" in card
+    assert (uninterrupted / "final" / "loss_curve.png").read_bytes().startswith(b"\x89PNG")
 
 
 @pytest.mark.slow
@@ -533,6 +536,8 @@ def test_push_to_hub_from_training(tmp_path):
     assert branches == {"main", "step-2", "step-4"}
     assert {"model.safetensors", "config.json", "README.md", "tokenizer.json"} <= set(main_files)
     assert main_files["model.safetensors"] == (out / "final" / "model.safetensors").read_bytes()
+    for name in ("README.md", "loss_curve.png"):  # the card in final/ is the one on the Hub
+        assert main_files[name] == (out / "final" / name).read_bytes(), name
     # Branch step-N holds the weights of checkpoint N (exported the same way), not whatever was newest
     # when its background upload ran.
     from model import GPT

@@ -1,0 +1,234 @@
+"""A bridge to EleutherAI's lm-evaluation-harness: any task it knows, on any model our CLIs accept.
+
+    python -m eval.harness --model out/my_run --tasks hellaswag,arc_easy --output results.json
+    python -m eval.harness --model gpt2 --tasks my_hellaswag --include_path my_tasks/ --output results.json
+
+The harness's own numbers (its prompts, its `acc`/`acc_norm`), so they compare with published
+tables. `--model` is a Hub id, an HF folder, one of our checkpoint folders or a run folder: our
+runs and checkpoints are exported to a temporary HF folder (a finished run's `final/` is used as
+it is) and loaded by the harness's `hf` model. `--include_path` adds a folder of task YAMLs, e.g. a
+task that reads a local jsonl, which is how it runs offline. The results go to `--output` (the
+harness's own result dict) and, when the model is one of our runs or checkpoints, as one line into
+the run's `harness.jsonl` (see `record_in_run`). Needs `pip install lm-eval`, imported lazily.
+Several GPUs: `accelerate launch -m eval.harness ...` (the harness splits the requests itself).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from common.errors import UserError, run_cli
+from common.run_dir import GPT_CONFIG, RunDir, checkpoint_step
+
+
+def require_lm_eval() -> None:
+    """Raise UserError unless lm-evaluation-harness imports (it is an optional dependency)."""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError as err:
+        reason = " ".join(str(err).split())
+        raise UserError(f"the lm-eval bridge needs lm-evaluation-harness, which cannot be imported ({reason}); "
+                        "pip install lm-eval (or pip install -e \".[harness]\")") from err
+
+
+@dataclass
+class Weights:
+    """What the harness loads (`pretrained`: an HF folder or a Hub id) and, for our runs, where they came from."""
+
+    pretrained: str
+    run: RunDir | None = None  # the run whose harness.jsonl gets the results
+    source: Path | None = None  # final/ or checkpoints/step_N inside that run
+
+
+def _run_of_checkpoint(folder: Path) -> RunDir | None:
+    """The run a `checkpoints/step_N` folder belongs to, if it sits in one."""
+    if checkpoint_step(folder) is not None and folder.parent.name == "checkpoints":
+        return RunDir(folder.parent.parent)
+    return None
+
+
+@contextmanager
+def resolve_model(spec: str) -> Iterator[Weights]:
+    """`spec` as something the harness's `hf` model loads, for the duration of the block.
+
+    An HF folder (our `final/` included) and a Hub id are passed through; our checkpoints, and runs
+    that have not finished, are exported with `GPT.save_pretrained` to a temporary folder that is
+    removed afterwards."""
+    path = Path(spec).expanduser()
+    if not path.exists():
+        # "out/my_rnu" is also a valid Hub id: a first component that is a local folder means a typo.
+        if len(path.parts) > 1 and Path(path.parts[0]).is_dir():
+            raise UserError(f"model folder {path} does not exist; pass an HF folder, a checkpoint or a run folder "
+                            "(or a Hub id)")
+        yield Weights(spec)
+        return
+    if not path.is_dir():
+        raise UserError(f"{path} is a file; pass the folder that holds config.json, a checkpoint or a run folder")
+    if (path / "config.json").is_file():
+        run = RunDir(path.parent) if path.name == "final" and RunDir(path.parent).looks_like_run() else None
+        yield Weights(str(path), run, path if run else None)
+        return
+    if (path / GPT_CONFIG).is_file():
+        run, source = _run_of_checkpoint(path), path
+    elif RunDir(path).looks_like_run():
+        run, source = RunDir(path), RunDir(path).newest_weights()
+        if source is None:
+            raise UserError(f"run folder {path} has no final/ export and no checkpoints/step_* yet; train longer "
+                            "or pick another run")
+        if source == run.final:
+            yield Weights(str(source), run, source)
+            return
+    else:
+        raise UserError(f"{path} is neither a model folder (config.json or gpt_config.json) nor a run folder "
+                        "(final/ or checkpoints/); point at one of those")
+    from model import GPT
+
+    with tempfile.TemporaryDirectory(prefix="harness-export-") as tmp:
+        GPT.from_pretrained(source).save_pretrained(tmp)  # config, safetensors and the GPT-2 tokenizer files
+        yield Weights(tmp, run, source)
+
+
+def _task_manager(tasks: Sequence[str], include_path: str | None) -> Any:
+    """The harness's TaskManager; without its built-in tasks when `include_path` defines every one asked for.
+
+    Indexing the few thousand built-in task YAMLs takes seconds; a run on local tasks needs none of them."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path is None:
+        return TaskManager()
+    if not Path(include_path).is_dir():
+        raise UserError(f"--include_path {include_path} is not a folder; pass the folder holding the task YAMLs")
+    local = TaskManager(include_path=include_path, include_defaults=False)
+    if all(task in local.all_tasks for task in tasks):
+        return local
+    return TaskManager(include_path=include_path)
+
+
+def _flat_metrics(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{task: {metric: value}}, with the harness's default filter suffix dropped ("acc,none" -> "acc")."""
+    flat = {}
+    for task, values in results.items():
+        flat[task] = {key.removesuffix(",none"): value for key, value in values.items()
+                      if "," in key and isinstance(value, (int, float))}
+    return flat
+
+
+def run_harness(
+    weights: Weights,
+    tasks: Sequence[str],
+    *,
+    include_path: str | None = None,
+    batch_size: int | str = 16,
+    device: str | None = None,
+    limit: int | None = None,
+    num_fewshot: int | None = None,
+    log_samples: bool = False,
+) -> dict[str, Any] | None:
+    """`lm_eval.simple_evaluate` on `weights`: the harness's result dict (on the main process; None on others)."""
+    require_lm_eval()
+    from lm_eval import simple_evaluate
+
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    task_manager = _task_manager(tasks, include_path)
+    unknown = [task for task in tasks if task not in task_manager.all_tasks]
+    if unknown:
+        raise UserError(f"unknown lm-eval task(s) {', '.join(unknown)}; check the names with `lm_eval ls tasks`, "
+                        "or pass --include_path with the folder of their YAML files")
+    try:
+        return simple_evaluate(model="hf", model_args={"pretrained": weights.pretrained}, tasks=list(tasks),
+                               task_manager=task_manager, batch_size=batch_size, device=device, limit=limit,
+                               num_fewshot=num_fewshot, log_samples=log_samples)
+    except AssertionError as err:
+        # The harness asserts (without a message) that every continuation fits in the model's context, where
+        # eval.hellaswag cuts on the left and goes on; name the likely cause instead of a bare traceback.
+        raise UserError(f"lm-eval stopped on an assertion ({err or 'no message'}), most often an answer longer than "
+                        f"the model's context; use a model with more positions, or eval.hellaswag for HellaSwag") from err
+
+
+def record_in_run(weights: Weights, output: dict[str, Any]) -> Path | None:
+    """Append the results as one JSON line to `<run>/harness.jsonl` when the model is one of our runs.
+
+    A file of its own, not `metrics.jsonl`: those rows are training steps (a resume truncates them by
+    step), and harness results can be added to a finished run at any later time. One line per call:
+    `time`, `weights` (`final` or `checkpoints/step_N`), `step` (the checkpoint's; null for final/),
+    `lm_eval_version`, `n_samples` and `results` ({task: {metric: value}})."""
+    if weights.run is None or weights.source is None:
+        return None
+    row = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "weights": weights.source.relative_to(weights.run.path).as_posix(),
+        "step": checkpoint_step(weights.source),
+        "lm_eval_version": output.get("lm_eval_version"),
+        "n_samples": {task: n.get("effective") for task, n in output.get("n-samples", {}).items()},
+        "results": _flat_metrics(output["results"]),
+    }
+    with open(weights.run.harness_file, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+    return weights.run.harness_file
+
+
+def _table(output: dict[str, Any]) -> str:
+    lines = [f"{'task':<24}{'metric':<20}{'value':>8}"]
+    for task, values in _flat_metrics(output["results"]).items():
+        lines += [f"{task:<24}{metric:<20}{value:>8.4f}" for metric, value in values.items()
+                  if not metric.split(",")[0].endswith("_stderr")]
+    return "\n".join(lines)
+
+
+def _batch_size(text: str) -> int | str:
+    if text == "auto" or text.startswith("auto:"):
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer or auto")
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="Hub id, HF GPT-2 folder, our checkpoint folder or run folder")
+    parser.add_argument("--tasks", required=True, help="comma-separated lm-eval task names, e.g. hellaswag,arc_easy")
+    parser.add_argument("--include_path", default=None,
+                        help="a folder of extra task YAMLs (e.g. tasks reading local files, for offline use)")
+    parser.add_argument("--output", default=None, help="write the harness's results as JSON here")
+    parser.add_argument("--batch_size", type=_batch_size, default=16, help="requests per forward pass, or auto")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N documents of each task")
+    parser.add_argument("--num_fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
+    args = parser.parse_args(argv)
+    tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
+    if not tasks:
+        raise UserError("--tasks is empty; pass task names separated by commas, e.g. --tasks hellaswag")
+    require_lm_eval()  # before an export that would be wasted
+
+    with resolve_model(args.model) as weights:
+        output = run_harness(weights, tasks, include_path=args.include_path, batch_size=args.batch_size,
+                             device=args.device, limit=args.limit, num_fewshot=args.num_fewshot)
+    if output is None:  # not the main process of a launch
+        return None
+    output["gpt2_accelerate"] = {"model": args.model, "weights": str(weights.source or weights.pretrained)}
+    print(_table(output), flush=True)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            json.dump(output, f, indent=2, default=str)  # the harness's config holds a few non-JSON objects
+            f.write("\n")
+    recorded = record_in_run(weights, output)
+    if recorded:
+        print(f"results added to {recorded}", flush=True)
+    return output
+
+
+if __name__ == "__main__":
+    run_cli(main)
