@@ -18,6 +18,7 @@ import yaml
 from common.run_dir import RunDir
 from configs import read_run_config
 from data.loader import parse_hub_id, source_kind
+from data.tokenizer import get_tokenizer
 from model.hf_io import GPT2_NAMES, is_repo_id
 from training.metrics import read_metrics
 
@@ -147,6 +148,16 @@ def _fmt(value: Any, digits: int = 4) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else f"{value:,}" if isinstance(value, int) else "n/a"
 
 
+def usage_prompt(n_positions: int | None) -> tuple[str, int]:
+    """The usage example's prompt and number of new tokens, within the model's context (a model with a short
+    context would fail on GPT-2's usual 'Hello, I am a language model,' + 40 tokens)."""
+    prompt = "Hello, I am a language model,"
+    room = (n_positions or 1024) - len(get_tokenizer().encode(prompt))
+    if room < 1:
+        prompt, room = "\n", (n_positions or 2) - 1
+    return prompt, min(40, room)
+
+
 def render_card(
     model_id: str,
     config: dict[str, Any],
@@ -183,6 +194,7 @@ def render_card(
         f"`{dataset}`" if dataset else "its training data")
     how = f"fine-tuned from [{base}](https://huggingface.co/{base})" if base else "trained from scratch"
     rev_arg = f', revision="{revision}"' if revision else ""
+    prompt, new_tokens = usage_prompt(arch.get("n_positions"))
     lines = [
         "---", data.to_yaml().strip(), "---", "",
         f"# {name}", "",
@@ -196,7 +208,7 @@ def render_card(
         "from transformers import pipeline",
         "",
         f'generator = pipeline("text-generation", model="{model_id}"{rev_arg})',
-        'print(generator("Hello, I am a language model,", max_new_tokens=40)[0]["generated_text"])',
+        f'print(generator({prompt!r}, max_new_tokens={new_tokens})[0]["generated_text"])',
         "```", "",
         "## Results", "",
     ]

@@ -112,3 +112,16 @@ def test_the_card_in_final_is_the_card_of_the_hub_export(tmp_path):
     write_model_card(run, export, "alice/tiny", source=what)  # what the push then rewrites
     assert {p.name: p.read_bytes() for p in export.iterdir()} == before
     assert before["README.md"] == (run / "final" / "README.md").read_bytes()
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 1024])
+def test_the_cards_usage_example_runs_within_the_models_context(tmp_path, block_size):
+    """The card's Python example, run as written against the exported folder (a short-context model used
+    to fail: the prompt plus 40 new tokens did not fit)."""
+    import re
+
+    folder = tmp_path / "model"
+    GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=block_size)).save_pretrained(folder)
+    card = write_model_card(tmp_path, folder, str(folder))
+    code = re.search(r"```python\n(.*?)```", card.read_text(), re.S).group(1)
+    exec(compile(code, "card-usage", "exec"), {})
