@@ -75,6 +75,9 @@ def _resolve(name_or_path: str | Path) -> Path:
         )
     if path.exists():
         raise UserError(f"{path} is a file; pass the folder that holds config.json and model.safetensors")
+    parent = Path(path.parts[0]) if len(path.parts) > 1 and not path.is_absolute() else None
+    if parent is not None and parent.is_dir():  # `out/my_rnu` while out/ exists: a typo, not a Hub id
+        raise UserError(f"no folder {path} (though {parent}/ exists); check the path, or pass a Hub id such as gpt2")
     return _download(str(name_or_path))
 
 

@@ -200,6 +200,13 @@ def test_missing_path_is_not_sent_to_the_hub(tmp_path):
         GPT.from_pretrained(str(tmp_path / "no" / "such" / "run"))
 
 
+def test_a_mistyped_run_path_is_not_reported_as_a_hub_problem(tmp_path, monkeypatch):
+    (tmp_path / "out" / "my_run").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=r"^no folder out/my_rnu \(though out/ exists\); check the path"):
+        GPT.from_pretrained("out/my_rnu")
+
+
 def test_not_a_model_folder(tmp_path):
     (tmp_path / "notes.txt").write_text("hi")
     with pytest.raises(UserError, match="is neither a model folder .* nor a run folder"):
