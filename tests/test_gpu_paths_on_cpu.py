@@ -1,0 +1,52 @@
+"""The paths GPU users launch, run on this CPU machine as far as they can be: bf16 autocast with
+torch.compile (inductor) on two processes, and an exact kill-and-resume in bf16.
+
+What only a GPU shows (CUDA kernels, fused AdamW, TF32, FSDP2 sharding, speed) is measured by
+`python benchmarks/gpu_acceptance.py` in a session that has one; see docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO_ROOT, free_port
+from test_train import DDP_ARGS, RESUME_ARGS, assert_same_weights, ddp_run, final_weights, launch, read_metrics  # noqa: F401
+
+BF16 = {"ACCELERATE_MIXED_PRECISION": "bf16"}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_bf16_inductor_on_two_processes_trains_evaluates_checkpoints_and_exports(ddp_run, tmp_path):  # noqa: F811
+    """2 processes x accumulation 2, bf16 autocast, inductor: no recompilation after the first step (not per
+    micro-step, not for the DDP no-sync steps, not for the evaluations, which run on the plain module),
+    validation loss close to the fp32 run's, a checkpoint and a plain-keyed final export."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--mixed_precision", "bf16", "--dynamo_backend", "inductor", "--main_process_port", str(free_port()),
+           "train.py", *DDP_ARGS, "--out_dir", str(out)]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "TORCH_LOGS": "recompiles"}
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "precision: bf16 | torch.compile (inductor)" in proc.stdout
+    assert "Recompiling" not in proc.stderr, [line for line in proc.stderr.splitlines() if "ecompil" in line]
+    ours, fp32 = read_metrics(out)[-1]["val_loss"], read_metrics(ddp_run)[-1]["val_loss"]
+    assert abs(ours - fp32) < 0.02, (ours, fp32)
+    assert json.loads((out / "checkpoints" / "step_000004" / "run_state.json").read_text())["world_size"] == 2
+    weights = final_weights(out)
+    assert not any("_orig_mod" in k for k in weights)
+    assert weights.keys() == final_weights(ddp_run).keys()
+
+
+@pytest.mark.slow
+def test_a_bf16_run_killed_and_resumed_is_bit_exact(tmp_path):
+    """bf16 autocast keeps fp32 weights and optimizer state: a kill and a resume end bit-identical."""
+    reference, out = tmp_path / "ref", tmp_path / "run"
+    launch(RESUME_ARGS + ["--out_dir", str(reference)], extra_env=BF16)
+    launch(RESUME_ARGS + ["--out_dir", str(out)], fault="kill_after_step:3", check=False, extra_env=BF16)
+    resumed = launch(RESUME_ARGS + ["--out_dir", str(out), "--resume", "latest"], extra_env=BF16)
+    assert "precision: bf16" in resumed.stdout
+    assert_same_weights(reference, out)
