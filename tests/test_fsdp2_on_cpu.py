@@ -1,0 +1,60 @@
+"""Our FSDP-specific code on a model really sharded by torch's FSDP2 (`fully_shard` on gloo), since
+accelerate applies FSDP only on accelerator devices (with a CPU it silently trains plain DDP).
+
+Covered here: train_step's global gradient norm as a DTensor (`.full_tensor()`), accumulation with
+sharded gradients, validation loss and HellaSwag running forwards on every rank of a sharded model,
+and the full state dict gathered from shards. Not covered without a GPU: accelerate's FSDP plugin
+itself (wrapping, its sharded `save_state`/`load_state`, `get_state_dict` for the final export); those
+are a stage of `benchmarks/gpu_acceptance.py`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO_ROOT, free_port
+
+SCRIPT = REPO_ROOT / "tests" / "fixtures" / "fsdp" / "fsdp2_steps.py"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_fsdp2_sharded_step_and_evaluations_equal_one_process(tmp_path):
+    sys.path.insert(0, str(SCRIPT.parent))
+    import fsdp2_steps as ref_script  # the same config and data, run here on one process without sharding
+
+    from eval.hellaswag import evaluate_hellaswag, load_items
+    from eval.val_loss import evaluate_loss
+    from model import GPT
+
+    out = tmp_path / "fsdp.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(SCRIPT), str(out)], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sharded = json.loads(out.read_text())
+    gathered = torch.load(out.with_suffix(".pt"), weights_only=True)
+
+    torch.manual_seed(0)
+    model = GPT(ref_script.CONFIG)
+    g = torch.Generator().manual_seed(1)
+    batches = [(x[:, :-1], x[:, 1:]) for x in torch.randint(0, 50257, (4, 2, 33), generator=g)]
+    loss = sum(model(x, y)[1] for x, y in batches) / len(batches)  # the mean over the global batch
+    loss.backward()
+    grad_norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.1 * p.grad
+    tokens = torch.randint(0, 50257, (1 + 32 * 5,), generator=g)
+
+    assert sharded["world"] == 2
+    assert sharded["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(gathered[name], value, atol=1e-6, rtol=1e-5, msg=name)
+    assert sharded["val_loss"] == pytest.approx(evaluate_loss(model, tokens, block_size=32, batch_size=2), rel=1e-5)
+    single = evaluate_hellaswag(model, load_items(ref_script.HELLASWAG), batch_size=2)
+    assert sharded["hellaswag"] == pytest.approx(single)
