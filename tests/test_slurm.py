@@ -60,6 +60,11 @@ def fake_slurm(tmp_path_factory) -> Path:
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
+    # The CPU config with multinode_2x8.yaml's 16 processes: the job must take its count from SLURM's
+    # (SLURM_GPUS_ON_NODE=1 x 2 nodes), as it does on a cluster whose nodes have fewer GPUs than the config
+    config = (REPO_ROOT / "accelerate_configs" / "cpu_2proc.yaml").read_text()
+    assert "\nnum_processes: 2\n" in config
+    (bin_dir / "cpu_nodes.yaml").write_text(config.replace("\nnum_processes: 2\n", "\nnum_processes: 16\n"))
     return bin_dir
 
 
@@ -70,7 +75,7 @@ def sbatch(fake_slurm: Path, log: Path, args: list[str]) -> subprocess.Popen:
         "PATH": os.pathsep.join([str(fake_slurm), str(Path(sys.executable).parent), env["PATH"]]),
         "SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "localhost,localhost",
         "SLURM_GPUS_ON_NODE": "1", "SLURM_SUBMIT_DIR": str(REPO_ROOT), "FAKE_SLURM_LOG": str(log),
-        "ACCELERATE_CONFIG": "accelerate_configs/cpu_2proc.yaml", "ACCELERATE_USE_CPU": "1",
+        "ACCELERATE_CONFIG": str(fake_slurm / "cpu_nodes.yaml"), "ACCELERATE_USE_CPU": "1",
         "MAIN_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
     })
     return subprocess.Popen(["bash", str(REPO_ROOT / "accelerate_configs" / "slurm.sbatch"), *args], cwd="/",
