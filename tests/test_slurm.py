@@ -1,0 +1,155 @@
+"""accelerate_configs/slurm.sbatch on two "nodes" on localhost, with SLURM faked: no SLURM install needed.
+
+The sbatch script runs as SLURM would run it (bash, SLURM_* in the environment). `srun` and `scontrol` are
+small stand-ins put first on PATH: the fake srun starts one task per node with SLURM_NODEID 0/1, each in its
+own process group, and forwards a signal it gets to each task's whole process group (what slurmstepd does,
+so the node script and its `accelerate launch` both get it; the training processes run in their own
+sessions); the fake scontrol resolves the node list and records `requeue` calls. Both nodes rendezvous on
+127.0.0.1 and write into the same --out_dir (a shared filesystem).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO_ROOT, free_port
+from test_train import DDP_ARGS, assert_same_weights, read_metrics
+
+FAKE_SRUN = r"""#!/bin/bash
+# srun --nodes N --ntasks-per-node 1 [--kill-on-bad-exit=1] CMD...: one task per node, here all on localhost
+while [[ $1 == --* ]]; do case $1 in --nodes|--ntasks-per-node) shift 2 ;; *) shift ;; esac; done
+pids=()
+for ((node = 0; node < SLURM_NNODES; node++)); do
+    SLURM_NODEID=$node SLURM_PROCID=$node SLURM_LOCALID=0 setsid "$@" &
+    pids+=($!)
+done
+trap 'for p in "${pids[@]}"; do kill -USR1 -- "-$p" 2>/dev/null; done' USR1
+trap 'for p in "${pids[@]}"; do kill -TERM -- "-$p" 2>/dev/null; done' TERM
+status=0
+for node in "${!pids[@]}"; do
+    while kill -0 "${pids[$node]}" 2>/dev/null; do wait "${pids[$node]}"; done
+    wait "${pids[$node]}"; s=$?
+    echo "fake srun: task on node $node exited $s"
+    ((s > status)) && status=$s
+done
+exit "$status"
+"""
+
+FAKE_SCONTROL = r"""#!/bin/bash
+case "$1 $2" in
+    "show hostnames") tr ',' '\n' <<< "$3" ;;
+    requeue*) echo "$*" >> "$FAKE_SLURM_LOG" ;;
+    *) echo "fake scontrol: unexpected $*" >&2; exit 1 ;;
+esac
+"""
+
+STEPS = 16
+# 2 nodes x 1 process x accumulation 2 x micro-batch 2 x 32 tokens = 256 tokens per step
+ARGS = DDP_ARGS + ["--max_steps", str(STEPS), "--save_every", "1000", "--eval_every", "1000"]
+
+
+@pytest.fixture(scope="module")
+def fake_slurm(tmp_path_factory) -> Path:
+    bin_dir = tmp_path_factory.mktemp("fake_slurm_bin")
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    # The CPU config with multinode_2x8.yaml's 16 processes: the job must take its count from SLURM's
+    # (SLURM_GPUS_ON_NODE=1 x 2 nodes), as it does on a cluster whose nodes have fewer GPUs than the config
+    config = (REPO_ROOT / "accelerate_configs" / "cpu_2proc.yaml").read_text()
+    assert "\nnum_processes: 2\n" in config
+    (bin_dir / "cpu_nodes.yaml").write_text(config.replace("\nnum_processes: 2\n", "\nnum_processes: 16\n"))
+    return bin_dir
+
+
+def sbatch(fake_slurm: Path, log: Path, args: list[str]) -> subprocess.Popen:
+    """`sbatch --nodes 2 --gpus-per-node 1 accelerate_configs/slurm.sbatch ARGS` as the job would run on CPU."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MAIN_", "PYTHONUNBUFFERED"))}
+    env.update({
+        "PATH": os.pathsep.join([str(fake_slurm), str(Path(sys.executable).parent), env["PATH"]]),
+        "SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "localhost,localhost",
+        "SLURM_GPUS_ON_NODE": "1", "SLURM_SUBMIT_DIR": str(REPO_ROOT), "FAKE_SLURM_LOG": str(log),
+        "ACCELERATE_CONFIG": str(fake_slurm / "cpu_nodes.yaml"), "ACCELERATE_USE_CPU": "1",
+        "MAIN_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
+    })
+    return subprocess.Popen(["bash", str(REPO_ROOT / "accelerate_configs" / "slurm.sbatch"), *args], cwd="/",
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def finish(job: subprocess.Popen) -> str:
+    try:
+        return job.communicate(timeout=300)[0]
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+
+
+def assert_node0_wrote_the_log(out: Path, steps: range) -> None:
+    """Both nodes share --out_dir; only global rank 0 writes the run's files (one line per step, not two)."""
+    assert [m["step"] for m in read_metrics(out) if "loss" in m] == list(steps)
+
+
+@pytest.fixture(scope="module")
+def two_node_run(fake_slurm, tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("slurm")
+    out = tmp / "run"
+    output = finish(job := sbatch(fake_slurm, tmp / "scontrol.log", ARGS + ["--out_dir", str(out)]))
+    assert job.returncode == 0, output
+    for node in (0, 1):
+        assert f"node {node} of 2" in output and f"fake srun: task on node {node} exited 0" in output
+        assert f"--machine_rank {node} --main_process_ip localhost" in output
+    assert "2 process(es) x 2 accumulation" in output
+    assert not (tmp / "scontrol.log").exists()  # not signalled: no requeue
+    assert_node0_wrote_the_log(out, range(1, STEPS + 1))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_nodes_train_like_one_process(two_node_run, tmp_path):
+    """The same global batches on one process (accumulation 4): equal to float rounding (the gradient is
+    summed in another order across processes, so not bit for bit; see tests/test_train.py DDP_ARGS)."""
+    out = tmp_path / "single"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "train.py", *ARGS, "--out_dir", str(out)], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_weights(two_node_run, out, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_usr1_to_the_job_checkpoints_exits_0_requeues_and_resumes_exactly(fake_slurm, two_node_run, tmp_path):
+    """--signal=B:USR1@120: SIGUSR1 to the batch script only. Every node checkpoints the same step, every
+    process exits 0, the job asks to be requeued; the requeued job (the same script again) resumes with
+    --resume latest and ends bit-identical to the uninterrupted two-node run (same processes, same order)."""
+    out, log = tmp_path / "run", tmp_path / "scontrol.log"
+    job = sbatch(fake_slurm, log, ARGS + ["--out_dir", str(out)])
+    deadline = time.time() + 180
+    while not (out / "metrics.jsonl").exists() or not read_metrics(out):
+        assert job.poll() is None, finish(job)
+        assert time.time() < deadline, "no step logged in time"
+        time.sleep(0.1)
+    os.kill(job.pid, signal.SIGUSR1)
+    output = finish(job)
+    assert job.returncode == 0, output
+    assert "fake srun: task on node 0 exited 0" in output and "fake srun: task on node 1 exited 0" in output
+    assert "after a signal" in output and log.read_text() == "requeue 4242\n"
+    saved = [json.loads(p.read_text()) for p in sorted((out / "checkpoints").glob("step_*/run_state.json"))]
+    assert len(saved) == 1 and 1 <= saved[0]["step"] < STEPS and saved[0]["world_size"] == 2, output
+    assert not (out / "final").exists()
+
+    log.unlink()
+    output = finish(job := sbatch(fake_slurm, log, ARGS + ["--out_dir", str(out)]))  # the requeued job
+    assert job.returncode == 0, output
+    assert f"resumed from {out / 'checkpoints' / 'step_{:06d}'.format(saved[0]['step'])}" in output
+    assert not log.exists()
+    assert_node0_wrote_the_log(out, range(1, STEPS + 1))
+    assert_same_weights(two_node_run, out)
