@@ -88,10 +88,10 @@ def main() -> None:
               f"full 10,042-item set in {10042 / rate:7.1f} s  {accs}", flush=True)
         runs.append({"batch_size": batch_size, "seconds": seconds, "items_per_s": rate,
                      "full_set_s": 10042 / rate, "acc": result["acc"], "acc_norm": result["acc_norm"]})
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": args.model, "items": len(items), "device": name, "dtype": args.dtype,
-                       "with_metric": with_metric, "torch": torch.__version__, "runs": runs}, f, indent=1)
+        if args.json:  # after every batch size: a run stopped at a time limit keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump({"model": args.model, "items": len(items), "device": name, "dtype": args.dtype,
+                           "with_metric": with_metric, "torch": torch.__version__, "runs": runs}, f, indent=1)
 
 
 if __name__ == "__main__":
