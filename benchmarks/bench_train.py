@@ -3,6 +3,7 @@
     python -m benchmarks.bench_train                          # CPU default: `mini`, block 128, ~2 min on 2 cores
     python -m benchmarks.bench_train --model gpt2 --block_size 1024 --micro_batch_size 16 \
         --mixed_precision bf16 --compile                      # one GPU
+    ... --json results.json                                   # also write the figures as JSON
 
 Side (a) is train.py's own `train_step`: Accelerator with
 gradient_accumulation_steps, prepare(model, optimizer), `accumulate`, `backward`, `clip_grad_norm_`,
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
+import json
 import os
 import resource
 import statistics
@@ -70,6 +72,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--mixed_precision", choices=("no", "bf16"), default="no")
     p.add_argument("--compile", action="store_true", help="torch.compile (inductor) on both sides")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--json", help="also write the figures to this JSON file (benchmarks/gpu_acceptance.py reads it)")
     args = p.parse_args()
     if min(args.micro_batch_size, args.grad_accum, args.steps, args.trials) < 1 or args.warmup < 0:
         raise UserError("--micro_batch_size, --grad_accum, --steps and --trials must be >= 1, --warmup >= 0")
@@ -146,7 +149,8 @@ def main() -> None:
     t0 = time.perf_counter()
     for side in ("accelerate", "bare"):
         run(side, args.warmup)
-    print(f"warmup: {args.warmup} step(s) per side, {time.perf_counter() - t0:.1f} s")
+    warmup_s = time.perf_counter() - t0
+    print(f"warmup: {args.warmup} step(s) per side, {warmup_s:.1f} s")
 
     trials = min(args.trials, args.steps)
     per_trial = [args.steps // trials + (i < args.steps % trials) for i in range(trials)]
@@ -167,8 +171,9 @@ def main() -> None:
     # The best trial is the one least disturbed by other jobs on a shared machine.
     best = {side: A * B * T * max(n / t for n, t in zip(per_trial, s)) for side, s in seconds.items()}
     print(f"\n{'side':<11} {'tokens/s':>12} {'best trial':>12} {'MFU':>8} {'last loss':>10}")
+    mfus = {}
     for side in ("accelerate", "bare"):
-        mfu = estimate_mfu(flops_per_token, tok_s[side], 1, peak)
+        mfu = mfus[side] = estimate_mfu(flops_per_token, tok_s[side], 1, peak)
         print(f"{side:<11} {tok_s[side]:>12,.0f} {best[side]:>12,.0f} {'None' if mfu is None else f'{mfu:.1%}':>8} "
               f"{last_loss[side]:>10.4f}")
     paired = [b / a for a, b in zip(seconds["accelerate"], seconds["bare"])]
@@ -181,7 +186,27 @@ def main() -> None:
     else:  # ru_maxrss is in KiB on Linux and covers the whole process (both sides)
         print(f"peak memory: process max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB "
               "(both sides)")
+    max_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.json:
+        figures = {
+            "model": args.model, "n_params": n_params, "n_layer": config.n_layer, "n_embd": config.n_embd,
+            "block_size": T, "micro_batch_size": B, "grad_accum": A, "tokens_per_step": A * B * T,
+            "mixed_precision": args.mixed_precision, "compile": args.compile, "device": str(device),
+            "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "steps": args.steps, "warmup_steps": args.warmup, "warmup_s": warmup_s,
+            # What the CUDA code paths turned on: fused AdamW (training/optim.py) and TF32 matmuls.
+            "optimizer_fused": bool(getattr(acc_opt, "optimizer", acc_opt).defaults.get("fused")),
+            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+            "ratio_overall": ratio, "ratio_median_paired": statistics.median(paired),
+            "peak_flops": peak, "max_rss_gib": max_rss_gib, "load_average": os.getloadavg()[0],
+        }
+        for side in ("accelerate", "bare"):
+            figures[side] = {"tokens_per_s": tok_s[side], "best_trial_tokens_per_s": best[side], "mfu": mfus[side],
+                             "last_loss": last_loss[side],
+                             "peak_mem_gib": peak_mem[side] / 2**30 if device.type == "cuda" else None}
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,423 @@
+"""The GPU acceptance run: what a session with a GPU runs first, and CI runs small (`--smoke`).
+
+    python benchmarks/gpu_acceptance.py --out DIR                  # one H100: at most 20 minutes (--budget)
+    python benchmarks/gpu_acceptance.py --smoke --out DIR          # CPU, tiny model: 1-2 minutes (CI)
+    python benchmarks/gpu_acceptance.py --out DIR --stages hellaswag,step_eager   # some stages only
+
+It leaves DIR/acceptance.json (every stage: status, figures, what it proves, the tail of its output)
+and DIR/acceptance.md (the same as a table), both rewritten after every stage, so a run cut short keeps
+what it measured. An acceptance.json already in DIR is kept and updated stage by stage, so a run split
+over several calls (the device tool allows 10 minutes per command) ends in one file.
+
+Each stage is its own subprocess with its own time limit, so a crash, a hang or a CUDA OOM in one stage
+costs that stage only. The stages reuse the project's own entry points: pytest, `benchmarks.bench_train`
+(train.py's step against a bare PyTorch loop), `accelerate launch ... train.py` (through
+tests/fault_train.py for the kill), `benchmarks.bench_hellaswag`.
+
+Script or module: `python benchmarks/gpu_acceptance.py` (the form outside scripts use) and
+`python -m benchmarks.gpu_acceptance` both work without a sys.path edit or a re-exec, because this file
+imports only the standard library: everything that needs the repo runs in a subprocess started in the
+repo root with `python -m ...`, the way the other benchmarks are run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+HELLASWAG_NAME = "hellaswag_val_approx.jsonl.gz"
+# The full validation set: beside the checkout (../shared/assets) here; on the device machine only a
+# shared/ folder inside the checkout travels, so it is looked for there too.
+HELLASWAG_PLACES = [ROOT.parent / "shared" / "assets" / HELLASWAG_NAME, ROOT / "shared" / "assets" / HELLASWAG_NAME]
+HELLASWAG_TINY = ROOT / "tests" / "fixtures" / "eval" / "hellaswag_tiny.jsonl"
+FSDP_SKIP = "skipped: FSDP needs an accelerator (accelerate falls back to DDP on CPU)"
+
+# Targets of issue 11 (one H100); judged only in the full (non-smoke) run.
+TARGET_TOK_S = 550_000
+TARGET_OVERHEAD = 0.03
+TARGET_HELLASWAG_S = 20.0
+
+
+class StageError(Exception):
+    """A stage ran but did not do what it must (the message says what)."""
+
+
+@dataclass
+class Ctx:
+    smoke: bool
+    out: Path
+    work: Path
+    hellaswag_data: str | None
+    log_tail: dict[str, str] = field(default_factory=dict)
+
+    def sh(self, stage: str, cmd: list[str], timeout: float, env: dict[str, str] | None = None,
+           check: bool = True) -> subprocess.CompletedProcess:
+        """Run `cmd` in the repo root; its output (stdout and stderr together) is kept for the report."""
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        log = self.work / f"{stage}.log"
+        with open(log, "a") as f:
+            f.write(f"$ {' '.join(cmd)}\n")
+            f.flush()
+            # Its own process group, so that a time-out ends `accelerate launch` and the trainer it started.
+            child = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=f, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+            try:
+                returncode = child.wait(timeout=max(1.0, timeout))
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+                raise
+            finally:
+                self.log_tail[stage] = log.read_text(errors="replace")[-2500:]
+        proc = subprocess.CompletedProcess(cmd, returncode, stdout=log.read_text(errors="replace"))
+        if check and proc.returncode != 0:
+            raise StageError(f"exit code {proc.returncode}: {' '.join(cmd[:6])} ...")
+        return proc
+
+
+@dataclass
+class Stage:
+    name: str
+    proves: str
+    budget_s: float  # the full run's time limit; --smoke uses smoke_budget_s
+    smoke_budget_s: float
+    run: Callable[[Ctx, float], dict]
+    headline: tuple[str, ...] = ()  # the figures shown in acceptance.md (the JSON has them all)
+
+
+# ---- the stages -----------------------------------------------------------------------------------------
+
+ENV_SCRIPT = """
+import json, importlib, importlib.util, platform, datetime
+import torch
+out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+       "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+       "cuda_available": torch.cuda.is_available(),
+       "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+       "cpu_threads": torch.get_num_threads()}
+for name in ("accelerate", "transformers", "tiktoken", "safetensors", "evaluate", "datasets", "wandb"):
+    if importlib.util.find_spec(name) is None:
+        out[name] = None
+    else:
+        try:
+            out[name] = importlib.import_module(name).__version__
+        except Exception as err:
+            out[name] = f"import fails: {type(err).__name__}"
+print("ENV_JSON " + json.dumps(out))
+"""
+
+
+def stage_env(ctx: Ctx, timeout: float) -> dict:
+    proc = ctx.sh("env", [PY, "-c", ENV_SCRIPT], timeout)
+    figures = json.loads(re.findall(r"^ENV_JSON (\{.*\})$", proc.stdout, re.M)[-1])
+    if not ctx.smoke and not figures["cuda_available"]:
+        raise StageError("no CUDA device visible (use --smoke on a machine without a GPU)")
+    return figures
+
+
+# Tests whose code paths differ on CUDA or under bf16: HF parity of the model, the fp32 head under bf16
+# autocast, the optimizer groups (fused AdamW is chosen from the device type), accumulation, MFU arithmetic.
+TEST_SELECTION = ("hf_parity or output_layer_runs_in_fp32 or optimizer_groups or accumulated_micro_steps "
+                  "or peak_flops_and_mfu or learning_rate_schedule or no_bias_and_dropout")
+
+
+def stage_tests(ctx: Ctx, timeout: float) -> dict:
+    proc = ctx.sh("tests", [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_model.py",
+                            "tests/test_train.py", "-k", TEST_SELECTION], timeout, check=False)
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", proc.stdout)}
+    figures = {"passed": counts.get("passed", 0), "failed": counts.get("failed", 0),
+               "skipped": counts.get("skipped", 0), "errors": counts.get("error", 0) + counts.get("errors", 0)}
+    if proc.returncode != 0 or not figures["passed"]:
+        raise StageError(f"pytest exit code {proc.returncode}", figures)
+    return figures
+
+
+def bench_train_args(ctx: Ctx) -> list[str]:
+    if ctx.smoke:  # tiny model, bf16 autocast on the CPU; no inductor (its CPU compile alone takes ~45 s here)
+        return ["--model", "tiny", "--micro_batch_size", "2", "--grad_accum", "2", "--steps", "2", "--warmup", "1",
+                "--trials", "2", "--device", "cpu", "--mixed_precision", "bf16"]
+    return ["--model", "gpt2", "--block_size", "1024", "--micro_batch_size", "16", "--grad_accum", "2",
+            "--steps", "16", "--warmup", "2", "--trials", "8", "--device", "cuda", "--mixed_precision", "bf16"]
+
+
+def step_stage(name: str, compile_: bool) -> Callable[[Ctx, float], dict]:
+    def run(ctx: Ctx, timeout: float) -> dict:
+        path = ctx.work / f"{name}.json"
+        flags = ["--compile"] if compile_ and not ctx.smoke else []
+        proc = ctx.sh(name, [PY, "-m", "benchmarks.bench_train", *bench_train_args(ctx), *flags, "--json", str(path)],
+                      timeout, check=False)
+        if not path.exists():
+            raise StageError(f"bench_train wrote no figures (exit code {proc.returncode})")
+        b = json.loads(path.read_text())
+        figures = {"model": b["model"], "n_params": b["n_params"], "tokens_per_step": b["tokens_per_step"],
+                   "mixed_precision": b["mixed_precision"], "compile": b["compile"], "device": b["device_name"],
+                   "optimizer_fused": b["optimizer_fused"], "tf32_matmul": b["tf32_matmul"],
+                   "warmup_s": b["warmup_s"], "accelerate_over_bare": b["ratio_overall"],
+                   "accelerate_over_bare_median_paired": b["ratio_median_paired"]}
+        for side in ("accelerate", "bare"):
+            for key in ("tokens_per_s", "mfu", "peak_mem_gib", "last_loss"):
+                figures[f"{side}_{key}"] = b[side][key]
+        if compile_ and not ctx.smoke:
+            figures["target_met"] = (b["accelerate"]["tokens_per_s"] >= TARGET_TOK_S
+                                     and b["ratio_overall"] >= 1 - TARGET_OVERHEAD)
+        if b["accelerate"]["last_loss"] != b["accelerate"]["last_loss"]:  # NaN
+            raise StageError("the loss is NaN", figures)
+        if not ctx.smoke and not (b["optimizer_fused"] and b["tf32_matmul"]):
+            raise StageError("fused AdamW or TF32 is off on CUDA", figures)
+        return figures
+    return run
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_args(ctx: Ctx, fsdp: bool) -> tuple[list[str], int, int]:
+    """train.py flags, the step the first launch is killed after, and the checkpoint it resumes from."""
+    if ctx.smoke:
+        return (["--n_layer", "2", "--n_head", "2", "--n_embd", "64", "--block_size", "64", "--micro_batch_size", "2",
+                 "--total_batch_size", "256", "--max_steps", "6", "--save_every", "2", "--log_every", "1",
+                 "--eval_every", "3", "--val_tokens", "256", "--eval_batch_size", "4", "--sample_tokens", "4"], 3, 2)
+    steps, save, kill = (20, 10, 15) if fsdp else (40, 20, 30)
+    return (["--n_layer", "12", "--n_head", "12", "--n_embd", "768", "--block_size", "1024",
+             "--micro_batch_size", "16", "--total_batch_size", str(65536 if fsdp else 131072),
+             "--max_steps", str(steps), "--save_every", str(save), "--log_every", "5", "--eval_every", str(save),
+             "--val_tokens", "65536", "--sample_tokens", "16"], kill, save)
+
+
+def train_stage(name: str, fsdp: bool) -> Callable[[Ctx, float], dict]:
+    """accelerate launch: train, SIGKILL between checkpoints (tests/fault_train.py), resume with --resume latest."""
+    def run(ctx: Ctx, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        config = "fsdp_8gpu.yaml" if fsdp else "single_gpu.yaml"
+        launch = [PY, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}",
+                  "--num_processes", "1", "--main_process_port", str(free_port())]
+        if ctx.smoke:
+            launch += ["--cpu", "--dynamo_backend", "no"]  # bf16 autocast from the config stays on
+        args, kill_at, resume_at = train_args(ctx, fsdp)
+        out_dir = ctx.work / name
+        args += ["--out_dir", str(out_dir)]
+        figures: dict = {"config": config, "kill_after_step": kill_at}
+        killed = ctx.sh(name, [*launch, "tests/fault_train.py", *args], deadline - time.monotonic(),
+                        env={"FAULT": f"kill_after_step:{kill_at}"}, check=False)
+        figures["killed_exit_code"] = killed.returncode
+        header = re.search(r"distributed: (\S+) \| precision: (\S+) \| (.+?) \| (\S+)\s*$", killed.stdout, re.M)
+        if header:
+            figures.update(distributed=header[1], precision=header[2], compiled=header[3], device=header[4])
+        if killed.returncode == 0:
+            raise StageError("the run meant to be killed finished", figures)
+        checkpoints = sorted(p.name for p in (out_dir / "checkpoints").glob("step_*"))
+        figures["checkpoint_at_kill"] = checkpoints[-1] if checkpoints else None
+        if figures["checkpoint_at_kill"] != f"step_{resume_at:06d}":
+            raise StageError(f"expected checkpoint step_{resume_at:06d} after the kill, found {checkpoints}", figures)
+        figures["checkpoint_files"] = sorted(p.name for p in (out_dir / "checkpoints" / checkpoints[-1]).iterdir())
+        t0 = time.monotonic()
+        ctx.sh(name, [*launch, "train.py", *args, "--resume", "latest"], deadline - time.monotonic())
+        figures["resume_run_s"] = time.monotonic() - t0
+        figures["resumed"] = f"resumed from {out_dir / 'checkpoints' / checkpoints[-1]}" in \
+            (ctx.work / f"{name}.log").read_text(errors="replace")
+        records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+        steps = [r["step"] for r in records]
+        trained = [r for r in records if r.get("tok_per_sec")]
+        if trained:
+            figures.update(tok_per_sec=trained[-1]["tok_per_sec"], mfu=trained[-1].get("mfu"),
+                           last_loss=trained[-1]["loss"])
+        val = [r for r in records if "val_loss" in r]
+        if val:
+            figures["val_loss"] = val[-1]["val_loss"]
+        figures["final_files"] = sorted(p.name for p in (out_dir / "final").iterdir()) \
+            if (out_dir / "final").is_dir() else []
+        if not figures["resumed"]:
+            raise StageError("the second launch did not resume from the checkpoint", figures)
+        if steps != sorted(set(steps)) or not steps or steps[-1] != int(args[args.index("--max_steps") + 1]):
+            raise StageError(f"metrics.jsonl steps are {steps}", figures)
+        if "model.safetensors" not in figures["final_files"]:
+            raise StageError("no final/model.safetensors (export)", figures)
+        if fsdp and figures.get("distributed") != "FSDP":
+            raise StageError(f"the run was not FSDP: {figures.get('distributed')}", figures)
+        return figures
+    return run
+
+
+def stage_fsdp(ctx: Ctx, timeout: float) -> dict:
+    if ctx.smoke:
+        return {"skip_reason": FSDP_SKIP}
+    return train_stage("fsdp", fsdp=True)(ctx, timeout)
+
+
+def stage_hellaswag(ctx: Ctx, timeout: float) -> dict:
+    path = ctx.work / "hellaswag.json"
+    if ctx.smoke:
+        data, args = str(ctx.hellaswag_data or HELLASWAG_TINY), ["--model", "tiny", "--batch_sizes", "1,4",
+                                                                  "--device", "cpu"]
+    else:
+        data = ctx.hellaswag_data or next((str(p) for p in HELLASWAG_PLACES if p.exists()), None)
+        if data is None:
+            raise StageError("no HellaSwag data: pass --hellaswag_data or copy ../shared/assets/"
+                             f"{HELLASWAG_NAME} to shared/assets/ inside the checkout (docs/benchmarks.md)")
+        args = ["--model", "gpt2", "--batch_sizes", "16,64", "--device", "cuda"]
+    proc = ctx.sh("hellaswag", [PY, "-m", "benchmarks.bench_hellaswag", *args, "--data", data, "--limit", "0",
+                                "--json", str(path)], timeout, check=False)
+    if not path.exists():
+        raise StageError(f"bench_hellaswag wrote no figures (exit code {proc.returncode})")
+    b = json.loads(path.read_text())
+    figures = {"model": b["model"], "items": b["items"], "device": b["device"], "accuracy_metric": b["with_metric"]}
+    for r in b["runs"]:
+        figures[f"seconds_batch{r['batch_size']}"] = r["seconds"]
+        figures[f"items_per_s_batch{r['batch_size']}"] = r["items_per_s"]
+    best = min(b["runs"], key=lambda r: r["seconds"])
+    figures.update(best_seconds=best["seconds"], best_batch_size=best["batch_size"])
+    best = best["seconds"]
+    if not ctx.smoke:
+        figures["target_met"] = b["items"] == 10042 and best <= TARGET_HELLASWAG_S
+    if proc.returncode != 0:
+        raise StageError(f"exit code {proc.returncode}", figures)
+    return figures
+
+
+STEP_FIGURES = ("accelerate_tokens_per_s", "bare_tokens_per_s", "accelerate_over_bare", "accelerate_mfu", "bare_mfu",
+                "accelerate_peak_mem_gib", "bare_peak_mem_gib", "optimizer_fused", "tf32_matmul", "warmup_s",
+                "target_met")
+TRAIN_FIGURES = ("distributed", "precision", "compiled", "checkpoint_at_kill", "resumed", "tok_per_sec", "mfu",
+                 "val_loss", "final_files")
+STAGES = [
+    Stage("env", "versions, device, date (what the figures were measured with)", 120, 60, stage_env,
+          ("date", "device_name", "torch", "cuda", "accelerate", "transformers", "evaluate")),
+    Stage("tests", "pytest selection (HF parity, fp32 head under bf16 autocast, optimizer groups, accumulation, "
+          "MFU): on this machine's torch, but on CPU tensors even with a GPU (the tests pin the CPU)",
+          150, 120, stage_tests, ("passed", "failed", "skipped", "errors")),
+    Stage("step_compile", "train.py's train_step vs a bare PyTorch loop: GPT-2 124M, T=1024, bf16, torch.compile, "
+          "fused AdamW, TF32 (tokens/s, MFU, peak memory). --smoke: tiny model, bf16, no compile",
+          420, 90, step_stage("step_compile", compile_=True), STEP_FIGURES),
+    Stage("train_resume", "accelerate launch single_gpu.yaml train.py (bf16, inductor): train, SIGKILL after a "
+          "checkpoint, --resume latest, export. --smoke: --cpu, no dynamo",
+          360, 150, train_stage("train_resume", fsdp=False), TRAIN_FIGURES),
+    Stage("fsdp", "accelerate launch fsdp_8gpu.yaml --num_processes 1: FSDP2 train, sharded checkpoint, kill, "
+          "resume, full-state-dict export", 300, 10, stage_fsdp, ("skip_reason", *TRAIN_FIGURES)),
+    Stage("hellaswag", "all 10,042 HellaSwag items (approximate offline copy), GPT-2 124M random weights: speed "
+          "only. --smoke: the 7-item fixture", 240, 60, stage_hellaswag,
+          ("items", "best_seconds", "best_batch_size", "accuracy_metric", "target_met")),
+    Stage("step_eager", "the step_compile measurement with --compile off (what compile buys)",
+          240, 90, step_stage("step_eager", compile_=False), STEP_FIGURES),
+]
+
+
+HEADLINES = {s.name: s.headline for s in STAGES}
+
+
+# ---- the report -----------------------------------------------------------------------------------------
+
+def fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+    if isinstance(value, list):
+        return ", ".join(map(str, value)) if len(value) <= 6 else f"{len(value)} files"
+    return str(value)
+
+
+def write_report(out: Path, report: dict) -> None:
+    tmp = out / "acceptance.json.tmp"
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(out / "acceptance.json")
+    lines = [f"# GPU acceptance ({'smoke, CPU' if report['smoke'] else 'full'})", "",
+             f"Started {report['started']}; command: `{report['command']}`", "",
+             "| stage | status | seconds | figures | what it proves |", "| --- | --- | --- | --- | --- |"]
+    for name, r in report["stages"].items():
+        shown = HEADLINES.get(name) or tuple(r.get("figures", {}))
+        figures = "; ".join(f"{k} {fmt(r['figures'][k])}" for k in shown if k in r.get("figures", {}))
+        status = r["status"] + (f": {r['error']}" if r.get("error") else "")
+        lines.append(f"| {name} | {status} | {r.get('seconds', 0):.0f} | {figures} | {r['proves']} |")
+    c, e = report["stages"].get("step_compile", {}), report["stages"].get("step_eager", {})
+    tok_c, tok_e = c.get("figures", {}).get("accelerate_tokens_per_s"), e.get("figures", {}).get("accelerate_tokens_per_s")
+    if tok_c and tok_e and c["figures"].get("compile"):  # in --smoke both sides run eager
+        lines += ["", f"compile / eager tokens/s (train.py's step): {tok_c / tok_e:.2f}"]
+    (out / "acceptance.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="folder for acceptance.json and acceptance.md")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, few steps: the same stages in 1-2 min")
+    p.add_argument("--stages", default=",".join(s.name for s in STAGES),
+                   help=f"comma-separated subset of {','.join(s.name for s in STAGES)}")
+    p.add_argument("--hellaswag_data", help=f"HellaSwag jsonl(.gz); default: {HELLASWAG_NAME} in ../shared/assets "
+                   "or shared/assets (full run), the test fixture (--smoke)")
+    p.add_argument("--budget", type=float, default=1200,
+                   help="seconds for the whole call (default 20 min); each stage gets the smaller of its own limit "
+                   "and what is left, and a stage with under 30 s left is not started")
+    p.add_argument("--keep_work", action="store_true", help="keep the runs' folders and logs (in DIR/work)")
+    args = p.parse_args()
+    chosen = args.stages.split(",")
+    unknown = set(chosen) - {s.name for s in STAGES}
+    if unknown:
+        p.error(f"unknown stage(s) {sorted(unknown)}; known: {[s.name for s in STAGES]}")
+
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    # Checkpoints of 124M models (GBs) stay out of DIR unless asked for: DIR is what gets copied back.
+    work = out / "work" if args.keep_work else Path(tempfile.mkdtemp(prefix="gpu_acceptance_"))
+    work.mkdir(exist_ok=True)
+    ctx = Ctx(smoke=args.smoke, out=out, work=work, hellaswag_data=args.hellaswag_data)
+    report = {"smoke": args.smoke, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+              "command": " ".join(["python benchmarks/gpu_acceptance.py", *sys.argv[1:]]), "stages": {}}
+    previous = out / "acceptance.json"
+    if previous.exists():  # an earlier call's stages (same mode) are kept; the ones run now replace theirs
+        old = json.loads(previous.read_text())
+        if old.get("smoke") == args.smoke:
+            report["stages"] = old.get("stages", {})
+            report["command"] = old.get("command", "") + " ; " + report["command"]
+    t_all = time.monotonic()
+    for stage in STAGES:
+        if stage.name not in chosen:
+            continue
+        left = args.budget - (time.monotonic() - t_all)
+        budget = min(stage.smoke_budget_s if args.smoke else stage.budget_s, left)
+        if left < 30:
+            report["stages"][stage.name] = {"proves": stage.proves, "status": "not run",
+                                            "error": f"--budget {args.budget:.0f} s spent", "seconds": 0}
+            write_report(out, report)
+            continue
+        print(f"[gpu_acceptance] {stage.name} (at most {budget:.0f} s) ...", flush=True)
+        t0 = time.monotonic()
+        result = {"proves": stage.proves, "budget_s": budget}
+        try:
+            figures = stage.run(ctx, budget)
+            result.update(status="skipped" if "skip_reason" in figures else "pass", figures=figures)
+        except subprocess.TimeoutExpired:
+            result.update(status="timeout", error=f"over its {budget:.0f} s budget")
+        except StageError as err:
+            result.update(status="fail", error=err.args[0], figures=err.args[1] if len(err.args) > 1 else {})
+        except Exception as err:  # a bug in this script's reading of a stage: report it, go on with the next
+            result.update(status="fail", error=f"{type(err).__name__}: {err}")
+        result["seconds"] = time.monotonic() - t0
+        if result["status"] != "pass" and stage.name in ctx.log_tail:
+            result["output_tail"] = ctx.log_tail[stage.name]
+        report["stages"][stage.name] = result
+        report["total_s"] = time.monotonic() - t_all
+        write_report(out, report)
+        print(f"[gpu_acceptance] {stage.name}: {result['status']} in {result['seconds']:.0f} s"
+              + (f" ({result['error']})" if result.get("error") else ""), flush=True)
+    if not args.keep_work:
+        shutil.rmtree(work, ignore_errors=True)
+    print((out / "acceptance.md").read_text())
+    failed = [n for n, r in report["stages"].items() if r["status"] in ("fail", "timeout", "not run")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
