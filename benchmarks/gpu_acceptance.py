@@ -389,7 +389,7 @@ def main() -> int:
         budget = min(stage.smoke_budget_s if args.smoke else stage.budget_s, left)
         if left < 30:
             report["stages"][stage.name] = {"proves": stage.proves, "status": "not run",
-                                            "error": f"--budget {args.budget:.0f} s spent", "seconds": 0}
+                                            "error": f"under 30 s of --budget {args.budget:.0f} s left", "seconds": 0}
             write_report(out, report)
             continue
         print(f"[gpu_acceptance] {stage.name} (at most {budget:.0f} s) ...", flush=True)
