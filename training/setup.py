@@ -33,6 +33,9 @@ def start_accelerator(cfg: TrainConfig) -> tuple[Accelerator, int]:
     # A multi-process launch on a machine without CUDA runs on gloo; otherwise every process would be rank 0.
     cpu = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
     state = PartialState(cpu=cpu)  # knows the world size before the Accelerator needs the accumulation count
+    # A process that stops on an error with its gloo group open aborts now and then at exit (SIGABRT instead of
+    # status 2): close the group whenever the entry point ends (a no-op after end_training closed it).
+    when_done(_close_process_group)
     grad_accum = accumulation_steps(cfg, state.num_processes)
     accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=grad_accum, log_with=trackers_for(cfg.report_to),
                               project_config=ProjectConfiguration(cfg.out_dir,
@@ -41,6 +44,11 @@ def start_accelerator(cfg: TrainConfig) -> tuple[Accelerator, int]:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     return accelerator, grad_accum
+
+
+def _close_process_group() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def build_model(cfg: TrainConfig, resume: ResumePoint | None) -> GPT:
