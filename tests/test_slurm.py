@@ -68,7 +68,7 @@ def fake_slurm(tmp_path_factory) -> Path:
     return bin_dir
 
 
-def sbatch(fake_slurm: Path, log: Path, args: list[str]) -> subprocess.Popen:
+def sbatch(fake_slurm: Path, log: Path, args: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     """`sbatch --nodes 2 --gpus-per-node 1 accelerate_configs/slurm.sbatch ARGS` as the job would run on CPU."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MAIN_", "PYTHONUNBUFFERED"))}
     env.update({
@@ -76,7 +76,7 @@ def sbatch(fake_slurm: Path, log: Path, args: list[str]) -> subprocess.Popen:
         "SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "localhost,localhost",
         "SLURM_GPUS_ON_NODE": "1", "SLURM_SUBMIT_DIR": str(REPO_ROOT), "FAKE_SLURM_LOG": str(log),
         "ACCELERATE_CONFIG": str(fake_slurm / "cpu_nodes.yaml"), "ACCELERATE_USE_CPU": "1",
-        "MAIN_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
+        "MAIN_PORT": str(free_port()), "OMP_NUM_THREADS": "1", **(extra_env or {}),
     })
     return subprocess.Popen(["bash", str(REPO_ROOT / "accelerate_configs" / "slurm.sbatch"), *args], cwd="/",
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -98,10 +98,23 @@ def assert_node0_wrote_the_log(out: Path, steps: range) -> None:
 
 @pytest.fixture(scope="module")
 def two_node_run(fake_slurm, tmp_path_factory) -> Path:
+    """The uninterrupted two-node run, with a tracker and a Hub push: only global rank 0 (node 0) writes the
+    tensorboard events and pushes (node 1's local main process is not the main process)."""
+    from fake_hub import FakeHub
+
     tmp = tmp_path_factory.mktemp("slurm")
     out = tmp / "run"
-    output = finish(job := sbatch(fake_slurm, tmp / "scontrol.log", ARGS + ["--out_dir", str(out)]))
+    publish = ["--report_to", "tensorboard", "--push_to_hub", "true", "--hub_model_id", "alice/nodes"]
+    with FakeHub() as hub:
+        hub_env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_x", "HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp / "hf")}
+        job = sbatch(fake_slurm, tmp / "scontrol.log", ARGS + ["--out_dir", str(out)] + publish, hub_env)
+        output = finish(job)
+        assert hub.unknown == []
+        pushes = list(hub.commits)
     assert job.returncode == 0, output
+    assert [c["repo"] for c in pushes] == ["alice/nodes"], pushes  # one push, not one per node
+    events = list((out / "tensorboard").rglob("events.out.tfevents.*"))  # ...tfevents.<time>.<host>.<pid>.<n>
+    assert events and len({e.name.split(".")[-2] for e in events}) == 1, events  # written by one process
     for node in (0, 1):
         assert f"node {node} of 2" in output and f"fake srun: task on node {node} exited 0" in output
         assert f"--machine_rank {node} --main_process_ip localhost" in output
