@@ -28,20 +28,24 @@ def tiny_gpt() -> GPT:
     return GPT(TINY)
 
 
-def main(dataset: str, out_file: str, micro_batch: int, grad_accum: int) -> None:
+def main(dataset: str, out_file: str, micro_batch: int, grad_accum: int) -> float:
+    """Runs the step; returns the step's loss as train.py logs it (summed micro-batch losses / grad_accum,
+    averaged over ranks)."""
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=grad_accum)
     loader = build_train_loader(dataset, block_size=TINY.block_size, micro_batch_size=micro_batch,
                                 rank=accelerator.process_index, world_size=accelerator.num_processes)
     model = tiny_gpt()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0))
-    train_step(accelerator, model, optimizer, loader.next_batch, grad_accum, lr=1.0, grad_clip=1e9,
-               masked_targets=loader.masked_targets)
+    loss_sum, _ = train_step(accelerator, model, optimizer, loader.next_batch, grad_accum, lr=1.0, grad_clip=1e9,
+                             masked_targets=loader.masked_targets)
+    loss = accelerator.reduce(loss_sum / grad_accum, reduction="mean").item()
     if accelerator.is_main_process:
         after = dict(accelerator.unwrap_model(model).named_parameters())
         save_file({name: (before[name] - after[name].detach()).contiguous() for name in before}, out_file)
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    return loss
 
 
 if __name__ == "__main__":

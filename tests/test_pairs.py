@@ -176,23 +176,25 @@ def test_masked_val_loss_equals_a_per_example_reference(pairs):
 
 # ---- the step's gradient ---------------------------------------------------------------------------------
 
-def big_batch_gradient(pairs: Path) -> dict[str, torch.Tensor]:
-    """The reference: the first step's 8 examples as one batch, the mean loss over their targets, backward."""
+def big_batch_gradient(pairs: Path) -> tuple[dict[str, torch.Tensor], float]:
+    """The reference: the first step's 8 examples as one batch, the mean loss over their targets, backward;
+    returns the gradients and that loss."""
     from pairs_grads import TINY, tiny_gpt
 
     x, y = build_train_loader(str(pairs), block_size=TINY.block_size, micro_batch_size=8, rank=0,
                               world_size=1).next_batch()
     model = tiny_gpt()
-    model(x, y)[1].backward()
-    return {name: p.grad for name, p in model.named_parameters()}
+    loss = model(x, y)[1]
+    loss.backward()
+    return {name: p.grad for name, p in model.named_parameters()}, loss.item()
 
 
-def accumulated_gradient(pairs: Path, out: Path) -> dict[str, torch.Tensor]:
-    """One process, 4 micro-batches of 2, through train_step (in this process)."""
+def accumulated_gradient(pairs: Path, out: Path) -> tuple[dict[str, torch.Tensor], float]:
+    """One process, 4 micro-batches of 2, through train_step (in this process); and the step's loss."""
     import pairs_grads
 
-    pairs_grads.main(str(pairs), str(out), micro_batch=2, grad_accum=4)
-    return load_file(out)
+    loss = pairs_grads.main(str(pairs), str(out), micro_batch=2, grad_accum=4)
+    return load_file(out), loss
 
 
 @pytest.mark.slow
@@ -206,8 +208,9 @@ def test_two_processes_one_process_and_one_big_batch_give_the_same_gradient(pair
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ddp = load_file(out)
-    single = accumulated_gradient(pairs, tmp_path / "single.safetensors")
-    big = big_batch_gradient(pairs)
+    single, single_loss = accumulated_gradient(pairs, tmp_path / "single.safetensors")
+    big, big_loss = big_batch_gradient(pairs)
+    assert single_loss == pytest.approx(big_loss, rel=1e-6)  # the loss train.py logs is the same mean
     assert ddp.keys() == single.keys() == big.keys()
     for name in big:
         assert big[name].abs().max() > 0, name
