@@ -49,7 +49,8 @@ def main() -> None:
         # Data: every rank reads its own rows of the same global batches; validation is one fixed token set.
         train_loader = build_train_loader(cfg.dataset, block_size=cfg.block_size, micro_batch_size=cfg.micro_batch_size,
                                           rank=rank, world_size=world, text_column=cfg.text_column,
-                                          dataset_config=cfg.dataset_config, seed=cfg.seed)
+                                          dataset_config=cfg.dataset_config, seed=cfg.seed,
+                                          prompt_field=cfg.prompt_field, completion_field=cfg.completion_field)
         evals = TrainingEvals(cfg, accelerator)
         check_out_dir_writable(run.path)
         claim_run_folder(accelerator, cfg, resume)  # one run per folder (locked); the checkpoint checked file by file
@@ -77,7 +78,7 @@ def main() -> None:
             with throughput.timing():
                 lr = learning_rate(cfg, progress.step)
                 loss_sum, grad_norm = train_step(accelerator, model, optimizer, train_loader.next_batch, grad_accum, lr,
-                                                 cfg.grad_clip)
+                                                 cfg.grad_clip, masked_targets=train_loader.masked_targets)
             nan_policy.after_step(progress.step + 1, grad_norm)
             progress.step += 1
             progress.tokens += cfg.total_batch_size

@@ -55,6 +55,9 @@ class TrainConfig:
     dataset: str = _field("shakespeare", "'shakespeare', a local .txt/.jsonl/.parquet file/glob/folder, a shard "
                                          "folder, or a Hub id[:config]")
     text_column: str = _field("text", "column holding the text in .jsonl/.parquet files and Hub datasets")
+    prompt_field: str = _field("prompt", "prompt field of prompt/completion .jsonl data (a .jsonl whose first record "
+                                         "has it and --completion_field; the loss counts only completion tokens)")
+    completion_field: str = _field("completion", "completion field of prompt/completion .jsonl data")
     dataset_config: str | None = _field(None, "Hub dataset config name; default: the one given after ':' in "
                                               "--dataset, or the dataset's default")
     val_tokens: int = _field(8_192, "size of the fixed validation set, in tokens")
@@ -226,7 +229,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
 _POSITIVE = ("n_layer", "n_head", "n_embd", "block_size", "total_batch_size", "micro_batch_size", "max_steps",
              "log_every", "eval_every", "eval_batch_size", "save_every", "keep_last", "val_tokens", "max_nan_skips")
 _NON_NEGATIVE = ("warmup_steps", "hellaswag_every", "sample_tokens", "hub_push_every")
-_NON_EMPTY = ("out_dir", "init_from", "dataset", "text_column", "wandb_project")
+_NON_EMPTY = ("out_dir", "init_from", "dataset", "text_column", "prompt_field", "completion_field", "wandb_project")
 _MAX_SEED = 2**32 - 1  # numpy's seed range (accelerate's set_seed seeds numpy too)
 
 

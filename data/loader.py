@@ -4,6 +4,7 @@
 - `shakespeare`: the embedded Tiny Shakespeare (first 90% of its tokens train, last 10% val);
 - a folder of prepared token shards (has `manifest.json`, see `python -m data.prepare`);
 - a local .txt/.jsonl/.parquet file, glob or folder, tokenized in memory (last 10% of tokens val);
+- local .jsonl files of prompt/completion records (`data.pairs`: masked loss, last 10% of examples val);
 - a Hub dataset id, optionally `id:config` (e.g. `HuggingFaceFW/fineweb-edu:sample-10BT`), streamed.
 
 Each rank builds its own loader from (rank, world_size); loaders are never passed to
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from data.local import local_tokens, looks_local
+from data.pairs import PairExamples, PairsLoader, cap_tokens, is_pairs_dataset, read_pairs, split_pairs
 from data.strided import StridedLoader
 from data.tokens import TOKEN_DTYPE, TokenStream
 
@@ -27,7 +29,11 @@ TRAIN_FRACTION = 0.9  # in-memory corpora: the first 90% of tokens train, the re
 
 
 class TrainLoader(Protocol):
-    """What the trainer uses: endless per-rank batches and a resumable position."""
+    """What the trainer uses: endless per-rank batches and a resumable position. `masked_targets`: whether
+    targets may be -100 (then the batches of a step differ in their number of targets, and the trainer
+    normalises the loss by the global count; otherwise every position is a target)."""
+
+    masked_targets: bool
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -69,10 +75,17 @@ def build_train_loader(
     text_column: str = "text",
     dataset_config: str | None = None,
     seed: int = 0,
+    prompt_field: str = "prompt",
+    completion_field: str = "completion",
 ) -> TrainLoader:
     """The training loader of this rank (see the module docstring for `dataset`)."""
     common = dict(block_size=block_size, micro_batch_size=micro_batch_size, rank=rank, world_size=world_size)
     kind = source_kind(dataset)
+    if kind == "local" and is_pairs_dataset(dataset, text_column=text_column, prompt_field=prompt_field,
+                                            completion_field=completion_field):
+        examples = read_pairs(dataset, prompt_field=prompt_field, completion_field=completion_field)
+        examples.check_fits(block_size, dataset)  # train and validation examples alike, before any step
+        return PairsLoader(split_pairs(examples)[0], source=dataset, seed=seed, **common)
     if kind in ("shakespeare", "local"):
         train, _ = _in_memory_split(dataset, text_column)
         return StridedLoader(TokenStream([train]), source=dataset, seed=seed, **common)
@@ -94,9 +107,16 @@ def load_val_tokens(
     max_tokens: int,
     text_column: str = "text",
     dataset_config: str | None = None,
-) -> np.ndarray:
-    """The first `max_tokens` held-out tokens (uint16), identical for every rank and world size."""
+    prompt_field: str = "prompt",
+    completion_field: str = "completion",
+) -> np.ndarray | PairExamples:
+    """The first `max_tokens` held-out tokens (uint16), identical for every rank and world size; for
+    prompt/completion data, the first held-out examples holding at most `max_tokens` tokens (at least one)."""
     kind = source_kind(dataset)
+    if kind == "local" and is_pairs_dataset(dataset, text_column=text_column, prompt_field=prompt_field,
+                                            completion_field=completion_field):
+        examples = read_pairs(dataset, prompt_field=prompt_field, completion_field=completion_field)
+        return cap_tokens(split_pairs(examples)[1], max_tokens)
     if kind in ("shakespeare", "local"):
         _, val = _in_memory_split(dataset, text_column)
         return np.array(val[:max_tokens], dtype=TOKEN_DTYPE)

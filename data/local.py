@@ -16,7 +16,7 @@ import glob
 import json
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -61,7 +61,8 @@ def resolve_files(dataset: str) -> list[Path]:
     return files
 
 
-def _iter_jsonl(path: Path, text_column: str) -> Iterator[str]:
+def iter_jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed JSON value) of every non-blank line; UserError (file:line) on bad UTF-8 or JSON."""
     with path.open("rb") as f:  # bytes, so that a non-UTF-8 line is named by its number and offset
         offset = 0
         for line_no, raw in enumerate(f, 1):
@@ -77,10 +78,15 @@ def _iter_jsonl(path: Path, text_column: str) -> Iterator[str]:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise UserError(f"{path}:{line_no} is not valid JSON ({err.msg}); fix or remove that line") from None
-            if not isinstance(row, dict) or text_column not in row:
-                raise UserError(f"{path}:{line_no} has no {text_column!r} field; pass --text_column with the name of the text field")
-            if row[text_column] is not None:  # as parquet's reader does: a null text is no document
-                yield str(row[text_column])
+            yield line_no, row
+
+
+def _iter_jsonl(path: Path, text_column: str) -> Iterator[str]:
+    for line_no, row in iter_jsonl_records(path):
+        if not isinstance(row, dict) or text_column not in row:
+            raise UserError(f"{path}:{line_no} has no {text_column!r} field; pass --text_column with the name of the text field")
+        if row[text_column] is not None:  # as parquet's reader does: a null text is no document
+            yield str(row[text_column])
 
 
 def _iter_parquet(path: Path, text_column: str) -> Iterator[str]:

@@ -94,6 +94,8 @@ def _threads_per_rank() -> int:
 class StreamingLoader:
     """Endless per-rank (x, y) batches from a streaming dataset; see the module docstring."""
 
+    masked_targets = False  # packed text: every position of every row is a target
+
     def __init__(
         self,
         ds,

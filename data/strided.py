@@ -51,6 +51,8 @@ def permute_index(i: int, n: int, key: int) -> int:
 class StridedLoader:
     """Per-rank batches of a token stream; see the module docstring for the order."""
 
+    masked_targets = False  # packed text: every position of every row is a target
+
     def __init__(
         self,
         stream: TokenStream,

@@ -3,7 +3,8 @@
 The array is cut into windows of block_size + 1 tokens stepping by block_size (inputs and their
 shifted targets, so no target token is scored twice); window i goes to rank i % world. Every rank
 sums its token losses and counts; the sums are added over ranks, so the result is the same mean
-for any world size and batch size (up to float summation order).
+for any world size and batch size (up to float summation order). Prompt/completion data is scored
+as it is trained: one padded row per held-out example, only completion tokens and their EOT counted.
 
 Usage: python -m eval.val_loss --model <Hub id | HF folder | checkpoint | run> \
            [--dataset shakespeare] [--max_tokens 1000000] [--block_size N] [--batch_size 8]
@@ -25,6 +26,7 @@ from common.cli import CliParser
 from common.console import TerminalBar
 from common.errors import UserError, run_cli
 from common.run_dir import RunDir
+from data.pairs import PairExamples
 from eval.common import (
     autocast,
     cli_accelerator,
@@ -41,10 +43,12 @@ from eval.common import (
 __all__ = ["evaluate_loss"]
 
 
-def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray | Sequence[int] | torch.Tensor, *,
+def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray | Sequence[int] | torch.Tensor | PairExamples, *,
                   block_size: int, batch_size: int, accelerator: Any | None = None,
                   bf16: bool | None = None) -> float:
-    """Mean loss over every target token of the full windows in `tokens` (same on every rank).
+    """Mean loss over every target token of the full windows in `tokens` (same on every rank); for
+    prompt/completion examples (`data.pairs.PairExamples`), over their completion tokens and EOTs only
+    (one padded row per example, masked as in training).
 
     Call on every rank with the same tokens: each rank runs the same number of forward passes
     (padding batches score nothing), as FSDP requires. bf16: autocast (default: on CUDA only).
@@ -55,32 +59,43 @@ def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray | Sequence[int] | t
     if limit is not None and block_size > limit:
         raise UserError(f"eval block_size {block_size} exceeds the model's block_size {limit}; "
                         f"use at most {limit}")
-    tokens = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
-    n_windows = (len(tokens) - 1) // block_size
-    if n_windows < 1:
-        raise UserError(f"validation set has {len(tokens)} tokens, fewer than one window of "
-                        f"{block_size + 1}; use more validation tokens or a smaller block_size")
+    if isinstance(tokens, PairExamples):
+        examples = tokens
+        examples.check_fits(block_size, "the validation examples")
+        n_rows = len(examples)
+
+        def rows(indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            return examples.rows(indices, block_size)
+    else:
+        stream = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
+        n_rows = (len(stream) - 1) // block_size
+        if n_rows < 1:
+            raise UserError(f"validation set has {len(stream)} tokens, fewer than one window of "
+                            f"{block_size + 1}; use more validation tokens or a smaller block_size")
+
+        def rows(indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            windows = torch.stack([stream[i * block_size:(i + 1) * block_size + 1] for i in indices])
+            return windows[:, :-1], windows[:, 1:]
     rank, world = rank_and_world(accelerator)
-    mine = list(range(rank, n_windows, world))
+    mine = list(range(rank, n_rows, world))
     device = model_device(model)
     loss_sum = torch.zeros((), dtype=torch.float64)
     count = 0
     with eval_mode(model):
         # A bar on the main process's terminal: long validation sets take a while, and the user should see why.
-        for step in TerminalBar(range(steps_per_rank(n_windows, world, batch_size)), show=rank == 0,
+        for step in TerminalBar(range(steps_per_rank(n_rows, world, batch_size)), show=rank == 0,
                                 desc="validation loss", unit="batch", leave=False, dynamic_ncols=True):
             batch = mine[step * batch_size:(step + 1) * batch_size]
             # Fixed shape (batch_size, block_size): rows past the end are padding with no targets.
             x = torch.zeros(batch_size, block_size, dtype=torch.long)
             y = torch.full((batch_size, block_size), -100, dtype=torch.long)
-            for r, i in enumerate(batch):
-                window = tokens[i * block_size:(i + 1) * block_size + 1]
-                x[r], y[r] = window[:-1], window[1:]
+            if batch:
+                x[:len(batch)], y[:len(batch)] = rows(batch)
+            count += int((y != -100).sum())
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with autocast(device, bf16):
                 _, loss = model(x, y, loss_reduction="sum")
             loss_sum += loss.double().cpu()
-            count += len(batch) * block_size
     totals = reduce_sum(torch.stack([loss_sum, torch.tensor(float(count), dtype=torch.float64)]),
                         accelerator)
     return (totals[0] / totals[1]).item()
@@ -88,8 +103,10 @@ def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray | Sequence[int] | t
 
 # This CLI's settings, the run config fields they default to for a run, and their defaults otherwise.
 _RUN_FIELDS = {"dataset": "dataset", "dataset_config": "dataset_config", "text_column": "text_column",
+               "prompt_field": "prompt_field", "completion_field": "completion_field",
                "max_tokens": "val_tokens", "block_size": "block_size", "batch_size": "eval_batch_size"}
-_DEFAULTS = {"dataset": "shakespeare", "dataset_config": None, "text_column": "text", "max_tokens": 1_000_000,
+_DEFAULTS = {"dataset": "shakespeare", "dataset_config": None, "text_column": "text", "prompt_field": "prompt",
+             "completion_field": "completion", "max_tokens": 1_000_000,
              "block_size": None, "batch_size": 8}
 
 
@@ -132,6 +149,10 @@ def main(argv: Sequence[str] | None = None) -> float:
     parser.add_argument("--dataset_config", default=None,
                         help="Hub dataset config name; " + run_default.format("dataset_config", "none"))
     parser.add_argument("--text_column", default=None, help=run_default.format("text_column", "text"))
+    parser.add_argument("--prompt_field", default=None, help="prompt field of prompt/completion .jsonl data; "
+                        + run_default.format("prompt_field", "prompt"))
+    parser.add_argument("--completion_field", default=None, help="completion field of prompt/completion .jsonl "
+                        "data; " + run_default.format("completion_field", "completion"))
     parser.add_argument("--max_tokens", type=int, default=None,
                         help="validation tokens to score; " + run_default.format("val_tokens", "1000000"))
     parser.add_argument("--block_size", type=int, default=None, help=run_default.format("block_size", "the model's"))
@@ -145,14 +166,16 @@ def main(argv: Sequence[str] | None = None) -> float:
     from data.loader import load_val_tokens
 
     tokens = load_val_tokens(chosen["dataset"], max_tokens=chosen["max_tokens"],
-                             text_column=chosen["text_column"], dataset_config=chosen["dataset_config"])
+                             text_column=chosen["text_column"], dataset_config=chosen["dataset_config"],
+                             prompt_field=chosen["prompt_field"], completion_field=chosen["completion_field"])
     with cli_accelerator(cpu=args.device == "cpu") as accelerator:
         model = load_model(args.model, pick_device(args.device, accelerator))
         block_size = chosen["block_size"] or model_block_size(model)
         loss = evaluate_loss(model, tokens, block_size=block_size, batch_size=chosen["batch_size"],
                              accelerator=accelerator)
         if accelerator.is_main_process:
-            n = (len(tokens) - 1) // block_size * block_size
+            n = (tokens.n_targets() if isinstance(tokens, PairExamples)
+                 else (len(tokens) - 1) // block_size * block_size)
             source = f", settings from {run.config_file}" if run is not None else ""
             print(f"val_loss {loss:.6f}  ppl {np.exp(loss):.2f}  ({n} target tokens, "
                   f"block_size {block_size}, dataset {chosen['dataset']}{source})", flush=True)

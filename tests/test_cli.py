@@ -44,7 +44,7 @@ def test_help_documents_every_field_with_its_default():
     (["--learning-rate=1e-3"], "unknown argument(s) --learning-rate=1e-3 (did you mean --lr?)"),
     (["--batch_size", "4"], "(did you mean --micro_batch_size?)"),
     (["--n_layr", "2", "--max_iters", "9"], "(did you mean --n_layer for --n_layr, --max_steps for --max_iters?)"),
-    (["--not_a_field", "1"], "unknown argument(s) --not_a_field 1; see `python train.py --help`"),
+    (["--not_a_flag", "1"], "unknown argument(s) --not_a_flag 1; see `python train.py --help`"),
 ])
 def test_unknown_flags_suggest_the_field(argv, message):
     with pytest.raises(UserError) as err:

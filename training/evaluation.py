@@ -16,6 +16,7 @@ from common.errors import UserError
 from configs import TrainConfig
 from data import get_tokenizer
 from data.loader import load_val_tokens, small_val_advice
+from data.pairs import PairExamples
 from eval.val_loss import evaluate_loss
 from model import GPT
 
@@ -39,9 +40,11 @@ class TrainingEvals:
     def __init__(self, cfg: TrainConfig, accelerator: Accelerator) -> None:
         self.cfg, self.accelerator = cfg, accelerator
         self.val_tokens = load_val_tokens(cfg.dataset, max_tokens=cfg.val_tokens, text_column=cfg.text_column,
-                                          dataset_config=cfg.dataset_config)
+                                          dataset_config=cfg.dataset_config, prompt_field=cfg.prompt_field,
+                                          completion_field=cfg.completion_field)
+        self.pairs = isinstance(self.val_tokens, PairExamples)  # held-out examples (at least one), not a stream
         # parse_config ensures val_tokens >= block_size + 1, so a shorter set means the split itself is short.
-        if len(self.val_tokens) < cfg.block_size + 1:
+        if not self.pairs and len(self.val_tokens) < cfg.block_size + 1:
             raise UserError(f"the validation set has {len(self.val_tokens)} tokens, fewer than one window of "
                             f"block_size + 1 = {cfg.block_size + 1}; "
                             + small_val_advice(cfg.dataset, len(self.val_tokens), cfg.block_size))
@@ -83,10 +86,11 @@ class TrainingEvals:
         return results
 
     def finite_loss(self, model: torch.nn.Module) -> bool:
-        """Whether the current weights give a finite loss on the first validation window (the same answer on
-        every rank: a cheap health check before weights are saved)."""
+        """Whether the current weights give a finite loss on the first validation window or example (the same
+        answer on every rank: a cheap health check before weights are saved)."""
         plain = self.accelerator.unwrap_model(model, keep_torch_compile=False)
         block = self.cfg.block_size
-        loss = evaluate_loss(plain, self.val_tokens[:block + 1], block_size=block, batch_size=1,
+        first = self.val_tokens[:1] if self.pairs else self.val_tokens[:block + 1]
+        loss = evaluate_loss(plain, first, block_size=block, batch_size=1,
                              accelerator=self.accelerator, bf16=self.accelerator.mixed_precision == "bf16")
         return math.isfinite(loss)

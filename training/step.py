@@ -39,17 +39,36 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
 
 def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], grad_accum: int, lr: float,
-               grad_clip: float) -> tuple[torch.Tensor, float]:
+               grad_clip: float, masked_targets: bool = False) -> tuple[torch.Tensor, float]:
     """One optimizer step: `grad_accum` micro-steps, clip, update (skipped when the norm is not finite).
-    Returns the summed micro-batch losses (on device) and the global gradient norm."""
+    Returns the summed micro-batch losses (on device; / grad_accum, averaged over ranks, it is the step's
+    loss) and the global gradient norm.
+
+    The step's gradient is that of the mean loss over every target token of the global batch. With
+    `masked_targets` (targets may be -100, so micro-batches hold different numbers of targets) the step's
+    batches are drawn first, their targets counted and all-reduced once, and each micro-batch's summed loss
+    is scaled by world_size * grad_accum / global count: accelerate.backward divides by grad_accum and DDP
+    averages over ranks, which leaves sum / count. Without it (every position a target, equal counts) the
+    mean of micro-batch means is that same mean, with no extra collective."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     device = accelerator.device
     loss_sum = torch.zeros((), device=device)
-    for _ in range(grad_accum):
-        x, y = next_batch()
+    batches = (next_batch() for _ in range(grad_accum))
+    scale = None
+    if masked_targets:
+        batches = list(batches)
+        count = sum(int((y != -100).sum()) for _, y in batches)
+        global_count = accelerator.reduce(torch.tensor(count, device=device), reduction="sum")
+        scale = accelerator.num_processes * grad_accum / global_count.clamp(min=1)
+    for x, y in batches:
         with accelerator.accumulate(model):  # all-reduces gradients only on the last micro-step
-            _, loss = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            if scale is None:
+                _, loss = model(x, y)
+            else:
+                _, loss = model(x, y, loss_reduction="sum")
+                loss = loss * scale
             accelerator.backward(loss)  # divides by grad_accum: the step's gradient is the mean
         loss_sum += loss.detach()
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip)  # global norm, same on all ranks
