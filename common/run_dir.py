@@ -6,7 +6,8 @@
       harness.jsonl            one JSON object per `python -m eval.harness` call on this run's weights
       tensorboard/             when --report_to tensorboard
       checkpoints/step_000100/ accelerate's save_state files plus the files named below
-      final/                   the finished model as a Hugging Face GPT-2 folder
+      final/                   the finished model as a Hugging Face GPT-2 folder (a LoRA run: merged)
+      final_adapter/           a LoRA run's adapter as a PEFT folder, for transformers' GPT2LMHeadModel
       hub_export/              what the last Hub push uploaded (kept for retries)
       superseded/<when>/       checkpoints (and final/, metrics) set aside by a resume from an older step
       .lock                    held by the run writing into the folder
@@ -24,6 +25,9 @@ from pathlib import Path
 GPT_CONFIG = "gpt_config.json"  # the architecture, `dataclasses.asdict(GPTConfig)`
 RUN_STATE = "run_state.json"  # step, tokens seen, tracker run id, world size
 MANIFEST = "manifest.json"  # every other file's size and sha256, written last
+# A LoRA run's checkpoint holds its adapter instead of the whole model (peft's file names; see model/lora.py).
+ADAPTER_CONFIG = "adapter_config.json"  # the LoRA settings and the base weights' name
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # the adapter weights only
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -70,6 +74,10 @@ class RunDir:
     @property
     def final(self) -> Path:
         return self.path / "final"
+
+    @property
+    def final_adapter(self) -> Path:
+        return self.path / "final_adapter"
 
     @property
     def hub_export(self) -> Path:

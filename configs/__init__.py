@@ -51,6 +51,12 @@ class TrainConfig:
     block_size: int = _field(128, "context length in tokens (training windows and the model's positions)")
     dropout: float = _field(0.0, "dropout probability while training, in [0, 1)")
     bias: bool = _field(True, "biases in the linear layers and LayerNorms, as GPT-2 (--no_bias: none)")
+    # LoRA (through peft): only the adapters train and are checkpointed; final/ is the merged model
+    lora_rank: int = _field(0, "LoRA rank r; 0 = full fine-tuning (every weight trains); needs --init_from")
+    lora_alpha: float = _field(16.0, "LoRA scaling: the adapter adds B A x lora_alpha / lora_rank")
+    lora_dropout: float = _field(0.0, "dropout on the adapters' input while training, in [0, 1)")
+    lora_targets: str = _field("c_attn,c_proj,c_fc", "comma-separated layers that get adapters: the attention "
+                                                      "(c_attn, attn.c_proj) and MLP (c_fc, mlp.c_proj) projections")
     # Data
     dataset: str = _field("shakespeare", "'shakespeare', a local .txt/.jsonl/.parquet file/glob/folder, a shard "
                                          "folder, or a Hub id[:config]")
@@ -291,9 +297,29 @@ def _check_values(cfg: TrainConfig) -> None:
         raise UserError(f"on_nan must be 'stop' or 'skip', got {cfg.on_nan!r}")
     if cfg.report_to not in REPORT_TO:
         raise UserError(f"report_to must be one of {', '.join(REPORT_TO)}, got {cfg.report_to!r}")
+    _check_lora(cfg)
     if cfg.push_to_hub and not cfg.hub_model_id:
         raise UserError("--push_to_hub needs --hub_model_id user/name")
     _check_paths(cfg)
+
+
+def _check_lora(cfg: TrainConfig) -> None:
+    """The LoRA flags as far as they can be judged without the model (rank vs layer sizes: `model.lora`)."""
+    if cfg.lora_rank < 0:
+        raise UserError(f"--lora_rank must be 0 (full fine-tuning) or a rank of at least 1, got {cfg.lora_rank}; "
+                        "use e.g. 8")
+    if not cfg.lora_rank:
+        return
+    if cfg.init_from == "scratch":
+        raise UserError("--lora_rank trains adapters on pretrained weights, but --init_from is 'scratch'; pass "
+                        "--init_from (a Hub id such as gpt2, an HF folder or a run folder)")
+    if not cfg.lora_alpha > 0:
+        raise UserError(f"--lora_alpha must be positive, got {cfg.lora_alpha}; use e.g. 2 x --lora_rank")
+    if not 0.0 <= cfg.lora_dropout < 1.0:
+        raise UserError(f"--lora_dropout must be in [0, 1), got {cfg.lora_dropout}; use e.g. 0.0 or 0.05")
+    if not all(t.strip() for t in cfg.lora_targets.split(",")):
+        raise UserError(f"--lora_targets {cfg.lora_targets!r} has an empty name; pass comma-separated layer names, "
+                        "e.g. c_attn,c_proj,c_fc")
 
 
 def _check_paths(cfg: TrainConfig) -> None:

@@ -2,7 +2,9 @@
 
 Sources for `load_pretrained`, tried in this order for an existing folder:
   1. our training checkpoint: `gpt_config.json` + accelerate's `model.safetensors` (our key names,
-     maybe `_orig_mod.`/`module.` prefixed, the tied `lm_head.weight` dropped);
+     maybe `_orig_mod.`/`module.` prefixed, the tied `lm_head.weight` dropped); a LoRA run's checkpoint
+     (`adapter_config.json` + `adapter_model.safetensors`) is its base weights, loaded again from where
+     the adapter config names them, with the adapter merged in;
   2. a Hugging Face GPT-2 folder: `config.json` (model_type gpt2) + safetensors, e.g. our export;
   3. our run folder: `final/` if training finished, else the newest `checkpoints/step_*`.
 Anything else that is not a folder is treated as a Hub id and downloaded (safetensors only:
@@ -20,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common.errors import UserError
-from common.run_dir import GPT_CONFIG, RunDir
+from common.run_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS, GPT_CONFIG, RunDir
 from model.gpt import GPT, GPTConfig
 
 log = logging.getLogger(__name__)
@@ -36,7 +38,10 @@ HUB_FILES = ["config.json", "model.safetensors", "model.safetensors.index.json",
 def load_pretrained(name_or_path: str | Path, block_size: int | None = None, dropout: float | None = None) -> GPT:
     """Build a `GPT` from a Hub id or a local folder (see the module docstring)."""
     folder = _resolve(name_or_path)
-    if (folder / GPT_CONFIG).is_file():
+    if (folder / GPT_CONFIG).is_file() and (folder / ADAPTER_CONFIG).is_file():
+        merged = _read_lora_checkpoint(folder)
+        config, state = merged.config, merged.state_dict()
+    elif (folder / GPT_CONFIG).is_file():
         config, state = _read_checkpoint(folder)
     else:
         # Name a Hub download by its id, not by its cache path.
@@ -168,6 +173,32 @@ def _read_checkpoint(folder: Path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
         raise UserError(f"{folder / GPT_CONFIG} is not a valid GPT config ({err}); restore it from the run") from None
     state = strip_wrapper_prefixes(_read_safetensors(folder, str(folder)))
     return config, state
+
+
+def _read_lora_checkpoint(folder: Path) -> GPT:
+    """A LoRA run's checkpoint: its base weights (named in the adapter config) with the adapter merged in."""
+    from model.lora import add_adapters, load_adapter_state, merged, read_adapter_config  # peft only when needed
+
+    config = read_adapter_config(folder)
+    block_size = json.loads((folder / GPT_CONFIG).read_text()).get("block_size")
+    try:
+        model = load_pretrained(config.base_model_name_or_path, block_size=block_size)
+    except UserError as err:
+        raise UserError(f"{folder} is a LoRA checkpoint whose base model {config.base_model_name_or_path} cannot be "
+                        f"loaded ({err}); restore the base, or use the run's final/ export") from None
+    add_adapters(model, config)
+    load_adapter_state(model, _read_safetensors_file(folder / ADAPTER_WEIGHTS, str(folder)), str(folder))
+    return merged(model)
+
+
+def _read_safetensors_file(file: Path, source: str) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+
+    try:
+        return load_file(file)
+    except (SafetensorError, OSError) as err:
+        raise UserError(f"the weights in {source} are damaged or missing ({err.__class__.__name__}: {err}); "
+                        "restore them or use another checkpoint") from None
 
 
 def _read_hf_folder(folder: Path, source: str) -> tuple[GPTConfig, dict[str, torch.Tensor]]:

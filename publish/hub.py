@@ -55,10 +55,16 @@ def describe_weights(run: RunDir, source: Path) -> str:
     return "the final weights of the run" if source == run.final else f"checkpoint {source.name} (the run had not finished)"
 
 
+ADAPTER_SUBFOLDER = "adapter"  # a LoRA run's final_adapter/ in the repo: PeftModel.from_pretrained(subfolder=)
+
+
 def build_hf_folder(run: RunDir, source: Path, dest: Path) -> None:
-    """Make `dest` (absent) an HF model folder of `source`: `final/` copied as it is, a checkpoint converted."""
+    """Make `dest` (absent) an HF model folder of `source`: `final/` copied as it is (with a LoRA run's
+    `final_adapter/` as `adapter/`), a checkpoint converted (a LoRA checkpoint: merged)."""
     if source == run.final:
         shutil.copytree(source, dest)
+        if run.final_adapter.is_dir():
+            shutil.copytree(run.final_adapter, dest / ADAPTER_SUBFOLDER)
     else:
         from model import GPT
 
@@ -79,7 +85,9 @@ def stage_export(run_dir: str | Path, source: Path | None = None) -> tuple[Path,
                         "train first or pass the run's --out_dir")
     what = describe_weights(run, source)
     export, marker = run.hub_export / "model", run.hub_export / "export.json"
-    record = {"source": str(source.relative_to(run.path)), "files": _fingerprint(source)}
+    adapter = run.final_adapter if source == run.final and run.final_adapter.is_dir() else None
+    record = {"source": str(source.relative_to(run.path)), "files": _fingerprint(source),
+              "adapter": _fingerprint(adapter) if adapter else None}
     if export.is_dir() and marker.is_file() and json.loads(marker.read_text()) == record:
         return export, what  # a retry: the export is already there
 

@@ -33,7 +33,16 @@ from safetensors import SafetensorError
 
 from common.atomic import fresh_temp_dir, publish, temp_path
 from common.errors import UserError
-from common.run_dir import GPT_CONFIG, MANIFEST, RUN_STATE, RunDir, checkpoint_step, data_state_file
+from common.run_dir import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    GPT_CONFIG,
+    MANIFEST,
+    RUN_STATE,
+    RunDir,
+    checkpoint_step,
+    data_state_file,
+)
 
 FORMAT = 2  # run_state.json's "format": 2 = the checkpoint has a manifest (format 1, without, still resumes)
 
@@ -144,6 +153,8 @@ def _required_files(point: ResumePoint) -> list[str]:
     names = [GPT_CONFIG, RUN_STATE] + ([MANIFEST] if point.run_state.get("format", 1) >= FORMAT else [])
     for rank in range(world):
         names += [data_state_file(rank), f"random_states_{rank}.pkl"]
+    if (point.path / ADAPTER_CONFIG).is_file():  # a LoRA run's: the adapter in place of the model
+        return names + [ADAPTER_CONFIG, ADAPTER_WEIGHTS, "optimizer.bin"]
     sharded = (point.path / "pytorch_model_fsdp_0").is_dir()
     return names + (["pytorch_model_fsdp_0", "optimizer_0"] if sharded else ["model.safetensors", "optimizer.bin"])
 
@@ -195,8 +206,9 @@ def set_aside_superseded(point: ResumePoint, run: RunDir) -> Path | None:
     aside.mkdir(parents=True)
     for checkpoint in point.superseded:
         checkpoint.rename(aside / checkpoint.name)
-    if run.final.exists():
-        run.final.rename(aside / run.final.name)
+    for final in (run.final, run.final_adapter):
+        if final.exists():
+            final.rename(aside / final.name)
     if run.metrics_file.exists():
         shutil.copy2(run.metrics_file, aside / run.metrics_file.name)
     return aside

@@ -1,7 +1,10 @@
-"""The end of a finished run: `final/`, the model as a Hugging Face GPT-2 folder."""
+"""The end of a finished run: `final/`, the model as a Hugging Face GPT-2 folder; for a LoRA run also
+`final_adapter/`, the adapter as a PEFT folder (`final/` then holds the base with the adapter merged in)."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
+from typing import Callable
 
 import torch
 from accelerate import Accelerator
@@ -16,17 +19,32 @@ from model.hf_io import strip_wrapper_prefixes
 
 def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConfig, run: RunDir) -> None:
     """Write `final/` from the trained weights (gathered from every rank under FSDP), atomically; call on every rank."""
+    module = accelerator.unwrap_model(model, keep_torch_compile=False)
+    if hasattr(module, "peft_config"):  # a LoRA run (never FSDP): the adapter first, final/ last marks the end
+        if accelerator.is_main_process:
+            from model.lora import merged, save_adapter_folder
+
+            _write(run, run.final_adapter, lambda tmp: save_adapter_folder(module, tmp))
+            _write(run, run.final, lambda tmp: merged(module).save_pretrained(tmp, overwrite=True))
+            accelerator.print(f"final model (adapter merged) written to {run.final}, the adapter to "
+                              f"{run.final_adapter}")
+        return
     state_dict = strip_wrapper_prefixes(accelerator.get_state_dict(model))  # full weights on the main process
     if accelerator.is_main_process:
         export = GPT(arch)
         export.load_state_dict(state_dict)
-        tmp = fresh_temp_dir(run.final)
-        try:
-            export.save_pretrained(tmp, overwrite=True)
-            publish(tmp, run.final)
-        except (OSError, SafetensorError) as err:
-            shutil.rmtree(tmp, ignore_errors=True)
-            reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
-            raise UserError(f"could not write {run.final} ({reason}); the last checkpoint is intact: free disk space "
-                            "and run again with --resume latest, which only writes final/") from None
+        _write(run, run.final, lambda tmp: export.save_pretrained(tmp, overwrite=True))
         accelerator.print(f"final model written to {run.final}")
+
+
+def _write(run: RunDir, folder: Path, write: Callable[[Path], None]) -> None:
+    """Fill `folder` through a temporary one renamed into place; a full disk is one line."""
+    tmp = fresh_temp_dir(folder)
+    try:
+        write(tmp)
+        publish(tmp, folder)
+    except (OSError, SafetensorError) as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
+        raise UserError(f"could not write {folder} ({reason}); the last checkpoint is intact: free disk space "
+                        "and run again with --resume latest, which only writes final/") from None

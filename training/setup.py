@@ -23,6 +23,7 @@ from training.checkpoint import (
     set_aside_superseded,
     verify_checkpoint,
 )
+from training.lora import add_run_adapters, check_resume, use_adapter_checkpoints
 from training.metrics import MetricsLog, trackers_for
 from training.step import accumulation_steps
 
@@ -43,6 +44,8 @@ def start_accelerator(cfg: TrainConfig) -> tuple[Accelerator, int]:
     if accelerator.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    if cfg.lora_rank:
+        use_adapter_checkpoints(accelerator)  # checkpoints hold the adapters, not the frozen base
     return accelerator, grad_accum
 
 
@@ -56,8 +59,13 @@ def build_model(cfg: TrainConfig, resume: ResumePoint | None) -> GPT:
     fine-tune being resumed, the checkpoint's architecture (its weights replace init_from's when loaded).
 
     The architecture fields of `cfg` are then set to the network's, so that the run's config.yaml and its
-    trackers record the model that ran, not the flags' unused defaults (`n_layer: 4` for a 2-layer model)."""
+    trackers record the model that ran, not the flags' unused defaults (`n_layer: 4` for a 2-layer model).
+    With `--lora_rank`, the network gets adapters and only they train (see `training.lora`)."""
+    if resume is not None:
+        check_resume(cfg, resume.path)  # a LoRA checkpoint only into the same LoRA run, a full one only into a full run
     model = _network(cfg, resume)
+    if cfg.lora_rank:
+        model = add_run_adapters(model, cfg)
     arch = model.config
     cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.bias = arch.n_layer, arch.n_head, arch.n_embd, arch.bias
     cfg.block_size = arch.block_size
@@ -68,7 +76,7 @@ def _network(cfg: TrainConfig, resume: ResumePoint | None) -> GPT:
     if cfg.init_from == "scratch":
         return GPT(GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size,
                              dropout=cfg.dropout, bias=cfg.bias))
-    if resume is not None:
+    if resume is not None and not cfg.lora_rank:  # a LoRA checkpoint holds no base weights: init_from has them
         try:
             arch = GPTConfig(**{**resume.gpt_config, "block_size": cfg.block_size, "dropout": cfg.dropout})
         except (TypeError, ValueError) as err:
@@ -153,7 +161,11 @@ def describe_run(accelerator: Accelerator, cfg: TrainConfig, model: torch.nn.Mod
     # accelerate wraps the prepared model in torch.compile's OptimizedModule when a dynamo backend is set.
     compiled = f"torch.compile ({accelerator.state.dynamo_plugin.backend.value.lower()})" \
         if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else "eager"
-    return (f"GPT {n_params / 1e6:.2f}M params | {accelerator.num_processes} process(es) x {grad_accum} accumulation x "
-            f"{cfg.micro_batch_size} x {cfg.block_size} = {cfg.total_batch_size:,} tokens per step | distributed: "
-            f"{accelerator.distributed_type.value} | precision: {accelerator.mixed_precision} | {compiled} | "
+    params = list(model.parameters())
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    lora = (f" (LoRA r={cfg.lora_rank} on {cfg.lora_targets}: {trainable:,} trainable, "
+            f"{trainable / sum(p.numel() for p in params):.2%} of all)" if cfg.lora_rank else "")
+    return (f"GPT {n_params / 1e6:.2f}M params{lora} | {accelerator.num_processes} process(es) x {grad_accum} "
+            f"accumulation x {cfg.micro_batch_size} x {cfg.block_size} = {cfg.total_batch_size:,} tokens per step | "
+            f"distributed: {accelerator.distributed_type.value} | precision: {accelerator.mixed_precision} | {compiled} | "
             f"{accelerator.device}")

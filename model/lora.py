@@ -1,0 +1,141 @@
+"""LoRA adapters on our GPT, through `peft`: add them, read and load their weights, merge them, export them.
+
+peft injects its LoRA layers into the GPT in place (`peft.inject_adapter_in_model`): the model stays a `GPT`
+(forward, generate, evaluations unchanged), its targeted `nn.Linear` layers become peft `lora.Linear`
+layers holding the frozen base layer and the trainable `lora_A`/`lora_B` matrices, and only those
+matrices require gradients. The adapter's settings travel with the model as `model.peft_config["default"]`
+(`base_model_name_or_path` names the weights it was added to).
+
+Invariants:
+- `adapter_state` has our module paths (`transformer.h.0.attn.c_attn.lora_A.weight`), which are also
+  transformers' GPT2LMHeadModel paths: a PEFT adapter folder written by `save_adapter_folder` loads on
+  GPT2LMHeadModel with `PeftModel.from_pretrained`. Its config says `fan_in_fan_out: true` because
+  transformers' Conv1D stores weights transposed from our nn.Linear (the A/B matrices are the same).
+- `merged(model)` is a plain GPT (no peft layers) computing what `model` computes, without changing `model`.
+- Adapters go only on nn.Linear layers inside the transformer blocks: `lm_head` is tied to the token
+  embedding, so an adapter there would untie them and break the GPT-2 export.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, inject_adapter_in_model
+from peft.tuners.tuners_utils import check_target_module_exists
+from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+
+from common.errors import UserError
+from common.run_dir import ADAPTER_CONFIG
+from model.gpt import GPT
+
+ADAPTER = "default"  # peft's name for the one adapter of a model
+DEFAULT_TARGETS = ("c_attn", "c_proj", "c_fc")  # attention (qkv, output) and MLP (in, out) projections
+
+
+def lora_config(rank: int, alpha: float, dropout: float, targets: list[str] | tuple[str, ...], base: str) -> LoraConfig:
+    """peft's LoraConfig for our GPT; `base` names the weights the adapter is added to (recorded, checked on resume)."""
+    return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), bias="none",
+                      base_model_name_or_path=base)
+
+
+def has_adapters(model: torch.nn.Module) -> bool:
+    return ADAPTER in getattr(model, "peft_config", {})
+
+
+def _targeted_layers(model: GPT, config: LoraConfig) -> dict[str, torch.nn.Module]:
+    """The modules `config.target_modules` names (peft's own matching rule: a name or a dotted suffix)."""
+    return {name: module for name, module in model.named_modules() if name and check_target_module_exists(config, name)}
+
+
+def add_adapters(model: GPT, config: LoraConfig) -> GPT:
+    """Inject LoRA adapters into `model` in place and freeze everything else; returns `model`.
+
+    Refuses (one line) targets that match no layer, or match something other than a block's linear layer, and a
+    rank larger than the smallest dimension of a targeted layer (the update would have no low rank left)."""
+    targets = ", ".join(sorted(config.target_modules))
+    layers = _targeted_layers(model, config)
+    linear_names = sorted({name.rsplit(".", 1)[-1] for name, m in model.transformer.h.named_modules()
+                           if isinstance(m, torch.nn.Linear)})
+    if not layers:
+        raise UserError(f"--lora_targets {targets} matches no layer of the model; choose among "
+                        f"{', '.join(linear_names)}")
+    wrong = [name for name, m in layers.items()
+             if not (name.startswith("transformer.h.") and isinstance(m, torch.nn.Linear))]
+    if wrong:
+        raise UserError(f"--lora_targets {targets} matches {wrong[0]}, which is not a linear layer of a transformer "
+                        f"block; choose among {', '.join(linear_names)}")
+    smallest = min(min(m.in_features, m.out_features) for m in layers.values())
+    if config.r > smallest:
+        raise UserError(f"--lora_rank {config.r} does not fit: the targeted layers have {smallest} features on their "
+                        f"smallest side; pass a rank of at most {smallest} (LoRA ranks are usually 4 to 64)")
+    return inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+
+
+def adapter_state(model: GPT) -> dict[str, torch.Tensor]:
+    """The adapter weights only (no base weights), keyed by module path without the adapter name."""
+    return {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(
+        model, adapter_name=ADAPTER, save_embedding_layers=False).items()}
+
+
+def load_adapter_state(model: GPT, state: dict[str, torch.Tensor], source: str) -> None:
+    """Put `state` (from `adapter_state`) into `model`'s adapters; every adapter weight must be there, nothing else."""
+    expected = set(adapter_state(model))
+    if set(state) != expected:
+        odd = sorted(set(state) ^ expected)[:2]
+        raise UserError(f"the adapter in {source} does not fit this model's adapters ({', '.join(odd)}); use the "
+                        "LoRA settings (--lora_rank, --lora_targets) it was trained with")
+    result = set_peft_model_state_dict(model, state, adapter_name=ADAPTER)
+    assert not result.unexpected_keys, result.unexpected_keys  # checked above: every key is an adapter weight
+
+
+def _peft_model(model: GPT) -> PeftModel:
+    """A PeftModel over a fresh copy of `model`'s base weights, holding `model`'s adapter (so peft's merge and
+    save_pretrained can run without touching the model being trained)."""
+    config = model.peft_config[ADAPTER]
+    base_state = {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if ".lora_" not in k}
+    with torch.device("meta"):
+        base = GPT(model.config)
+    base.load_state_dict(base_state, assign=True)
+    base.lm_head.weight = base.transformer.wte.weight  # assign=True replaced wte: tie again
+    base.name_or_path = config.base_model_name_or_path  # what get_peft_model records as the adapter's base
+    peft_model = get_peft_model(base, LoraConfig(**{**config.to_dict(), "inference_mode": True}), adapter_name=ADAPTER)
+    load_adapter_state(peft_model.get_base_model(), adapter_state(model), "the model")  # the same GPT, in place
+    return peft_model
+
+
+def merged(model: GPT) -> GPT:
+    """A plain GPT whose weights are `model`'s base weights plus its adapters' update (W + B A * alpha / r)."""
+    return _peft_model(model).merge_and_unload()
+
+
+def save_adapter_folder(model: GPT, directory: Path) -> None:
+    """Write `model`'s adapter as a PEFT adapter folder for transformers' GPT2LMHeadModel (see the module docstring)."""
+    _peft_model(model).save_pretrained(directory, save_embedding_layers=False)  # only the adapter
+    _rewrite_config(directory, fan_in_fan_out=True,  # GPT2LMHeadModel's Conv1D layers hold W transposed
+                    task_type="CAUSAL_LM",  # PeftModel.from_pretrained then gives a PeftModelForCausalLM (generate)
+                    auto_mapping=None)  # peft recorded our GPT class here: transformers' GPT-2 is the base to load
+
+
+def save_adapter_config(model: GPT, directory: Path) -> None:
+    """Write `model`'s LoraConfig as `adapter_config.json` (what a checkpoint of a LoRA run records)."""
+    model.peft_config[ADAPTER].save_pretrained(str(directory))
+    _rewrite_config(directory)
+
+
+def _rewrite_config(directory: Path, **changes: object) -> None:
+    # peft writes target_modules in a set's order, which changes from process to process: sort it, so that a
+    # resumed run writes the very bytes of an uninterrupted one.
+    config_file = directory / ADAPTER_CONFIG
+    config = json.loads(config_file.read_text())
+    config.update(changes, target_modules=sorted(config["target_modules"]))
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+def read_adapter_config(folder: Path) -> LoraConfig:
+    """The LoraConfig saved in `folder` (a checkpoint of a LoRA run)."""
+    try:
+        return LoraConfig.from_pretrained(str(folder))
+    except (OSError, ValueError, TypeError) as err:
+        raise UserError(f"{folder / ADAPTER_CONFIG} is damaged ({type(err).__name__}); resume from another "
+                        "checkpoint") from None

@@ -1,0 +1,179 @@
+"""LoRA through peft (`--lora_rank`): only the adapters train and are checkpointed, a killed run resumes
+exactly, `final/` (merged) and `final_adapter/` load in transformers, bad input is one line.
+
+References: transformers' GPT2LMHeadModel (with peft's PeftModel for the adapter), the base weights the
+run started from, and an uninterrupted run. The base is a random tiny GPT-2 saved by transformers.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_train import TINY, assert_same_weights, launch, run_in_process, tree_digest
+
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("base") / "hf"
+    GPT2LMHeadModel(GPT2Config(n_positions=64, n_embd=32, n_layer=2, n_head=2)).save_pretrained(folder)
+    return folder
+
+
+def lora_args(base: Path, rank: int = 4) -> list[str]:
+    """rank 0: the same run as a full fine-tune. No dropout: the 2-process run resumed on 1 process must follow
+    the same arithmetic as the reference."""
+    return TINY + ["--init_from", str(base), "--lora_rank", str(rank), "--lr", "2e-2", "--max_steps", "4",
+                   "--micro_batch_size", "2", "--total_batch_size", "128", "--save_every", "2", "--log_every", "1",
+                   "--eval_every", "4"]
+
+
+@pytest.fixture(scope="module")
+def reference(base, tmp_path_factory):
+    """An uninterrupted LoRA run that pushes to a fake Hub at the end; returns its folder and the pushed files."""
+    from fake_hub import FakeHub
+
+    out = tmp_path_factory.mktemp("lora") / "run"
+    hf_home = tmp_path_factory.mktemp("hf_home")
+    with FakeHub() as hub:
+        push = ["--push_to_hub", "true", "--hub_model_id", "alice/lora"]
+        proc = launch(lora_args(base) + ["--out_dir", str(out), *push],
+                      extra_env={"HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_x", "HF_HUB_OFFLINE": "0",
+                                 "HF_HOME": str(hf_home)})
+        pushed = hub.files("alice/lora")
+        assert hub.unknown == []
+    assert "(LoRA r=4 on c_attn,c_proj,c_fc: 4,096 trainable" in proc.stdout  # 2 layers x (4x32 + 96x4 + ...)
+    return out, pushed
+
+
+@pytest.mark.slow
+def test_only_the_adapters_train_and_checkpoints_hold_only_them(base, reference):
+    out, _ = reference
+    base_weights, merged = load_file(base / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    for key, tensor in base_weights.items():
+        if key.endswith(CONV1D):  # the targeted projections: base + B A
+            assert not torch.equal(merged[key], tensor), key
+        elif key in merged:  # embeddings (wpe cut to --block_size), LayerNorms, biases: frozen, bit for bit
+            assert torch.equal(merged[key], tensor[: len(merged[key])]), key
+    checkpoint = out / "checkpoints" / "step_000004"
+    assert not (checkpoint / "model.safetensors").exists()
+    adapter = load_file(checkpoint / "adapter_model.safetensors")
+    assert sum(t.numel() for t in adapter.values()) == 4096 and all(".lora_" in k for k in adapter)
+    size = sum(p.stat().st_size for p in checkpoint.iterdir())
+    assert size < (base / "model.safetensors").stat().st_size / 20, size  # the base alone is 6.5 MB here
+
+
+@pytest.mark.slow
+def test_final_and_final_adapter_give_the_merged_models_logits_in_transformers(base, reference):
+    from peft import PeftModel
+    from transformers import GPT2LMHeadModel
+
+    from model import GPT
+
+    out, _ = reference
+    x = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(0))
+    ours = GPT.from_pretrained(out / "checkpoints" / "step_000004").eval()  # the checkpoint: base + adapter, merged
+    with torch.no_grad():
+        expected = ours(x, all_logits=True)[0]
+        final = GPT2LMHeadModel.from_pretrained(out / "final").eval()(x).logits
+        adapted = PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(base), out / "final_adapter").eval()
+        with_adapter = adapted(x).logits
+        plain = GPT2LMHeadModel.from_pretrained(base).eval()(x).logits
+    torch.testing.assert_close(final, expected, atol=1e-5, rtol=0)
+    adapter_config = json.loads((out / "final_adapter" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str(base) and adapter_config["fan_in_fan_out"] is True
+    torch.testing.assert_close(with_adapter, expected, atol=1e-5, rtol=0)
+    assert (plain - expected).abs().max() > 1e-2  # the adapter changed the model
+
+
+@pytest.mark.slow
+def test_the_hub_push_holds_the_merged_model_and_the_adapter(reference):
+    out, pushed = reference
+    assert pushed["model.safetensors"] == (out / "final" / "model.safetensors").read_bytes()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert pushed[f"adapter/{name}"] == (out / "final_adapter" / name).read_bytes(), name
+
+
+@pytest.mark.slow
+def test_killed_lora_run_resumes_bit_exact(base, reference, tmp_path):
+    out = tmp_path / "run"
+    args = lora_args(base) + ["--out_dir", str(out)]
+    assert launch(args, fault="kill_after_step:3", check=False).returncode != 0
+    launch(args + ["--resume", "latest"])
+    assert_same_weights(reference[0], out)
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        assert (out / "final_adapter" / name).read_bytes() == (reference[0] / "final_adapter" / name).read_bytes()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_process_lora_checkpoint_resumes_on_one(base, reference, tmp_path):
+    """Killed after step 3 on 2 processes (its step-2 checkpoint written by both ranks), resumed on 1 process:
+    the same global batches, so the weights end where the 1-process reference ends, to float rounding."""
+    out = tmp_path / "run"
+    args = lora_args(base) + ["--out_dir", str(out)]
+    assert launch(args, nproc=2, fault="kill_after_step:3", check=False).returncode != 0
+    assert not (out / "checkpoints" / "step_000002" / "model.safetensors").exists()
+    resumed = launch(args + ["--resume", "latest"])
+    assert "saved by 2 process(es), this run has 1" in resumed.stdout + resumed.stderr
+    assert_same_weights(reference[0], out, atol=1e-6)
+
+
+def test_only_adapter_matrices_get_gradients():
+    from model import GPT, GPTConfig
+    from model.lora import add_adapters, lora_config
+
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=100))
+    add_adapters(model, lora_config(4, 8.0, 0.0, ["c_attn", "c_proj", "c_fc"], "base"))
+    x = torch.randint(0, 100, (2, 16))
+    model(x, x)[1].backward()
+    for name, p in model.named_parameters():
+        assert (p.grad is not None) == (".lora_" in name), name
+    assert all(p.grad.abs().sum() > 0 for n, p in model.named_parameters() if ".lora_B" in n)
+
+
+# ---- bad input: one line, exit 2, nothing written ---------------------------------------------------------
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lora_rank", "-1"], "--lora_rank must be 0 (full fine-tuning) or a rank of at least 1, got -1"),
+    (["--lora_rank", "4", "--init_from", "scratch"], "--lora_rank trains adapters on pretrained weights"),
+    (["--lora_rank", "33"], "--lora_rank 33 does not fit: the targeted layers have 32 features on their smallest side"),
+    (["--lora_rank", "4", "--lora_targets", "q_proj,v_proj"],
+     "--lora_targets q_proj, v_proj matches no layer of the model; choose among c_attn, c_fc, c_proj"),
+    (["--lora_rank", "4", "--lora_targets", "lm_head"],
+     "matches lm_head, which is not a linear layer of a transformer"),
+])
+def test_bad_lora_flags(monkeypatch, capsys, tmp_path, base, flags, message):
+    args = TINY + ["--init_from", str(base), "--out_dir", str(tmp_path / "r"), *flags]
+    assert message in run_in_process(monkeypatch, capsys, args)
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_lora_and_full_checkpoints_do_not_mix(monkeypatch, capsys, tmp_path, base, reference):
+    lora_run = reference[0]
+    before = tree_digest(lora_run)
+    resume = ["--out_dir", str(lora_run), "--resume", "latest"]
+    assert "is a checkpoint of a LoRA run (adapters only); resume it with the flags" in \
+        run_in_process(monkeypatch, capsys, lora_args(base, rank=0) + resume)
+    assert "was trained with other LoRA settings (lora_rank: checkpoint 4 vs now 8)" in \
+        run_in_process(monkeypatch, capsys, lora_args(base, rank=8) + resume)
+    assert tree_digest(lora_run) == before
+
+    # A full fine-tune's checkpoint (its two JSON files are all that is read before the refusal).
+    full_run = tmp_path / "full"
+    checkpoint = full_run / "checkpoints" / "step_000002"
+    checkpoint.mkdir(parents=True)
+    for name in ("gpt_config.json", "run_state.json"):
+        shutil.copy(lora_run / "checkpoints" / "step_000004" / name, checkpoint / name)
+    args = lora_args(base) + ["--out_dir", str(full_run), "--resume", "latest"]
+    assert "is a checkpoint of a full fine-tune (every weight), not of a LoRA run" in \
+        run_in_process(monkeypatch, capsys, args)

@@ -1,0 +1,108 @@
+"""A LoRA run (`--lora_rank N`): adapters on the network, checkpoints holding only them, resumes that match.
+
+What changes against a full fine-tune, and where:
+- `add_run_adapters` (from `training.setup.build_model`): peft's adapters on the `--init_from` weights, everything
+  else frozen (`build_optimizer` takes trainable parameters only, so the optimizer state is the adapters' too).
+- `use_adapter_checkpoints` (from `start_accelerator`): accelerate's `save_state` writes the adapter
+  (`adapter_model.safetensors`, `adapter_config.json`) in place of `model.safetensors`, and `load_state` loads
+  it back; optimizer, RNG and data states are saved as for any run, and the manifest covers every file.
+- `check_resume` (from `build_model`, before any weights are read): a LoRA checkpoint resumes only as a LoRA run
+  with the same settings on the same base, a full one only as a full run.
+- `training.export.export_final` writes `final/` merged and `final_adapter/` (see `model.lora`).
+
+peft is imported only here and in `model.lora`, and only for a LoRA run (the GPU image may lack it).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+from common.errors import UserError
+from common.run_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from configs import TrainConfig
+from model import GPT
+
+
+def base_name(init_from: str) -> str:
+    """How the adapter config names its base weights: an absolute path for a local folder (a resume or a loader
+    from another working directory finds the same folder), the Hub id as given otherwise."""
+    path = Path(init_from).expanduser()
+    return str(path.resolve()) if path.exists() else init_from
+
+
+def _config(cfg: TrainConfig):
+    from model.lora import lora_config
+
+    targets = [t.strip() for t in cfg.lora_targets.split(",")]
+    return lora_config(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, targets, base_name(cfg.init_from))
+
+
+def add_run_adapters(model: GPT, cfg: TrainConfig) -> GPT:
+    """`model` with the run's adapters injected (in place); only they require gradients."""
+    from model.lora import add_adapters
+
+    return add_adapters(model, _config(cfg))
+
+
+def check_resume(cfg: TrainConfig, checkpoint: Path) -> None:
+    """Refuse to resume a LoRA checkpoint as a full run or the reverse, or with other LoRA settings or base."""
+    saved_lora = (checkpoint / ADAPTER_CONFIG).is_file()
+    if cfg.lora_rank and not saved_lora:
+        raise UserError(f"{checkpoint} is a checkpoint of a full fine-tune (every weight), not of a LoRA run; resume "
+                        "it without --lora_rank, or start the LoRA run in a new --out_dir")
+    if saved_lora and not cfg.lora_rank:
+        raise UserError(f"{checkpoint} is a checkpoint of a LoRA run (adapters only); resume it with the flags it was "
+                        "trained with (--lora_rank, --lora_alpha, --lora_targets, --init_from its base)")
+    if not saved_lora:
+        return
+    from model.lora import read_adapter_config
+
+    saved, now = read_adapter_config(checkpoint), _config(cfg)
+    fields = {"lora_rank": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
+              "lora_targets": "target_modules", "init_from": "base_model_name_or_path"}
+    diffs = [f"{flag}: checkpoint {getattr(saved, attr)!r} vs now {getattr(now, attr)!r}"
+             for flag, attr in fields.items() if getattr(saved, attr) != getattr(now, attr)]
+    if diffs:
+        raise UserError(f"{checkpoint} was trained with other LoRA settings ({'; '.join(diffs)}); use the same "
+                        "flags to resume")
+
+
+def use_adapter_checkpoints(accelerator: Accelerator) -> None:
+    """Make `save_state`/`load_state` save and load a model with adapters as its adapter only (no base weights)."""
+    if accelerator.distributed_type == DistributedType.FSDP:
+        raise UserError("--lora_rank is not supported with FSDP (its checkpoints would gather and shard the frozen "
+                        "base); use a DDP or single-process accelerate config")
+
+    def adapted(model: torch.nn.Module) -> GPT | None:
+        module = accelerator.unwrap_model(model, keep_torch_compile=False)
+        return module if hasattr(module, "peft_config") else None
+
+    def save_adapters_only(models: list, weights: list, output_dir: str) -> None:
+        # accelerate saves weights[i] as model(_i).safetensors: a model whose entry is removed is saved here instead.
+        from safetensors.torch import save_file
+
+        from model.lora import adapter_state, save_adapter_config
+
+        for i in reversed(range(len(models))):
+            if (module := adapted(models[i])) is not None:
+                if accelerator.is_main_process:
+                    save_file(adapter_state(module), Path(output_dir) / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+                    save_adapter_config(module, Path(output_dir))
+                weights.pop(i)
+
+    def load_adapters(models: list, input_dir: str) -> None:
+        # accelerate loads every model left in `models` from model(_i).safetensors: this one is loaded here.
+        from safetensors.torch import load_file
+
+        from model.lora import load_adapter_state
+
+        for model in list(models):
+            if (module := adapted(model)) is not None:
+                load_adapter_state(module, load_file(Path(input_dir) / ADAPTER_WEIGHTS), input_dir)
+                models.remove(model)
+
+    accelerator.register_save_state_pre_hook(save_adapters_only)
+    accelerator.register_load_state_pre_hook(load_adapters)
