@@ -176,8 +176,11 @@ def test_ctrl_c_ends_the_interactive_loop_quietly(tiny, capsys):
             return super().readline(*args)
 
     _, hf, _ = tiny
-    main(["--model", str(hf), "--interactive", "--max_new_tokens", "3", "--seed", "0"],
-         stdin=CtrlCAfterOneLine("a prompt\nnever read\n"))
+    try:
+        main(["--model", str(hf), "--interactive", "--max_new_tokens", "3", "--seed", "0"],
+             stdin=CtrlCAfterOneLine("a prompt\nnever read\n"))
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped the prompt loop")
     out = capsys.readouterr().out
     assert out.count("\n") == 2 and out.endswith("\n\n")  # one sample, then the loop ends on a fresh line
 
