@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -238,9 +239,28 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """Append `max_new_tokens` sampled tokens to `idx` (B, T) and return the whole sequence.
 
+        The tokens of `generate_stream` with the same arguments (and generator state), collected.
+        """
+        new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, use_cache, generator))
+        return torch.cat([idx, *new], dim=1)
+
+    @torch.no_grad()
+    def generate_stream(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        use_cache: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> Iterator[torch.Tensor]:
+        """Yield each of `max_new_tokens` new tokens (B, 1) as soon as it is sampled, continuing `idx` (B, T).
+
         `temperature=0` is greedy decoding. The KV cache makes each new token cost O(T) instead of a
         full forward pass. Past `block_size` the context slides (the last `block_size` tokens), which
         invalidates cached positions, so those steps run without the cache: same tokens either way.
+        Settings are checked on the first `next()`, before any forward pass.
         """
         if idx.size(1) == 0:
             raise ValueError("generate needs at least one prompt token; start from e.g. <|endoftext|> (50256)")
@@ -259,7 +279,7 @@ class GPT(nn.Module):
                 logits, _ = self(idx[:, -self.config.block_size:], kv_cache=cache)
             idx_next = sample_next(logits[:, -1, :].float(), temperature, top_k, top_p, generator)
             idx = torch.cat((idx, idx_next), dim=1)
-        return idx
+            yield idx_next
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token (forward + backward): 6N for the weights plus the attention
