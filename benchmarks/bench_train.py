@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import itertools
 import json
 import os
@@ -39,10 +40,13 @@ from training.step import learning_rate, train_step
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def bare_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, next_batch: Callable[[], Batch],
-              grad_accum: int, lr: float, grad_clip: float, device: torch.device, bf16: bool) -> torch.Tensor:
-    """The same optimizer step in plain PyTorch, nanoGPT style. Returns the summed micro-batch losses."""
-    for group in optimizer.param_groups:
+def bare_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
+              next_batch: Callable[[], Batch], grad_accum: int, lr: float, grad_clip: float, device: torch.device,
+              bf16: bool) -> torch.Tensor:
+    """The same optimizer step in plain PyTorch, nanoGPT style. Returns the summed micro-batch losses.
+    `optimizer` may be a list (Muon for the matrices, AdamW for the rest): each is stepped."""
+    optimizers = optimizer if isinstance(optimizer, list) else [optimizer]
+    for group in (g for opt in optimizers for g in opt.param_groups):
         group["lr"] = lr
     loss_sum = torch.zeros((), device=device)
     for _ in range(grad_accum):
@@ -52,8 +56,9 @@ def bare_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, next_bat
         (loss / grad_accum).backward()
         loss_sum += loss.detach()
     torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     return loss_sum
 
 
@@ -69,6 +74,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=16, help="timed optimizer steps per side (split into trials)")
     p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps per side first")
     p.add_argument("--trials", type=int, default=8, help="alternating rounds the timed steps are split into")
+    p.add_argument("--optimizer", help="TrainConfig's --optimizer, as train.py takes it (default: the config's)")
     p.add_argument("--mixed_precision", choices=("no", "bf16"), default="no")
     p.add_argument("--compile", action="store_true", help="torch.compile (inductor) on both sides")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -94,7 +100,12 @@ def main() -> None:
     accelerator = Accelerator(cpu=use_cpu, gradient_accumulation_steps=args.grad_accum,
                               mixed_precision=args.mixed_precision,
                               dynamo_backend="inductor" if args.compile else "no")
-    cfg = TrainConfig(max_steps=args.warmup + args.steps, warmup_steps=max(1, (args.warmup + args.steps) // 10))
+    # The optimizer comes from the same config field as in train.py, so both sides build it alike.
+    chosen = {} if args.optimizer is None else {"optimizer": args.optimizer}
+    if chosen and "optimizer" not in {f.name for f in dataclasses.fields(TrainConfig)}:
+        raise UserError("--optimizer: this checkout's TrainConfig has no optimizer field (AdamW only); drop the flag")
+    cfg = TrainConfig(max_steps=args.warmup + args.steps, warmup_steps=max(1, (args.warmup + args.steps) // 10),
+                      **chosen)
 
     torch.manual_seed(cfg.seed)
     acc_model = GPT(config)

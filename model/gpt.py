@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from model.loss import chunked_cross_entropy
+
 # One (key, value) pair per layer, each (B, n_head, T_cached, head_dim).
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -175,7 +177,9 @@ class GPT(nn.Module):
         is None unless `all_logits=True`: a (B, T, V) fp32 tensor is the largest one in training and
         the loss does not need it returned (accelerate would also cast it to fp32 again). Without
         targets, only the last position's logits (B, 1, V), or all positions with `all_logits=True`.
-        Logits cover the real `vocab_size` ids only, never the padding rows.
+        Logits cover the real `vocab_size` ids only, never the padding rows. In training (grad enabled,
+        "mean" or "sum", no `all_logits`) the loss comes from `model.loss.chunked_cross_entropy`, which
+        never holds the full logits; otherwise from F.cross_entropy over them.
         `kv_cache` (a list, filled in place) is for `generate`: pass `[]` to start one.
         """
         B, T = idx.shape
@@ -202,6 +206,9 @@ class GPT(nn.Module):
             return self._logits(x)[..., :V].contiguous(), None
         if loss_reduction not in ("mean", "sum", "none"):
             raise ValueError(f"loss_reduction must be 'mean', 'sum' or 'none', not {loss_reduction!r}")
+        if self.training and torch.is_grad_enabled() and loss_reduction != "none" and not all_logits:
+            # Training: the loss and its gradients chunk by chunk, never holding the (B*T, V) logits.
+            return None, chunked_cross_entropy(x, self.lm_head.weight, targets, V, loss_reduction)
         # The matmul runs over all padded rows (aligned sizes are what make it fast on tensor cores);
         # a bias of -inf on the padding columns, fused into the matmul, gives them no probability: the
         # loss is exactly the one over the real vocabulary, and no (B, T, V) tensor is written twice.

@@ -1,0 +1,82 @@
+"""Cross-entropy of the output layer without the full (tokens x vocab) logits.
+
+With GPT-2's 50,304 output rows, the logits of one micro-batch of 8 x 1,024 tokens take 1.6 GB in
+fp32, and autograd keeps them (or their log-softmax) until the backward, then allocates as much again
+for their gradient. `chunked_cross_entropy` instead walks the tokens in chunks of `LOSS_CHUNK_ROWS`
+rows: for each chunk it computes the logits, the loss, and at once the gradients they contribute to the
+hidden states and to the output weight, then drops the chunk. The backward only scales the two stored
+gradients by the incoming one. Nothing is recomputed; what stays alive from forward to backward is one
+(tokens x n_embd) and one weight-sized tensor.
+
+Invariants: the loss and both gradients equal `F.cross_entropy(F.linear(x, weight), targets)` over the
+first `n_valid` columns (the rest is the embedding's padding, given no probability), targets of -100
+ignored, to float rounding (fp32: ~1e-7 relative). Under autocast the matmuls run in the autocast dtype
+and the softmax in fp32, as the plain computation does; the weight gradient is accumulated over chunks
+in the weight's dtype (fp32), one rounding per chunk.
+"""
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+# Token rows per chunk: 512 x 50,304 fp32 logits are 103 MB. Measured on a 2-core CPU (GPT-2 head,
+# 2,048 tokens): 512 rows cost the same CPU time as the plain loss, 256 about 10% more, 128 about 30% more.
+LOSS_CHUNK_ROWS = 512
+
+
+def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid: int,
+                          reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of `x @ weight.T` (columns from `n_valid` on excluded) against `targets`.
+
+    x: (..., C) hidden states; weight: (V, C); targets: (...) ids, -100 = ignore. `reduction`: "mean"
+    over the non-ignored targets (NaN when there is none, like F.cross_entropy) or "sum"."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"chunked_cross_entropy supports reduction 'mean' or 'sum', not {reduction!r}")
+    return _ChunkedCrossEntropy.apply(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1), n_valid,
+                                      reduction == "mean")
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid: int,
+                mean: bool) -> torch.Tensor:
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # Under autocast, matmul's result is in the autocast dtype and cannot be accumulated in place
+        # into the fp32 weight gradient by addmm_; a separate product + add keeps that sum in fp32.
+        autocast = torch.is_autocast_enabled(x.device.type)
+        grad_x = torch.empty_like(x) if need_x else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        loss = torch.zeros((), device=x.device, dtype=torch.float32)
+        for start in range(0, x.size(0), LOSS_CHUNK_ROWS):
+            xc, tc = x[start:start + LOSS_CHUNK_ROWS], targets[start:start + LOSS_CHUNK_ROWS]
+            logits = F.linear(xc, weight).float()  # (rows, V) in fp32, as F.cross_entropy would upcast them
+            if n_valid < logits.size(1):
+                logits[:, n_valid:] = float("-inf")
+            valid = tc != -100
+            safe_tc = tc.clamp(min=0).unsqueeze(1)  # an index for every row; ignored rows are masked below
+            lse = torch.logsumexp(logits, dim=1)
+            loss += torch.where(valid, lse - logits.gather(1, safe_tc).squeeze(1), 0.0).sum()
+            if not (need_x or need_w):
+                continue
+            # d loss / d logits = softmax - one_hot(target), computed in place; an ignored row's "lse" of
+            # +inf turns its whole row into exp(-inf) = 0, so it contributes no gradient.
+            logits.sub_(torch.where(valid, lse, float("inf")).unsqueeze(1)).exp_()
+            logits.scatter_add_(1, safe_tc, -valid.unsqueeze(1).to(logits.dtype))
+            if need_x:
+                grad_x[start:start + LOSS_CHUNK_ROWS] = logits @ weight
+            if need_w:
+                if autocast:
+                    grad_w += logits.t() @ xc
+                else:
+                    grad_w.addmm_(logits.t(), xc)
+        count = (targets != -100).sum().to(torch.float32)
+        ctx.mean = mean
+        ctx.save_for_backward(grad_x, grad_w, count)
+        return loss / count if mean else loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_x, grad_w, count = ctx.saved_tensors
+        scale = grad_loss / count if ctx.mean else grad_loss
+        return (None if grad_x is None else grad_x * scale.to(grad_x.dtype),
+                None if grad_w is None else grad_w * scale.to(grad_w.dtype), None, None, None)
