@@ -7,7 +7,7 @@ batch, the context and the number of processes. The learning rate is a function 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from accelerate import Accelerator
@@ -37,13 +37,15 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - min_lr)
 
 
-def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], grad_accum: int, lr: float,
+def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+               next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], grad_accum: int, lrs: Sequence[float],
                grad_clip: float) -> tuple[torch.Tensor, float]:
-    """One optimizer step: `grad_accum` micro-steps, clip, update (skipped when the norm is not finite).
-    Returns the summed micro-batch losses (on device) and the global gradient norm."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    """One optimizer step: `grad_accum` micro-steps, clip, update every optimizer (`lrs[i]` is optimizer i's
+    learning rate; no update when the norm is not finite). Returns the summed micro-batch losses (on device)
+    and the global gradient norm."""
+    for optimizer, lr in zip(optimizers, lrs, strict=True):
+        for group in optimizer.param_groups:
+            group["lr"] = lr
     device = accelerator.device
     loss_sum = torch.zeros((), device=device)
     for _ in range(grad_accum):
@@ -54,9 +56,10 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
         loss_sum += loss.detach()
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip)  # global norm, same on all ranks
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-    if math.isfinite(grad_norm):
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    for optimizer in optimizers:
+        if math.isfinite(grad_norm):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm
 
 
