@@ -101,8 +101,8 @@ def main() -> None:
     bare_model = copy.deepcopy(acc_model).to(device)
     flops_per_token = acc_model.flops_per_token()
     n_params = acc_model.num_params()
-    acc_opt = build_optimizer(acc_model, cfg, device.type)
-    bare_opt = build_optimizer(bare_model, cfg, device.type)
+    (acc_opt,) = build_optimizer(acc_model, cfg, device.type)  # AdamW only (cfg.optimizer adamw)
+    (bare_opt,) = build_optimizer(bare_model, cfg, device.type)
     acc_model, acc_opt = accelerator.prepare(acc_model, acc_opt)
     bare_fwd = torch.compile(bare_model) if args.compile else bare_model
     acc_model.train()
@@ -131,7 +131,7 @@ def main() -> None:
         for _ in range(n):
             lr = learning_rate(cfg, steps[side])
             if side == "accelerate":
-                loss_sum, _ = train_step(accelerator, acc_model, acc_opt, streams[side], A, lr, cfg.grad_clip)
+                loss_sum, _ = train_step(accelerator, acc_model, [acc_opt], streams[side], A, [lr], cfg.grad_clip)
                 if preempted.any_rank(accelerator):  # train.py checks this after every step
                     raise SystemExit("signal received: benchmark stopped")
             else:
