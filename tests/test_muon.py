@@ -161,3 +161,12 @@ def test_resuming_a_muon_checkpoint_with_adamw_is_refused(monkeypatch, capsys, m
     err = run_in_process(monkeypatch, capsys, adamw_args + [
         "--out_dir", str(tmp_path / "r"), "--resume", str(reference / "checkpoints" / "step_000002")])
     assert "was trained with --optimizer muon, this run has --optimizer adamw" in err
+
+
+def test_bench_optim_reads_the_step_where_a_curve_reaches_the_target():
+    from benchmarks.bench_optim import steps_to_reach
+
+    curve = [{"step": 0, "val_loss": 10.0}, {"step": 10, "val_loss": 6.0}, {"step": 20, "val_loss": 5.0}]
+    assert steps_to_reach(curve, 5.5) == pytest.approx(15.0)
+    assert steps_to_reach(curve, 8.0) == pytest.approx(5.0)
+    assert steps_to_reach(curve, 4.0) is None
