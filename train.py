@@ -27,7 +27,7 @@ from training.evaluation import TrainingEvals
 from training.export import export_final
 from training.metrics import StepLine, Throughput
 from training.mfu import estimate_mfu, peak_flops
-from training.optim import build_optimizer
+from training.optim import build_optimizer, scheduled_lrs
 from training.preemption import PreemptionFlag
 from training.preflight import check_out_dir_writable, checkpoint_bytes, warn_if_low_disk
 from training.ranks import same_outcome_on_every_rank
@@ -57,8 +57,8 @@ def main() -> None:
     arch, n_params, flops_per_token = model.config, model.num_params(), model.flops_per_token()
     if accelerator.is_main_process:
         warn_if_low_disk(run.path, checkpoint_bytes(n_params), cfg.keep_last)
-    optimizer = build_optimizer(model, cfg, accelerator.device.type)
-    model, optimizer = accelerator.prepare(model, optimizer)  # no scheduler: the LR is computed from the step
+    optimizers = build_optimizer(model, cfg, accelerator.device.type)  # [AdamW] or [AdamW, Muon]
+    model, *optimizers = accelerator.prepare(model, *optimizers)  # no scheduler: the LR is computed from the step
     torch.manual_seed(cfg.seed + rank)  # from here on, each rank draws its own dropout masks
     progress = restore(accelerator, cfg, resume, arch, train_loader)  # weights, optimizer, RNGs, data position
     metrics = open_run_folder(accelerator, cfg, progress, resume)
@@ -77,8 +77,9 @@ def main() -> None:
         while progress.step < cfg.max_steps:
             with throughput.timing():
                 lr = learning_rate(cfg, progress.step)
-                loss_sum, grad_norm = train_step(accelerator, model, optimizer, train_loader.next_batch, grad_accum, lr,
-                                                 cfg.grad_clip, masked_targets=train_loader.masked_targets)
+                loss_sum, grad_norm = train_step(accelerator, model, optimizers, train_loader.next_batch, grad_accum,
+                                                 scheduled_lrs(cfg, lr), cfg.grad_clip,
+                                                 masked_targets=train_loader.masked_targets)
             nan_policy.after_step(progress.step + 1, grad_norm)
             progress.step += 1
             progress.tokens += cfg.total_batch_size
@@ -113,7 +114,7 @@ def main() -> None:
         if accelerator.is_main_process:  # final/ gets the card and curves the Hub push would upload
             write_card(run.path, hub_model_id=cfg.hub_model_id if cfg.push_to_hub else None)
     accelerator.wait_for_everyone()
-    del model, optimizer
+    del model, optimizers
     gc.collect()
     accelerator.end_training()
     uploads.wait()

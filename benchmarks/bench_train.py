@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import itertools
 import json
 import os
@@ -33,21 +32,20 @@ from common.errors import UserError, run_cli
 from configs import TrainConfig
 from model import GPT, GPTConfig
 from training.mfu import estimate_mfu, peak_flops
-from training.optim import build_optimizer
+from training.optim import build_optimizer, scheduled_lrs
 from training.preemption import PreemptionFlag
 from training.step import learning_rate, train_step
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def bare_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
-              next_batch: Callable[[], Batch], grad_accum: int, lr: float, grad_clip: float, device: torch.device,
-              bf16: bool) -> torch.Tensor:
+def bare_step(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], next_batch: Callable[[], Batch],
+              grad_accum: int, lrs: list[float], grad_clip: float, device: torch.device, bf16: bool) -> torch.Tensor:
     """The same optimizer step in plain PyTorch, nanoGPT style. Returns the summed micro-batch losses.
-    `optimizer` may be a list (Muon for the matrices, AdamW for the rest): each is stepped."""
-    optimizers = optimizer if isinstance(optimizer, list) else [optimizer]
-    for group in (g for opt in optimizers for g in opt.param_groups):
-        group["lr"] = lr
+    `optimizers[i]` (AdamW, and Muon for the block matrices with --optimizer muon) runs at `lrs[i]`."""
+    for opt, lr in zip(optimizers, lrs, strict=True):
+        for group in opt.param_groups:
+            group["lr"] = lr
     loss_sum = torch.zeros((), device=device)
     for _ in range(grad_accum):
         x, y = next_batch()
@@ -102,8 +100,6 @@ def main() -> None:
                               dynamo_backend="inductor" if args.compile else "no")
     # The optimizer comes from the same config field as in train.py, so both sides build it alike.
     chosen = {} if args.optimizer is None else {"optimizer": args.optimizer}
-    if chosen and "optimizer" not in {f.name for f in dataclasses.fields(TrainConfig)}:
-        raise UserError("--optimizer: this checkout's TrainConfig has no optimizer field (AdamW only); drop the flag")
     cfg = TrainConfig(max_steps=args.warmup + args.steps, warmup_steps=max(1, (args.warmup + args.steps) // 10),
                       **chosen)
 
@@ -112,9 +108,9 @@ def main() -> None:
     bare_model = copy.deepcopy(acc_model).to(device)
     flops_per_token = acc_model.flops_per_token()
     n_params = acc_model.num_params()
-    acc_opt = build_optimizer(acc_model, cfg, device.type)
-    bare_opt = build_optimizer(bare_model, cfg, device.type)
-    acc_model, acc_opt = accelerator.prepare(acc_model, acc_opt)
+    acc_opts = build_optimizer(acc_model, cfg, device.type)  # [AdamW] or [AdamW, Muon], as in train.py
+    bare_opts = build_optimizer(bare_model, cfg, device.type)
+    acc_model, *acc_opts = accelerator.prepare(acc_model, *acc_opts)
     bare_fwd = torch.compile(bare_model) if args.compile else bare_model
     acc_model.train()
     bare_model.train()
@@ -140,13 +136,13 @@ def main() -> None:
         sync()
         t0 = time.perf_counter()
         for _ in range(n):
-            lr = learning_rate(cfg, steps[side])
+            lrs = scheduled_lrs(cfg, learning_rate(cfg, steps[side]))
             if side == "accelerate":
-                loss_sum, _ = train_step(accelerator, acc_model, acc_opt, streams[side], A, lr, cfg.grad_clip)
+                loss_sum, _ = train_step(accelerator, acc_model, acc_opts, streams[side], A, lrs, cfg.grad_clip)
                 if preempted.any_rank(accelerator):  # train.py checks this after every step
                     raise SystemExit("signal received: benchmark stopped")
             else:
-                loss_sum = bare_step(bare_fwd, bare_opt, streams[side], A, lr, cfg.grad_clip, device, bf16)
+                loss_sum = bare_step(bare_fwd, bare_opts, streams[side], A, lrs, cfg.grad_clip, device, bf16)
             steps[side] += 1
         sync()
         seconds = time.perf_counter() - t0
@@ -207,7 +203,7 @@ def main() -> None:
             "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "steps": args.steps, "warmup_steps": args.warmup, "warmup_s": warmup_s,
             # What the CUDA code paths turned on: fused AdamW (training/optim.py) and TF32 matmuls.
-            "optimizer_fused": bool(getattr(acc_opt, "optimizer", acc_opt).defaults.get("fused")),
+            "optimizer": cfg.optimizer, "optimizer_fused": bool(getattr(acc_opts[0], "optimizer", acc_opts[0]).defaults.get("fused")),
             "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
             "ratio_overall": ratio, "ratio_median_paired": statistics.median(paired),
             "peak_flops": peak, "max_rss_gib": max_rss_gib, "load_average": os.getloadavg()[0],

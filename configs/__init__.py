@@ -22,6 +22,7 @@ from common.errors import UserError
 
 PRESETS_DIR = Path(__file__).resolve().parent
 REPORT_TO = ("none", "tensorboard", "wandb", "all")
+OPTIMIZERS = ("adamw", "muon")
 
 
 def _field(default: Any, help: str) -> Any:
@@ -79,6 +80,11 @@ class TrainConfig:
     weight_decay: float = _field(0.1, "AdamW weight decay, on weights of 2 or more dimensions (matrices, embeddings)")
     beta1: float = _field(0.9, "AdamW beta1")
     beta2: float = _field(0.95, "AdamW beta2")
+    optimizer: str = _field("adamw", "'adamw' (every parameter) or 'muon' (torch.optim.Muon on the blocks' 2-D "
+                                     "weights, AdamW with --lr on embeddings, biases and LayerNorms)")
+    muon_lr: float = _field(0.02, "Muon's peak learning rate (--optimizer muon); same warmup and decay as --lr")
+    muon_momentum: float = _field(0.95, "Muon's momentum (Nesterov)")
+    muon_weight_decay: float = _field(0.0, "Muon's decoupled weight decay (each step w -= lr x wd x w)")
     grad_clip: float = _field(1.0, "clip the global gradient norm to this")
     on_nan: str = _field("stop", "'stop' (keep the last good checkpoint) or 'skip' the step")
     max_nan_skips: int = _field(10, "with --on_nan skip: stop after this many skipped steps in a row")
@@ -281,6 +287,14 @@ def _check_values(cfg: TrainConfig) -> None:
     for name in ("beta1", "beta2"):
         if not 0.0 <= getattr(cfg, name) < 1.0:
             raise UserError(f"--{name} must be in [0, 1), got {getattr(cfg, name)}; use e.g. 0.9 (beta1) or 0.95 (beta2)")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise UserError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {cfg.optimizer!r}")
+    if not cfg.muon_lr > 0:
+        raise UserError(f"--muon_lr must be positive, got {cfg.muon_lr}; use e.g. 0.02")
+    if not 0.0 <= cfg.muon_momentum < 1.0:
+        raise UserError(f"--muon_momentum must be in [0, 1), got {cfg.muon_momentum}; use e.g. 0.95")
+    if cfg.muon_weight_decay < 0:
+        raise UserError(f"--muon_weight_decay must be 0 or more, got {cfg.muon_weight_decay}; use e.g. 0 or 0.01")
     if not cfg.grad_clip > 0:
         raise UserError(f"--grad_clip must be positive (the max gradient norm), got {cfg.grad_clip}; use e.g. 1.0")
     if not 0 <= cfg.seed <= _MAX_SEED:
@@ -313,6 +327,9 @@ def _check_lora(cfg: TrainConfig) -> None:
     if cfg.init_from == "scratch":
         raise UserError("--lora_rank trains adapters on pretrained weights, but --init_from is 'scratch'; pass "
                         "--init_from (a Hub id such as gpt2, an HF folder or a run folder)")
+    if cfg.optimizer != "adamw":
+        raise UserError(f"--lora_rank trains its adapters with AdamW only (Muon orthogonalises whole hidden matrices, "
+                        f"not rank-{cfg.lora_rank} factors); drop --optimizer {cfg.optimizer} or --lora_rank")
     if not cfg.lora_alpha > 0:
         raise UserError(f"--lora_alpha must be positive, got {cfg.lora_alpha}; use e.g. 2 x --lora_rank")
     if not 0.0 <= cfg.lora_dropout < 1.0:

@@ -37,7 +37,7 @@ def main(dataset: str, out_file: str, micro_batch: int, grad_accum: int) -> floa
     model = tiny_gpt()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0))
-    loss_sum, _ = train_step(accelerator, model, optimizer, loader.next_batch, grad_accum, lr=1.0, grad_clip=1e9,
+    loss_sum, _ = train_step(accelerator, model, [optimizer], loader.next_batch, grad_accum, lrs=[1.0], grad_clip=1e9,
                              masked_targets=loader.masked_targets)
     loss = accelerator.reduce(loss_sum / grad_accum, reduction="mean").item()
     if accelerator.is_main_process:

@@ -154,6 +154,7 @@ def test_only_adapter_matrices_get_gradients():
      "--lora_targets q_proj, v_proj matches no layer of the model; choose among c_attn, c_fc, c_proj"),
     (["--lora_rank", "4", "--lora_targets", "lm_head"],
      "matches lm_head, which is not a linear layer of a transformer"),
+    (["--lora_rank", "4", "--optimizer", "muon"], "--lora_rank trains its adapters with AdamW only"),
 ])
 def test_bad_lora_flags(monkeypatch, capsys, tmp_path, base, flags, message):
     args = TINY + ["--init_from", str(base), "--out_dir", str(tmp_path / "r"), *flags]

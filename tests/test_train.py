@@ -479,7 +479,7 @@ def test_optimizer_groups_decay_only_matrices():
     from training.optim import build_optimizer
 
     model = GPT(GPTConfig(vocab_size=100, n_layer=2, n_head=2, n_embd=32, block_size=16))
-    opt = build_optimizer(model, TrainConfig(weight_decay=0.1, lr=3e-4), "cpu")
+    (opt,) = build_optimizer(model, TrainConfig(weight_decay=0.1, lr=3e-4), "cpu")
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
@@ -508,7 +508,7 @@ def test_accumulated_micro_steps_give_the_big_batch_gradient():
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
     model, optimizer = accelerator.prepare(accumulated, torch.optim.SGD(accumulated.parameters(), lr=1.0))
     batches = iter(zip(x.chunk(4), y.chunk(4)))
-    loss_sum, grad_norm = train_step(accelerator, model, optimizer, lambda: next(batches), grad_accum=4, lr=1.0,
+    loss_sum, grad_norm = train_step(accelerator, model, [optimizer], lambda: next(batches), grad_accum=4, lrs=[1.0],
                                      grad_clip=1e9)
     assert loss_sum.item() / 4 == pytest.approx(big(x, y)[1].item(), rel=1e-6)
     assert grad_norm == pytest.approx(torch.cat([p.grad.flatten() for p in big.parameters()]).norm().item(), rel=1e-5)

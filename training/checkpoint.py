@@ -156,7 +156,9 @@ def _required_files(point: ResumePoint) -> list[str]:
     if (point.path / ADAPTER_CONFIG).is_file():  # a LoRA run's: the adapter in place of the model
         return names + [ADAPTER_CONFIG, ADAPTER_WEIGHTS, "optimizer.bin"]
     sharded = (point.path / "pytorch_model_fsdp_0").is_dir()
-    return names + (["pytorch_model_fsdp_0", "optimizer_0"] if sharded else ["model.safetensors", "optimizer.bin"])
+    # accelerate names its optimizers' files optimizer.bin, optimizer_1.bin, ... (--optimizer muon has two).
+    optimizers = ["optimizer.bin"] + [f"optimizer_{i}.bin" for i in range(1, int(point.run_state.get("optimizers", 1)))]
+    return names + (["pytorch_model_fsdp_0", "optimizer_0"] if sharded else ["model.safetensors", *optimizers])
 
 
 def verify_checkpoint(point: ResumePoint) -> None:
@@ -245,7 +247,8 @@ def save_checkpoint(
     if accelerator.is_main_process:
         with _disk_errors_as_user_errors(tmp, final):
             (tmp / GPT_CONFIG).write_text(json.dumps(asdict(gpt_config), indent=2))
-            run_state = {**asdict(progress), "world_size": accelerator.num_processes, "format": FORMAT}
+            run_state = {**asdict(progress), "world_size": accelerator.num_processes, "format": FORMAT,
+                         "optimizers": len(accelerator._optimizers)}
             (tmp / RUN_STATE).write_text(json.dumps(run_state, indent=2))
             _write_manifest(tmp)
             publish(tmp, final)  # replaces a same-step checkpoint of an earlier attempt
@@ -281,6 +284,12 @@ def load_checkpoint(accelerator: Accelerator, point: ResumePoint, gpt_config: An
     if diffs:
         raise UserError(f"{point.path} was trained with another model config ({'; '.join(diffs)}); use the same "
                         "model flags to resume")
+    saved_optimizers = int(point.run_state.get("optimizers", 1))
+    if saved_optimizers != len(accelerator._optimizers):
+        kinds = {1: "--optimizer adamw", 2: "--optimizer muon"}
+        raise UserError(f"{point.path} was trained with {kinds.get(saved_optimizers, f'{saved_optimizers} optimizers')}, "
+                        f"this run has {kinds.get(len(accelerator._optimizers), 'another')}; resume with the optimizer "
+                        "it was saved with")
     own = point.path / data_state_file(accelerator.process_index)
     # The strided loaders keep one global cursor, so rank 0's state serves a new rank after a world-size change;
     # loaders that cannot follow such a change refuse it in their load_state_dict.

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import ProjectConfiguration
+from accelerate.utils import DistributedType, ProjectConfiguration
 from filelock import FileLock, Timeout
 
 from common.errors import UserError, when_done
@@ -25,6 +25,7 @@ from training.checkpoint import (
 )
 from training.lora import add_run_adapters, check_resume, use_adapter_checkpoints
 from training.metrics import MetricsLog, trackers_for
+from training.optim import describe_optimizers, refuse_unsupported
 from training.step import accumulation_steps
 
 
@@ -41,6 +42,7 @@ def start_accelerator(cfg: TrainConfig) -> tuple[Accelerator, int]:
     accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=grad_accum, log_with=trackers_for(cfg.report_to),
                               project_config=ProjectConfiguration(cfg.out_dir,
                                                                   logging_dir=str(RunDir(cfg.out_dir).tensorboard)))
+    refuse_unsupported(cfg, sharded=accelerator.distributed_type == DistributedType.FSDP)
     if accelerator.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -157,7 +159,8 @@ def open_run_folder(accelerator: Accelerator, cfg: TrainConfig, progress: Progre
 
 def describe_run(accelerator: Accelerator, cfg: TrainConfig, model: torch.nn.Module, n_params: int,
                  grad_accum: int) -> str:
-    """The run's header line: model size, batch geometry, distribution, precision, compilation, device."""
+    """The run's header: model size, batch geometry, distribution, precision, compilation, device; then which
+    optimizer trains which parameters."""
     # accelerate wraps the prepared model in torch.compile's OptimizedModule when a dynamo backend is set.
     compiled = f"torch.compile ({accelerator.state.dynamo_plugin.backend.value.lower()})" \
         if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else "eager"
@@ -168,4 +171,4 @@ def describe_run(accelerator: Accelerator, cfg: TrainConfig, model: torch.nn.Mod
     return (f"GPT {n_params / 1e6:.2f}M params{lora} | {accelerator.num_processes} process(es) x {grad_accum} "
             f"accumulation x {cfg.micro_batch_size} x {cfg.block_size} = {cfg.total_batch_size:,} tokens per step | "
             f"distributed: {accelerator.distributed_type.value} | precision: {accelerator.mixed_precision} | {compiled} | "
-            f"{accelerator.device}")
+            f"{accelerator.device}\n{describe_optimizers(accelerator.unwrap_model(model, keep_torch_compile=False), cfg)}")

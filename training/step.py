@@ -7,7 +7,7 @@ batch, the context and the number of processes. The learning rate is a function 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from accelerate import Accelerator
@@ -37,12 +37,12 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - min_lr)
 
 
-def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], grad_accum: int, lr: float,
+def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+               next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], grad_accum: int, lrs: Sequence[float],
                grad_clip: float, masked_targets: bool = False) -> tuple[torch.Tensor, float]:
-    """One optimizer step: `grad_accum` micro-steps, clip, update (skipped when the norm is not finite).
-    Returns the summed micro-batch losses (on device; / grad_accum, averaged over ranks, it is the step's
-    loss) and the global gradient norm.
+    """One optimizer step: `grad_accum` micro-steps, clip, update every optimizer (`lrs[i]` is optimizer i's
+    learning rate; no update when the norm is not finite). Returns the summed micro-batch losses (on device;
+    / grad_accum, averaged over ranks, it is the step's loss) and the global gradient norm.
 
     The step's gradient is that of the mean loss over every target token of the global batch. With
     `masked_targets` (targets may be -100, so micro-batches hold different numbers of targets) the step's
@@ -50,8 +50,9 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
     is scaled by world_size * grad_accum / global count: accelerate.backward divides by grad_accum and DDP
     averages over ranks, which leaves sum / count. Without it (every position a target, equal counts) the
     mean of micro-batch means is that same mean, with no extra collective."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    for optimizer, lr in zip(optimizers, lrs, strict=True):
+        for group in optimizer.param_groups:
+            group["lr"] = lr
     device = accelerator.device
     loss_sum = torch.zeros((), device=device)
     batches = (next_batch() for _ in range(grad_accum))
@@ -73,9 +74,10 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizer: torc
         loss_sum += loss.detach()
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip)  # global norm, same on all ranks
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-    if math.isfinite(grad_norm):
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    for optimizer in optimizers:
+        if math.isfinite(grad_norm):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm
 
 

@@ -1,0 +1,172 @@
+"""`--optimizer muon`: which parameters Muon trains, accumulation, DDP, exact resume, export, FSDP.
+
+References: one big batch for accumulation, one process for DDP, an uninterrupted run for resume,
+transformers' own GPT-2 for the export. torch's Muon orthogonalises in bfloat16, so a gradient that
+differs in its last fp32 bits (another summation order) may move a weight by ~1e-5: those comparisons
+use a tolerance well under one Muon update (~3e-3 per element here), the resume comparison none.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_train import TINY, assert_same_weights, launch, read_metrics, run_in_process
+
+from configs import TrainConfig
+from model import GPT, GPTConfig
+from training.optim import build_optimizer, muon_parameter_names, scheduled_lrs
+
+SMALL = GPTConfig(vocab_size=100, n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=0.0)
+MUON = TrainConfig(optimizer="muon", lr=1e-3, muon_lr=0.02, warmup_steps=1, max_steps=10)
+
+
+def test_muon_trains_the_blocks_matrices_and_adamw_everything_else():
+    model = GPT(SMALL)
+    adamw, muon = build_optimizer(model, MUON, "cpu")
+    assert isinstance(adamw, torch.optim.AdamW) and isinstance(muon, torch.optim.Muon)
+    in_adamw = [p for g in adamw.param_groups for p in g["params"]]
+    in_muon = [p for g in muon.param_groups for p in g["params"]]
+    ids = [id(p) for p in in_adamw + in_muon]
+    assert len(ids) == len(set(ids))  # no parameter in two optimizers (nor twice in one)
+    assert set(ids) == {id(p) for p in model.parameters()}  # every parameter, the tied wte/lm_head once
+    names = {id(p): n for n, p in model.named_parameters()}
+    expected = {f"transformer.h.{i}.{m}.weight" for i in range(2) for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc",
+                                                                          "mlp.c_proj")}
+    assert {names[id(p)] for p in in_muon} == expected == set(muon_parameter_names(model))
+    assert {names[id(p)] for p in in_adamw if p.dim() == 2} == {"transformer.wte.weight", "transformer.wpe.weight"}
+    assert scheduled_lrs(MUON, 5e-4) == [5e-4, pytest.approx(0.01)]  # half of each peak
+    assert len(build_optimizer(model, TrainConfig(), "cpu")) == 1
+
+
+def test_muon_with_accumulation_applies_the_big_batch_update():
+    """Two Muon+AdamW steps from 4 accumulated micro-batches end where two steps on the one big batch end."""
+    from accelerate import Accelerator
+
+    from training.step import train_step
+
+    torch.manual_seed(0)
+    big, accumulated = GPT(SMALL), GPT(SMALL)
+    accumulated.load_state_dict(big.state_dict())
+    start = {n: p.detach().clone() for n, p in big.named_parameters()}
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, 100, (8, 16), generator=g), torch.randint(0, 100, (8, 16), generator=g)) for _ in range(2)]
+
+    big_opts = build_optimizer(big, MUON, "cpu")
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
+    model, *opts = accelerator.prepare(accumulated, *build_optimizer(accumulated, MUON, "cpu"))
+    for step, (x, y) in enumerate(data):
+        lrs = scheduled_lrs(MUON, 1e-3)
+        big(x, y)[1].backward()
+        for opt, lr in zip(big_opts, lrs):
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
+            opt.zero_grad()
+        batches = iter(zip(x.chunk(4), y.chunk(4)))
+        train_step(accelerator, model, opts, lambda: next(batches), grad_accum=4, lrs=lrs, grad_clip=1e9)
+
+    muon_names = set(muon_parameter_names(big))
+    for (name, a), b in zip(big.named_parameters(), accumulated.parameters()):
+        if name in muon_names:  # bf16 orthogonalisation: compare the update, to well under its own size
+            moved, gap = (a - start[name]).norm(), (b - a).norm()
+            assert moved > 0.05 and gap < 1e-2 * moved, f"{name}: moved {moved:.3g}, gap {gap:.3g}"
+        else:
+            torch.testing.assert_close(b.detach(), a.detach(), atol=1e-6, rtol=0, msg=name)
+
+
+def test_muon_under_fsdp_is_refused_in_one_line():
+    from common.errors import UserError
+    from training.optim import refuse_unsupported
+
+    refuse_unsupported(MUON, sharded=False)
+    refuse_unsupported(TrainConfig(), sharded=True)  # AdamW shards fine
+    with pytest.raises(UserError) as err:
+        refuse_unsupported(MUON, sharded=True)
+    assert "not supported under FSDP" in str(err.value) and "\n" not in str(err.value)
+
+
+# ---- train.py with --optimizer muon ---------------------------------------------------------------------
+
+# 4 steps of 256 tokens: 1 process x accumulation 4, or 2 processes x accumulation 2. No dropout, so that
+# the 2-process run is comparable; the Muon-specific state a resume needs is the momentum buffers.
+MUON_ARGS = TINY + ["--optimizer", "muon", "--max_steps", "4", "--micro_batch_size", "2", "--total_batch_size", "256",
+                    "--save_every", "2", "--log_every", "1", "--eval_every", "4", "--lr", "1e-3"]
+
+
+@pytest.fixture(scope="module")
+def muon_run(tmp_path_factory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("muon") / "run"
+    proc = launch(MUON_ARGS + ["--out_dir", str(out)])
+    return out, proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_muon_run_says_what_trains_what_and_saves_both_optimizers(muon_run):
+    out, output = muon_run
+    assert "optimizer: Muon (lr 0.02) on the blocks' 2-D weights" in output
+    checkpoint = out / "checkpoints" / "step_000004"
+    assert (checkpoint / "optimizer.bin").is_file() and (checkpoint / "optimizer_1.bin").is_file()
+    manifest = (checkpoint / "manifest.json").read_text()
+    assert '"optimizer.bin"' in manifest and '"optimizer_1.bin"' in manifest
+    losses = [r["loss"] for r in read_metrics(out)]
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.slow
+def test_muon_run_exports_an_ordinary_gpt2(muon_run):
+    from transformers import GPT2LMHeadModel
+
+    out, _ = muon_run
+    hf = GPT2LMHeadModel.from_pretrained(out / "final").eval()
+    ours = GPT.from_pretrained(out / "final").eval()
+    idx = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits[:, -1:], ours(idx)[0], atol=1e-4, rtol=1e-4)  # ours: last position
+
+
+@pytest.mark.slow
+def test_muon_resume_after_kill_is_bit_exact(muon_run, tmp_path):
+    reference, _ = muon_run
+    out = tmp_path / "run"
+    killed = launch(MUON_ARGS + ["--out_dir", str(out)], fault="kill_after_step:3", check=False)
+    assert killed.returncode != 0 and not (out / "final").exists()
+    resumed = launch(MUON_ARGS + ["--out_dir", str(out), "--resume", "latest"])
+    assert f"resumed from {out / 'checkpoints' / 'step_000002'}" in resumed.stdout + resumed.stderr
+    assert_same_weights(reference, out)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_muon_on_two_processes_matches_one(muon_run, tmp_path):
+    reference, _ = muon_run
+    out = tmp_path / "ddp"
+    proc = launch(MUON_ARGS + ["--out_dir", str(out)], nproc=2)
+    assert "2 process(es) x 2 accumulation" in proc.stdout + proc.stderr
+    from accelerate.utils import set_seed
+
+    set_seed(1337)  # train.py's initial weights (the default --seed)
+    start = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32)).state_dict()
+    single, ddp = (GPT.from_pretrained(run / "final").state_dict() for run in (reference, out))
+    for name, w in start.items():  # Muon's bf16 orthogonalisation (and, through the forward, AdamW's weights
+        # too) turn last-bit differences of the all-reduced gradient into ~1e-4: compare each tensor's update
+        moved, gap = (single[name] - w).norm(), (ddp[name] - single[name]).norm()
+        assert moved > 1e-3 and gap < 2e-2 * moved, f"{name}: moved {moved:.3g}, apart {gap:.3g}"
+
+
+@pytest.mark.slow
+def test_resuming_a_muon_checkpoint_with_adamw_is_refused(monkeypatch, capsys, muon_run, tmp_path):
+    reference, _ = muon_run
+    adamw_args = [a if a != "muon" else "adamw" for a in MUON_ARGS]
+    err = run_in_process(monkeypatch, capsys, adamw_args + [
+        "--out_dir", str(tmp_path / "r"), "--resume", str(reference / "checkpoints" / "step_000002")])
+    assert "was trained with --optimizer muon, this run has --optimizer adamw" in err
+
+
+def test_bench_optim_reads_the_step_where_a_curve_reaches_the_target():
+    from benchmarks.bench_optim import steps_to_reach
+
+    curve = [{"step": 0, "val_loss": 10.0}, {"step": 10, "val_loss": 6.0}, {"step": 20, "val_loss": 5.0}]
+    assert steps_to_reach(curve, 5.5) == pytest.approx(15.0)
+    assert steps_to_reach(curve, 8.0) == pytest.approx(5.0)
+    assert steps_to_reach(curve, 4.0) is None
