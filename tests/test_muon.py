@@ -72,7 +72,9 @@ def test_muon_with_accumulation_applies_the_big_batch_update():
             moved, gap = (a - start[name]).norm(), (b - a).norm()
             assert moved > 0.05 and gap < 1e-2 * moved, f"{name}: moved {moved:.3g}, gap {gap:.3g}"
         else:
-            torch.testing.assert_close(b.detach(), a.detach(), atol=1e-6, rtol=0, msg=name)
+            # Step 2's gradients see step 1's bf16-rounded Muon matrices (and the loss is summed in other chunks),
+            # so AdamW's parameters agree to float noise: 1e-5, half a percent of their 2e-3 move.
+            torch.testing.assert_close(b.detach(), a.detach(), atol=1e-5, rtol=0, msg=name)
 
 
 def test_muon_under_fsdp_is_refused_in_one_line():
