@@ -36,7 +36,7 @@ def test_muon_trains_the_blocks_matrices_and_adamw_everything_else():
     assert {names[id(p)] for p in in_muon} == expected == set(muon_parameter_names(model))
     assert {names[id(p)] for p in in_adamw if p.dim() == 2} == {"transformer.wte.weight", "transformer.wpe.weight"}
     assert scheduled_lrs(MUON, 5e-4) == [5e-4, pytest.approx(0.01)]  # half of each peak
-    assert len(build_optimizer(model, TrainConfig(), "cpu")) == 1
+    assert len(build_optimizer(model, TrainConfig(optimizer="adamw"), "cpu")) == 1
 
 
 def test_muon_with_accumulation_applies_the_big_batch_update():
@@ -82,7 +82,7 @@ def test_muon_under_fsdp_is_refused_in_one_line():
     from training.optim import refuse_unsupported
 
     refuse_unsupported(MUON, sharded=False)
-    refuse_unsupported(TrainConfig(), sharded=True)  # AdamW shards fine
+    refuse_unsupported(TrainConfig(optimizer="adamw"), sharded=True)  # AdamW shards fine
     with pytest.raises(UserError) as err:
         refuse_unsupported(MUON, sharded=True)
     assert "not supported under FSDP" in str(err.value) and "\n" not in str(err.value)
@@ -151,9 +151,11 @@ def test_muon_on_two_processes_matches_one(muon_run, tmp_path):
     start = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32)).state_dict()
     single, ddp = (GPT.from_pretrained(run / "final").state_dict() for run in (reference, out))
     for name, w in start.items():  # Muon's bf16 orthogonalisation (and, through the forward, AdamW's weights
-        # too) turn last-bit differences of the all-reduced gradient into ~1e-4: compare each tensor's update
+        # too) turn last-bit differences of the all-reduced gradient into ~1e-4: compare each tensor's update.
+        # Seen: up to 2.2% of the update apart (the chunked loss sums in another order); a rank training on its
+        # own half of the batch (no all-reduce) ends far more than 5% apart.
         moved, gap = (single[name] - w).norm(), (ddp[name] - single[name]).norm()
-        assert moved > 1e-3 and gap < 2e-2 * moved, f"{name}: moved {moved:.3g}, apart {gap:.3g}"
+        assert moved > 1e-3 and gap < 5e-2 * moved, f"{name}: moved {moved:.3g}, apart {gap:.3g}"
 
 
 @pytest.mark.slow
