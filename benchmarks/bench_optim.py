@@ -8,8 +8,10 @@ Setups: `shakespeare` is the default `python train.py` run (TrainConfig's defaul
 ../shared/assets. Each run starts from the same initial weights and reads the same batches (the
 project's own loader, `build_optimizer`, `learning_rate` and `train_step`); the validation loss is
 scored on the run's fixed validation tokens every `--eval_every` steps. Runs:
-- `adamw`: `--optimizer adamw` at `--lr`.
-- `muon`: `--optimizer muon` (torch.optim.Muon on the blocks' matrices at `--muon_lr`, AdamW at `--lr`).
+- `adamw`: `--optimizer adamw` at `--adamw_lr` (1e-3: the best of 1e-3, 3e-3 and 1e-2 on the default
+  shape, docs/benchmarks.md; the `--lr` that suits Muon's AdamW part, 1e-2, is too high for AdamW alone).
+- `muon`: `--optimizer muon` (torch.optim.Muon on the blocks' matrices at `--muon_lr`, AdamW at `--lr` on
+  the embeddings/output layer, biases and LayerNorms).
 - `muon-qkv-split`: Muon with attention's stacked (3C x C) q,k,v matrix held as three (C x C) matrices,
   so that each is orthogonalised apart (a benchmark-only module: the same function, other parameters).
 
@@ -60,9 +62,10 @@ class SplitQKV(nn.Module):
         return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
 
 
-def train_one(run: str, cfg: TrainConfig, accelerator: Accelerator, val_tokens, eval_every: int) -> dict:
+def train_one(run: str, cfg: TrainConfig, accelerator: Accelerator, val_tokens, eval_every: int,
+              adamw_lr: float) -> dict:
     """Train `cfg.max_steps` steps from seed `cfg.seed`; the validation curve and the CPU/wall seconds."""
-    cfg = replace(cfg, optimizer="adamw" if run == "adamw" else "muon")
+    cfg = replace(cfg, optimizer="adamw", lr=adamw_lr) if run == "adamw" else replace(cfg, optimizer="muon")
     set_seed(cfg.seed)
     model = GPT(GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size))
     if run == "muon-qkv-split":
@@ -124,7 +127,8 @@ def main() -> None:
     parser.add_argument("--runs", default="adamw,muon", help=f"comma-separated, from {', '.join(RUNS)}")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps; default: the config's max_steps")
     parser.add_argument("--eval_every", type=int, default=10, help="validation loss every N steps")
-    parser.add_argument("--lr", type=float, default=None, help="AdamW's peak LR; default: the config's")
+    parser.add_argument("--lr", type=float, default=None, help="peak LR of Muon runs' AdamW part; default: the config's")
+    parser.add_argument("--adamw_lr", type=float, default=1e-3, help="peak LR of the AdamW-only run")
     parser.add_argument("--muon_lr", type=float, default=None, help="Muon's peak LR; default: the config's")
     parser.add_argument("--out", default="benchmarks/results/bench_optim", help="writes OUT.json and OUT.png")
     args = parser.parse_args()
@@ -140,8 +144,9 @@ def main() -> None:
         cfg = replace(cfg, **overrides)
         val_tokens = load_val_tokens(cfg.dataset, max_tokens=cfg.val_tokens)
         print(f"{setup}: {cfg.n_layer} layers x {cfg.n_embd}, {cfg.total_batch_size} tokens/step, {cfg.max_steps} "
-              f"steps, lr {cfg.lr:g}, muon_lr {cfg.muon_lr:g}, {len(val_tokens)} validation tokens", flush=True)
-        measured = {run: train_one(run, cfg, accelerator, val_tokens, args.eval_every) for run in runs}
+              f"steps, adamw run's lr {args.adamw_lr:g}, muon runs' lr {cfg.lr:g} and muon_lr {cfg.muon_lr:g}, "
+              f"{len(val_tokens)} validation tokens", flush=True)
+        measured = {run: train_one(run, cfg, accelerator, val_tokens, args.eval_every, args.adamw_lr) for run in runs}
         target = measured[runs[0]]["curve"][-1]["val_loss"]
         for run, r in measured.items():
             r["steps_to_target"] = steps_to_reach(r["curve"], target)
