@@ -210,6 +210,7 @@ def train_stage(name: str, fsdp: bool) -> Callable[[Ctx, float], dict]:
         if ctx.smoke:
             launch += ["--cpu", "--dynamo_backend", "no"]  # bf16 autocast from the config stays on
         args, kill_at, resume_at = train_args(ctx, fsdp)
+        args += ["--optimizer", "adamw"] if fsdp else []  # Muon (the from-scratch default) refuses FSDP
         out_dir = ctx.work / name
         args += ["--out_dir", str(out_dir)]
         figures: dict = {"config": config, "kill_after_step": kill_at}

@@ -72,16 +72,18 @@ class TrainConfig:
     total_batch_size: int = _field(2048, "tokens per optimizer step; gradient accumulation = total_batch_size / "
                                          "(micro_batch_size x block_size x processes)")
     micro_batch_size: int = _field(8, "sequences per forward pass on each process")
-    max_steps: int = _field(150, "optimizer steps of the whole run")
+    max_steps: int = _field(100, "optimizer steps of the whole run")
     # Optimizer and schedule: linear warmup, then cosine decay to lr * min_lr_ratio
-    lr: float = _field(1e-3, "peak learning rate (AdamW), reached after --warmup_steps")
+    lr: float = _field(1e-2, "peak learning rate of AdamW (with Muon: of the embeddings/output layer, biases and "
+                                   "LayerNorms), reached after --warmup_steps; fine-tuning wants far less, e.g. 6e-5")
     min_lr_ratio: float = _field(0.1, "the cosine decay ends at lr x min_lr_ratio, at --max_steps")
-    warmup_steps: int = _field(15, "steps of linear warmup from lr / warmup_steps to lr")
+    warmup_steps: int = _field(10, "steps of linear warmup from lr / warmup_steps to lr")
     weight_decay: float = _field(0.1, "AdamW weight decay, on weights of 2 or more dimensions (matrices, embeddings)")
     beta1: float = _field(0.9, "AdamW beta1")
     beta2: float = _field(0.95, "AdamW beta2")
-    optimizer: str = _field("adamw", "'adamw' (every parameter) or 'muon' (torch.optim.Muon on the blocks' 2-D "
-                                     "weights, AdamW with --lr on embeddings, biases and LayerNorms)")
+    optimizer: str = _field("auto", "'muon' (torch.optim.Muon on the blocks' 2-D weights, AdamW with --lr on "
+                                    "embeddings/output layer, biases and LayerNorms), 'adamw' (every parameter), or "
+                                    "'auto': muon with --init_from scratch, adamw to fine-tune pretrained weights")
     muon_lr: float = _field(0.02, "Muon's peak learning rate (--optimizer muon); same warmup and decay as --lr")
     muon_momentum: float = _field(0.95, "Muon's momentum (Nesterov)")
     muon_weight_decay: float = _field(0.0, "Muon's decoupled weight decay (each step w -= lr x wd x w)")
@@ -109,6 +111,12 @@ class TrainConfig:
     hub_push_every: int = _field(0, "also push every K-th checkpoint to branch step-N; 0 = never")
     mfu_peak_flops: float | None = _field(None, "bf16 peak FLOP/s per device for MFU; default: the "
                                                 "accelerator's if known (none on CPU or an unlisted GPU: no MFU)")
+
+    def __post_init__(self) -> None:
+        # --optimizer auto: Muon to train from scratch (tuned and measured here: docs/benchmarks.md); AdamW to
+        # fine-tune weights that AdamW trained, and for LoRA adapters (low-rank factors, not hidden matrices).
+        if self.optimizer == "auto":
+            self.optimizer = "muon" if self.init_from == "scratch" else "adamw"
 
 
 # Names other trainers (HF Trainer, nanoGPT, Megatron, ...) use for our fields: `--learning_rate` gets
@@ -288,7 +296,7 @@ def _check_values(cfg: TrainConfig) -> None:
         if not 0.0 <= getattr(cfg, name) < 1.0:
             raise UserError(f"--{name} must be in [0, 1), got {getattr(cfg, name)}; use e.g. 0.9 (beta1) or 0.95 (beta2)")
     if cfg.optimizer not in OPTIMIZERS:
-        raise UserError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {cfg.optimizer!r}")
+        raise UserError(f"--optimizer must be one of auto, {', '.join(OPTIMIZERS)}, got {cfg.optimizer!r}")
     if not cfg.muon_lr > 0:
         raise UserError(f"--muon_lr must be positive, got {cfg.muon_lr}; use e.g. 0.02")
     if not 0.0 <= cfg.muon_momentum < 1.0:

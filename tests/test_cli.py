@@ -34,7 +34,8 @@ def test_help_documents_every_field_with_its_default():
         assert f"(default: {f.default})" in shown if f.default not in (None, MISSING, "\n") else "default" in shown, \
             f"--{f.name}: {shown!r}"
     text = " ".join(parser.format_help().split())
-    assert "--lr LR peak learning rate (AdamW), reached after --warmup_steps (default: 0.001)" in text
+    assert "MAX_STEPS optimizer steps of the whole run (default: 100)" in text
+    assert "or 'auto': muon with --init_from scratch, adamw to fine-tune pretrained weights (default: auto)" in text
     assert "prompt of that sample (default: '\\n')" in text  # whitespace defaults are visible
 
 

@@ -20,8 +20,9 @@ from conftest import REPO_ROOT, free_port
 from safetensors.torch import load_file
 
 # A tiny model: the point is the loop's bookkeeping, not learning.
+# AdamW: its 2-process run equals the 1-process run to 1e-6 (torch's Muon orthogonalises in bf16: tests/test_muon.py)
 TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--val_tokens", "256",
-        "--eval_batch_size", "4", "--sample_tokens", "4", "--lr", "3e-3", "--warmup_steps", "2"]
+        "--eval_batch_size", "4", "--sample_tokens", "4", "--lr", "3e-3", "--warmup_steps", "2", "--optimizer", "adamw"]
 
 
 def launch(args: list[str], nproc: int = 1, fault: str | None = None, check: bool = True,
@@ -479,7 +480,7 @@ def test_optimizer_groups_decay_only_matrices():
     from training.optim import build_optimizer
 
     model = GPT(GPTConfig(vocab_size=100, n_layer=2, n_head=2, n_embd=32, block_size=16))
-    (opt,) = build_optimizer(model, TrainConfig(weight_decay=0.1, lr=3e-4), "cpu")
+    (opt,) = build_optimizer(model, TrainConfig(optimizer="adamw", weight_decay=0.1, lr=3e-4), "cpu")
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
