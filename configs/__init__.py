@@ -75,7 +75,7 @@ class TrainConfig:
     max_steps: int = _field(100, "optimizer steps of the whole run")
     # Optimizer and schedule: linear warmup, then cosine decay to lr * min_lr_ratio
     lr: float = _field(1e-2, "peak learning rate of AdamW (with Muon: of the embeddings/output layer, biases and "
-                                   "LayerNorms), reached after --warmup_steps; fine-tuning wants far less, e.g. 6e-5")
+                                   "LayerNorms), reached after --warmup_steps; AdamW alone from scratch: ~1e-3; fine-tuning: e.g. 6e-5")
     min_lr_ratio: float = _field(0.1, "the cosine decay ends at lr x min_lr_ratio, at --max_steps")
     warmup_steps: int = _field(10, "steps of linear warmup from lr / warmup_steps to lr")
     weight_decay: float = _field(0.1, "AdamW weight decay, on weights of 2 or more dimensions (matrices, embeddings)")
