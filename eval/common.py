@@ -116,14 +116,9 @@ def eval_mode(model: torch.nn.Module) -> Iterator[None]:
 
 def load_model(spec: str, device: torch.device) -> torch.nn.Module:
     """`GPT.from_pretrained(spec)` (Hub id, HF folder, our checkpoint or run folder) on `device`."""
-    from model import GPT
+    from model.hf_io import load_for_cli
 
-    try:
-        model = GPT.from_pretrained(spec)
-    except (OSError, ValueError) as err:
-        raise UserError(f"cannot load model {spec!r} ({err}); pass a Hub id, an HF GPT-2 folder, "
-                        "a checkpoint folder or a run folder") from err
-    return model.to(device)
+    return load_for_cli(spec).to(device)
 
 
 def pick_device(name: str | None, accelerator: Any) -> torch.device:

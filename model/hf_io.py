@@ -35,6 +35,15 @@ GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 HUB_FILES = ["config.json", "model.safetensors", "model.safetensors.index.json", "model-*.safetensors"]
 
 
+def load_for_cli(spec: str) -> GPT:
+    """`load_pretrained(spec)` for a command line (`--model`): a model that cannot be loaded is one line."""
+    try:
+        return load_pretrained(spec)
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot load model {spec!r} ({err}); pass a Hub id, an HF GPT-2 folder, "
+                        "a checkpoint folder or a run folder") from err
+
+
 def load_pretrained(name_or_path: str | Path, block_size: int | None = None, dropout: float | None = None) -> GPT:
     """Build a `GPT` from a Hub id or a local folder (see the module docstring)."""
     folder = _resolve(name_or_path)
