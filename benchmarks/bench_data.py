@@ -75,7 +75,8 @@ def main() -> None:
         from data.loader import build_train_loader
         from data.streaming import StreamingLoader, open_hub_stream
 
-        shard_loader = build_train_loader(str(Path(tmp) / "shards"), block_size=1024, micro_batch_size=16, rank=0, world_size=1)
+        shard_loader = build_train_loader(str(Path(tmp) / "shards"), block_size=1024, micro_batch_size=16, rank=0,
+                                          world_size=1)
         bench_loader(shard_loader, "shard loader next_batch (B=16, T=1024)", 200)
         stream = StreamingLoader(open_hub_stream("parquet", None, "train", data_files=str(src)), block_size=1024,
                                  micro_batch_size=16, rank=0, world_size=1, val_docs=10)

@@ -48,7 +48,8 @@ def main() -> None:
     parser.add_argument("--batch_sizes", default="1,16", help="items per forward, comma-separated")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
-    parser.add_argument("--json", help="also write the figures to this JSON file (benchmarks/gpu_acceptance.py reads it)")
+    parser.add_argument("--json",
+                        help="also write the figures to this JSON file (benchmarks/gpu_acceptance.py reads it)")
     args = parser.parse_args()
 
     items = load_items(args.data, args.limit or None)

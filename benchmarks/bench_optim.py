@@ -127,7 +127,8 @@ def main() -> None:
     parser.add_argument("--runs", default="adamw,muon", help=f"comma-separated, from {', '.join(RUNS)}")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps; default: the config's max_steps")
     parser.add_argument("--eval_every", type=int, default=10, help="validation loss every N steps")
-    parser.add_argument("--lr", type=float, default=None, help="peak LR of Muon runs' AdamW part; default: the config's")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="peak LR of Muon runs' AdamW part; default: the config's")
     parser.add_argument("--adamw_lr", type=float, default=1e-3, help="peak LR of the AdamW-only run")
     parser.add_argument("--muon_lr", type=float, default=None, help="Muon's peak LR; default: the config's")
     parser.add_argument("--out", default="benchmarks/results/bench_optim", help="writes OUT.json and OUT.png")

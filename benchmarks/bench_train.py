@@ -203,7 +203,8 @@ def main() -> None:
             "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "steps": args.steps, "warmup_steps": args.warmup, "warmup_s": warmup_s,
             # What the CUDA code paths turned on: fused AdamW (training/optim.py) and TF32 matmuls.
-            "optimizer": cfg.optimizer, "optimizer_fused": bool(getattr(acc_opts[0], "optimizer", acc_opts[0]).defaults.get("fused")),
+            "optimizer": cfg.optimizer,
+            "optimizer_fused": bool(getattr(acc_opts[0], "optimizer", acc_opts[0]).defaults.get("fused")),
             "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
             "ratio_overall": ratio, "ratio_median_paired": statistics.median(paired),
             "peak_flops": peak, "max_rss_gib": max_rss_gib, "load_average": os.getloadavg()[0],

@@ -344,7 +344,8 @@ def write_report(out: Path, report: dict) -> None:
         status = r["status"] + (f": {r['error']}" if r.get("error") else "")
         lines.append(f"| {name} | {status} | {r.get('seconds', 0):.0f} | {figures} | {r['proves']} |")
     c, e = report["stages"].get("step_compile", {}), report["stages"].get("step_eager", {})
-    tok_c, tok_e = c.get("figures", {}).get("accelerate_tokens_per_s"), e.get("figures", {}).get("accelerate_tokens_per_s")
+    tok_c = c.get("figures", {}).get("accelerate_tokens_per_s")
+    tok_e = e.get("figures", {}).get("accelerate_tokens_per_s")
     if tok_c and tok_e and c["figures"].get("compile"):  # in --smoke both sides run eager
         lines += ["", f"compile / eager tokens/s (train.py's step): {tok_c / tok_e:.2f}"]
     (out / "acceptance.md").write_text("\n".join(lines) + "\n")

@@ -75,7 +75,8 @@ class TrainConfig:
     max_steps: int = _field(100, "optimizer steps of the whole run")
     # Optimizer and schedule: linear warmup, then cosine decay to lr * min_lr_ratio
     lr: float = _field(1e-2, "peak learning rate of AdamW (with Muon: of the embeddings/output layer, biases and "
-                                   "LayerNorms), reached after --warmup_steps; AdamW alone from scratch: ~1e-3; fine-tuning: e.g. 6e-5")
+                                   "LayerNorms), reached after --warmup_steps; AdamW alone from scratch: ~1e-3; "
+                                   "fine-tuning: e.g. 6e-5")
     min_lr_ratio: float = _field(0.1, "the cosine decay ends at lr x min_lr_ratio, at --max_steps")
     warmup_steps: int = _field(10, "steps of linear warmup from lr / warmup_steps to lr")
     weight_decay: float = _field(0.1, "AdamW weight decay, on weights of 2 or more dimensions (matrices, embeddings)")
@@ -288,13 +289,15 @@ def _check_values(cfg: TrainConfig) -> None:
     if not cfg.lr > 0:
         raise UserError(f"--lr must be positive, got {cfg.lr}; use e.g. 6e-4")
     if not 0.0 <= cfg.min_lr_ratio <= 1.0:
-        raise UserError(f"--min_lr_ratio must be in [0, 1] (the final LR is lr * min_lr_ratio), got {cfg.min_lr_ratio}; "
+        raise UserError(f"--min_lr_ratio must be in [0, 1] (the final LR is lr * min_lr_ratio), "
+                        f"got {cfg.min_lr_ratio}; "
                         "use e.g. 0.1")
     if cfg.weight_decay < 0:
         raise UserError(f"--weight_decay must be 0 or more, got {cfg.weight_decay}; use e.g. 0.1, or 0 for none")
     for name in ("beta1", "beta2"):
         if not 0.0 <= getattr(cfg, name) < 1.0:
-            raise UserError(f"--{name} must be in [0, 1), got {getattr(cfg, name)}; use e.g. 0.9 (beta1) or 0.95 (beta2)")
+            raise UserError(f"--{name} must be in [0, 1), got {getattr(cfg, name)}; "
+                            "use e.g. 0.9 (beta1) or 0.95 (beta2)")
     if cfg.optimizer not in OPTIMIZERS:
         raise UserError(f"--optimizer must be one of auto, {', '.join(OPTIMIZERS)}, got {cfg.optimizer!r}")
     if not cfg.muon_lr > 0:
@@ -311,7 +314,8 @@ def _check_values(cfg: TrainConfig) -> None:
         raise UserError(f"--hellaswag_limit must be at least 1, got {cfg.hellaswag_limit}; leave it out to score "
                         "every item")
     if cfg.mfu_peak_flops is not None and not cfg.mfu_peak_flops > 0:
-        raise UserError(f"--mfu_peak_flops must be positive (FLOP/s, e.g. 989e12 for an H100), got {cfg.mfu_peak_flops}; "
+        raise UserError(f"--mfu_peak_flops must be positive (FLOP/s, e.g. 989e12 for an H100), "
+                        f"got {cfg.mfu_peak_flops}; "
                         "leave it out to use the accelerator's own")
     if not cfg.sample_prompt:
         raise UserError("sample_prompt is empty; pass at least one character, e.g. --sample_prompt '\\n' (the default)")
@@ -355,7 +359,8 @@ def _check_paths(cfg: TrainConfig) -> None:
     if cfg.resume is not None and cfg.resume != "latest":
         resume = Path(cfg.resume).expanduser()
         if resume.is_file():
-            raise UserError(f"--resume {cfg.resume} is a file; pass 'latest', a checkpoints/step_* folder or a run folder")
+            raise UserError(f"--resume {cfg.resume} is a file; pass 'latest', a checkpoints/step_* folder or a run "
+                            "folder")
         if not resume.exists():
             raise UserError(f"--resume {cfg.resume}: no such folder; pass 'latest', a checkpoints/step_* folder or a "
                             "run folder")

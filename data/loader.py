@@ -98,7 +98,8 @@ def build_train_loader(
     from data.streaming import StreamingLoader, open_hub_stream
 
     name, config = parse_hub_id(dataset, dataset_config)
-    return StreamingLoader(open_hub_stream(name, config, split="train"), text_column=text_column, source=dataset, **common)
+    return StreamingLoader(open_hub_stream(name, config, split="train"), text_column=text_column, source=dataset,
+                           **common)
 
 
 def load_val_tokens(

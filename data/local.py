@@ -52,7 +52,8 @@ def resolve_files(dataset: str) -> list[Path]:
     elif path.is_file():
         files = [path]
     else:
-        raise UserError(f"dataset path {dataset!r} does not exist; pass an existing .txt/.jsonl/.parquet file, glob or folder")
+        raise UserError(f"dataset path {dataset!r} does not exist; pass an existing .txt/.jsonl/.parquet file, glob "
+                        "or folder")
     if path.is_file() and not dataset.lower().endswith(EXTENSIONS):
         raise UserError(f"{dataset!r} is not a .txt, .jsonl or .parquet file; convert it to one of those formats")
     files = [f for f in files if f.suffix.lower() in EXTENSIONS]
@@ -84,7 +85,8 @@ def iter_jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
 def _iter_jsonl(path: Path, text_column: str) -> Iterator[str]:
     for line_no, row in iter_jsonl_records(path):
         if not isinstance(row, dict) or text_column not in row:
-            raise UserError(f"{path}:{line_no} has no {text_column!r} field; pass --text_column with the name of the text field")
+            raise UserError(f"{path}:{line_no} has no {text_column!r} field; pass --text_column with the name of the "
+                            "text field")
         if row[text_column] is not None:  # as parquet's reader does: a null text is no document
             yield str(row[text_column])
 
@@ -138,7 +140,8 @@ def iter_documents(files: list[Path], text_column: str = "text") -> Iterator[str
             yield from _iter_parquet(path, text_column)
 
 
-def iter_document_batches(files: list[Path], text_column: str = "text", batch_size: int = DOCS_PER_BATCH) -> Iterator[list[str]]:
+def iter_document_batches(files: list[Path], text_column: str = "text",
+                          batch_size: int = DOCS_PER_BATCH) -> Iterator[list[str]]:
     """Yield lists of up to `batch_size` non-empty documents (empty ones carry no tokens)."""
     batch: list[str] = []
     for doc in iter_documents(files, text_column):

@@ -26,7 +26,8 @@ from data.tokenizer import EOT_ID
 from data.tokens import default_threads, encode_documents
 
 
-def source_batches(dataset: str, config: str | None, split: str, text_column: str, batch_docs: int) -> Iterator[list[str]]:
+def source_batches(dataset: str, config: str | None, split: str, text_column: str,
+                   batch_docs: int) -> Iterator[list[str]]:
     """Batches of non-empty documents of any source the loader accepts (except shard folders)."""
     from data.loader import SHAKESPEARE, SHAKESPEARE_FILE, parse_hub_id, source_kind
 
@@ -45,7 +46,8 @@ def source_batches(dataset: str, config: str | None, split: str, text_column: st
     yield from text_batches(open_hub_stream(name, config, split), text_column, batch_docs)
 
 
-def encoded_batches(batches: Iterator[list[str]], threads: int, start_doc: int = 0) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+def encoded_batches(batches: Iterator[list[str]], threads: int,
+                    start_doc: int = 0) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
     """(index of the first document, packed tokens, cumulative document ends), from `start_doc` on."""
     first = 0
     for batch in batches:
@@ -66,7 +68,8 @@ def _position(first: int, ends: np.ndarray, pos: int) -> dict[str, int]:
     return {"doc": first + doc, "offset": pos - (int(ends[doc - 1]) if doc else 0)}
 
 
-def _write_val(batches: Iterator[tuple[int, np.ndarray, np.ndarray]], out: Path, val_tokens: int) -> tuple[dict[str, Any], tuple | None]:
+def _write_val(batches: Iterator[tuple[int, np.ndarray, np.ndarray]], out: Path,
+               val_tokens: int) -> tuple[dict[str, Any], tuple | None]:
     """Write the first `val_tokens` tokens; return the manifest entry and the unwritten rest of the batch."""
     writer = ShardWriter(out, "val_000000.bin")
     rest = None
@@ -100,7 +103,8 @@ def prepare(
     from data.loader import source_kind
 
     if val_split and source_kind(dataset) != "hub":
-        raise UserError("--val_split applies to Hub datasets only; local files get the first --val_tokens tokens as validation")
+        raise UserError("--val_split applies to Hub datasets only; local files get the first --val_tokens tokens as "
+                        "validation")
     out = Path(out).expanduser()
     threads = num_threads or default_threads()
     settings = dict(dataset=dataset, config=dataset_config, split=split, val_split=val_split, text_column=text_column,
@@ -108,7 +112,8 @@ def prepare(
     if (out / MANIFEST).is_file():
         manifest = read_manifest(out)
         if manifest["source"] != settings:
-            raise UserError(f"{out} holds a prepare with other settings ({manifest['source']}); pass another --out or delete {out}")
+            raise UserError(f"{out} holds a prepare with other settings ({manifest['source']}); pass another --out or "
+                            f"delete {out}")
         if manifest["complete"]:
             return manifest
     elif out.exists() and any(out.iterdir()):
@@ -121,7 +126,8 @@ def prepare(
         write_json_atomic(out / MANIFEST, manifest)
 
     def batches(name: str, start_doc: int = 0) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-        return encoded_batches(source_batches(dataset, dataset_config, name, text_column, batch_docs), threads, start_doc)
+        return encoded_batches(source_batches(dataset, dataset_config, name, text_column, batch_docs), threads,
+                               start_doc)
 
     start = manifest["resume"]
     train = ((f, p, e, start["offset"] if f == start["doc"] else 0) for f, p, e in batches(split, start["doc"]))
@@ -137,7 +143,8 @@ def prepare(
 
     done = sum(entry["tokens"] for entry in manifest["train"])
     limit = max_tokens if max_tokens is not None else float("inf")
-    bar = tqdm(total=max_tokens, initial=done, unit="tok", unit_scale=True, desc=f"prepare {dataset}", disable=not progress)
+    bar = tqdm(total=max_tokens, initial=done, unit="tok", unit_scale=True, desc=f"prepare {dataset}",
+               disable=not progress)
     writer = ShardWriter(out, f"train_{len(manifest['train']):06d}.bin")
     for first, packed, ends, pos in train:  # pos > 0: the batch's start is already written
         while pos < len(packed) and done < limit:
@@ -158,7 +165,8 @@ def prepare(
     else:
         writer.abandon()
     if not manifest["train"]:
-        raise UserError(f"{dataset} has no documents left after the validation split; use a larger dataset or a smaller --val_tokens")
+        raise UserError(f"{dataset} has no documents left after the validation split; use a larger dataset or a "
+                        "smaller --val_tokens")
     manifest.update(complete=True, total_train_tokens=done, total_val_tokens=manifest["val"]["tokens"])
     write_json_atomic(out / MANIFEST, manifest)
     return manifest
@@ -166,12 +174,14 @@ def prepare(
 
 def main() -> None:
     parser = CliParser(prog="python -m data.prepare", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dataset", required=True, help="Hub id (id or id:config), local file/glob/folder, or shakespeare")
+    parser.add_argument("--dataset", required=True,
+                        help="Hub id (id or id:config), local file/glob/folder, or shakespeare")
     parser.add_argument("--out", required=True, help="folder for the shards and manifest.json")
     parser.add_argument("--dataset_config", default=None,
                         help="Hub config name, e.g. sample-10BT; default: the one after ':' in --dataset, or none")
     parser.add_argument("--split", default="train", help="the Hub dataset's split to read")
-    parser.add_argument("--val_split", default=None, help="the dataset's own validation split (default: the first --val_tokens tokens)")
+    parser.add_argument("--val_split", default=None,
+                        help="the dataset's own validation split (default: the first --val_tokens tokens)")
     parser.add_argument("--text_column", default="text", help="the column holding the text")
     parser.add_argument("--shard_tokens", type=int, default=100_000_000, help="tokens per shard file")
     parser.add_argument("--val_tokens", type=int, default=10_000_000, help="tokens of the validation shard")

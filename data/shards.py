@@ -57,11 +57,13 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise UserError(f"{folder} has no {MANIFEST}; create the shards with `python -m data.prepare --out {folder}`") from None
+        raise UserError(f"{folder} has no {MANIFEST}; create the shards with "
+                        f"`python -m data.prepare --out {folder}`") from None
     except (OSError, json.JSONDecodeError) as err:
         raise UserError(f"cannot read {path} ({err}); re-create the shards with `python -m data.prepare`") from None
     if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
-        raise UserError(f"{path} is not a version-{FORMAT_VERSION} shard manifest; re-create it with `python -m data.prepare`")
+        raise UserError(f"{path} is not a version-{FORMAT_VERSION} shard manifest; re-create it with "
+                        "`python -m data.prepare`")
     return manifest
 
 

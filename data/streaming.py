@@ -39,7 +39,8 @@ def open_hub_stream(name: str, config: str | None, split: str = "train", data_fi
     except Exception as err:  # datasets raises many types (ConnectionError, DatasetNotFoundError, ValueError)
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(
-            f"cannot stream Hub dataset {name!r} (config {config!r}, split {split!r}): {first_line}; check the id/config "
+            f"cannot stream Hub dataset {name!r} (config {config!r}, split {split!r}): {first_line}; check the "
+            "id/config "
             "and network (unset HF_DATASETS_OFFLINE/HF_HUB_OFFLINE), or run `python -m data.prepare` where the Hub "
             "is reachable and train on the shard folder; if you meant a local path, it does not exist"
         ) from None
@@ -198,10 +199,13 @@ class StreamingLoader:
             )
         if state["rank"] != self.rank or state["block_size"] != self.block_size:
             raise UserError(
-                f"the streaming data position is for rank {state['rank']}, block_size {state['block_size']}; this is rank "
-                f"{self.rank}, block_size {self.block_size}: load data_state_rank{{r}}.json on rank r, same --block_size"
+                f"the streaming data position is for rank {state['rank']}, block_size {state['block_size']}; "
+                "this is rank "
+                f"{self.rank}, block_size {self.block_size}: load data_state_rank{{r}}.json on rank r, "
+                "same --block_size"
             )
-        self._iter, self._buffer, self._pos, self._carry, self._anchor = None, np.zeros(0, dtype=TOKEN_DTYPE), 0, [], None
+        self._iter, self._pos, self._carry, self._anchor = None, 0, [], None
+        self._buffer = np.zeros(0, dtype=TOKEN_DTYPE)
         if not state["started"]:
             return
         if state["datasets_state"] is not None:

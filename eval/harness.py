@@ -151,7 +151,8 @@ def run_harness(
         # The harness asserts (without a message) that every continuation fits in the model's context, where
         # eval.hellaswag cuts on the left and goes on; name the likely cause instead of a bare traceback.
         raise UserError(f"lm-eval stopped on an assertion ({err or 'no message'}), most often an answer longer than "
-                        f"the model's context; use a model with more positions, or eval.hellaswag for HellaSwag") from err
+                        "the model's context; use a model with more positions, or eval.hellaswag for HellaSwag"
+                        ) from err
 
 
 def record_in_run(weights: Weights, output: dict[str, Any]) -> Path | None:

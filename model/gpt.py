@@ -298,7 +298,8 @@ class GPT(nn.Module):
         return 6.0 * self.num_params(non_embedding=True) + 12.0 * cfg.n_layer * T * cfg.n_embd
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str | Path, block_size: int | None = None, dropout: float | None = None) -> "GPT":
+    def from_pretrained(cls, name_or_path: str | Path, block_size: int | None = None,
+                        dropout: float | None = None) -> "GPT":
         """Load from a Hub id, a local HF GPT-2 folder, or one of our checkpoint or run folders."""
         from model.hf_io import load_pretrained
 

@@ -135,7 +135,8 @@ def _download(repo_id: str) -> Path:
     except (RepositoryNotFoundError, RevisionNotFoundError):
         raise UserError(f"unknown model {repo_id!r}: not a local folder and not a model on the Hub; {known}") from None
     except HfHubHTTPError as err:
-        raise UserError(f"downloading {repo_id!r} from the Hub failed ({str(err).splitlines()[0]}); retry later") from None
+        raise UserError(f"downloading {repo_id!r} from the Hub failed ({str(err).splitlines()[0]}); "
+                        "retry later") from None
 
 
 def _read_safetensors(folder: Path, source: str) -> dict[str, torch.Tensor]:
@@ -253,7 +254,8 @@ def config_from_hf(hf: dict, where: str) -> GPTConfig:
     }
     bad = [f"{k}={hf.get(k)!r}" for k, is_bad in unsupported.items() if is_bad]
     if bad:
-        raise UserError(f"{where} is a GPT-2 variant this model does not implement ({', '.join(bad)}); use a standard GPT-2")
+        raise UserError(f"{where} is a GPT-2 variant this model does not implement ({', '.join(bad)}); "
+                        "use a standard GPT-2")
     ours = hf.get(OUR_KEY, {})
     return GPTConfig(
         block_size=hf.get("n_positions", 1024),
@@ -331,7 +333,8 @@ def save_pretrained(model: GPT, directory: str | Path, overwrite: bool = False) 
     )
     hf_config.save_pretrained(directory)
     eot = 50256
-    GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, do_sample=True, top_k=50).save_pretrained(directory)
+    generation = GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, do_sample=True, top_k=50)
+    generation.save_pretrained(directory)
     if cfg.vocab_size >= 50257:
         from data.hf_tokenizer import save_tokenizer
 

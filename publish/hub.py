@@ -52,7 +52,9 @@ def _fingerprint(folder: Path) -> list[list[Any]]:
 
 def describe_weights(run: RunDir, source: Path) -> str:
     """What a card says the weights are: the run's final weights or an unfinished run's checkpoint."""
-    return "the final weights of the run" if source == run.final else f"checkpoint {source.name} (the run had not finished)"
+    if source == run.final:
+        return "the final weights of the run"
+    return f"checkpoint {source.name} (the run had not finished)"
 
 
 ADAPTER_SUBFOLDER = "adapter"  # a LoRA run's final_adapter/ in the repo: PeftModel.from_pretrained(subfolder=)
@@ -121,7 +123,8 @@ def _explain(err: Exception, hub_model_id: str, endpoint: str) -> str | None:
             return (f"no write access to {hub_model_id} on {endpoint} (403); use a token with write permission "
                     "for that user or organization")
         if status == 404:
-            return f"{hub_model_id} or its branch was not found on {endpoint} (404); check --hub_model_id and --revision"
+            return (f"{hub_model_id} or its branch was not found on {endpoint} (404); check --hub_model_id and "
+                    "--revision")
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         return f"the Hub at {endpoint} answered {status} ({first})"
     if isinstance(err, OfflineModeIsEnabled):

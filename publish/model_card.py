@@ -265,7 +265,10 @@ def write_model_card(
     curves = plot_curves(metrics, curve)
     if not curves:
         curve.unlink(missing_ok=True)  # never leave a stale image from an earlier card
-    model_id, name = (hub_model_id, None) if hub_model_id else ((local_path or export_dir).as_posix(), run.path.resolve().name)
+    if hub_model_id:
+        model_id, name = hub_model_id, None
+    else:
+        model_id, name = (local_path or export_dir).as_posix(), run.path.resolve().name
     text = render_card(model_id, read_run_config(run.config_file), summarize(metrics), _architecture(export_dir),
                        source=source, revision=revision, curves=curves, state_step=state_step, name=name)
     token = get_token()

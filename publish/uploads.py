@@ -36,7 +36,8 @@ class HubUploads:
             return
         # In a thread: the other ranks would otherwise wait for the upload in their next collective
         # (and time out on a slow link).
-        self._upload = threading.Thread(target=self._push, args=(export, what, f"step-{step}"), name=f"push-step-{step}")
+        self._upload = threading.Thread(target=self._push, args=(export, what, f"step-{step}"),
+                                        name=f"push-step-{step}")
         self._upload.start()
 
     def _push(self, export: Path, what: str, revision: str) -> None:

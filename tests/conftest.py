@@ -14,8 +14,10 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+# The repo's packages, and the scripted ranks of the distributed evaluation tests (tests/fixtures/eval/fake_ranks.py).
+for folder in (REPO_ROOT, REPO_ROOT / "tests" / "fixtures" / "eval"):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 
 def free_port() -> int:

@@ -140,7 +140,8 @@ def test_shakespeare_split_matches_an_independent_encoding():
     x, y = loader.next_batch()
     train = np.array(tokens[:cut])
     for row_x, row_y in zip(x.numpy(), y.numpy()):
-        start = int(np.flatnonzero(np.all(np.lib.stride_tricks.sliding_window_view(train, 64)[::64] == row_x, axis=1))[0]) * 64
+        windows = np.lib.stride_tricks.sliding_window_view(train, 64)[::64]
+        start = int(np.flatnonzero(np.all(windows == row_x, axis=1))[0]) * 64
         np.testing.assert_array_equal(row_y, train[start + 1 : start + 65])
 
 
@@ -196,7 +197,8 @@ def test_non_utf8_jsonl_names_the_line_and_byte(tmp_path):
     with pytest.raises(UserError) as err:
         load_val_tokens(str(path), max_tokens=10)
     offset = len(first) + len(b'{"text": "caf')
-    assert str(err.value) == f"{path}:2 is not UTF-8 (byte {offset} of the file); re-save the file as UTF-8 or remove that line"
+    assert str(err.value) == (f"{path}:2 is not UTF-8 (byte {offset} of the file); re-save the file as UTF-8 or "
+                              "remove that line")
 
 
 def test_a_binary_txt_file_warns_and_training_goes_on(tmp_path, capsys):

@@ -71,7 +71,8 @@ def test_val_tokens_are_the_held_out_documents(monkeypatch):
     import data.streaming as streaming
 
     monkeypatch.setattr(streaming, "VAL_DOCS", VAL_DOCS)
-    monkeypatch.setattr(streaming, "open_hub_stream", lambda *a, **k: open_hub_stream("parquet", None, "train", data_files=str(PARQUET)))
+    monkeypatch.setattr(streaming, "open_hub_stream",
+                        lambda *a, **k: open_hub_stream("parquet", None, "train", data_files=str(PARQUET)))
     val = load_val_tokens("some/hub-dataset", max_tokens=10**6)
     assert val.dtype == np.uint16
     assert val.tolist() == [t for d in DOCS[:VAL_DOCS] for t in enc.encode_ordinary(d) + [EOT_ID]]

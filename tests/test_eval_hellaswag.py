@@ -11,10 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fake_ranks
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import free_port
+from fake_ranks import CountingModel, run_ranks
 
 import eval.hellaswag as hellaswag
 from common.errors import UserError, run_cli
@@ -30,10 +33,6 @@ from eval.hellaswag_data import query_and_choices
 from model import GPT, GPTConfig
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eval"
-sys.path.insert(0, str(FIXTURES))
-import fake_ranks  # noqa: E402
-from conftest import free_port
-from fake_ranks import CountingModel, run_ranks  # noqa: E402
 
 TINY = FIXTURES / "hellaswag_tiny.jsonl"
 UNIFORM = FIXTURES / "hellaswag_uniform.jsonl"

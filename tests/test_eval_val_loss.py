@@ -4,22 +4,20 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import free_port
+from fake_ranks import run_ranks
 
 from common.errors import UserError
 from eval.val_loss import evaluate_loss
 from model import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "fixtures" / "eval"))
-from conftest import free_port
-from fake_ranks import run_ranks  # noqa: E402
 
 BLOCK = 16
 

@@ -180,7 +180,8 @@ def test_loads_unprefixed_openai_style_keys(tmp_path):
 
 def test_block_size_above_positions(exported):
     _, folder = exported
-    with pytest.raises(UserError, match=r"block_size=64 exceeds the 32 positions of .*; use a block_size of at most 32"):
+    with pytest.raises(UserError,
+                       match=r"block_size=64 exceeds the 32 positions of .*; use a block_size of at most 32"):
         GPT.from_pretrained(folder, block_size=64)
 
 
@@ -191,7 +192,8 @@ def test_hub_id_while_offline(tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.chdir(tmp_path)  # no ./gpt2 folder can shadow the Hub id
     for name in ("gpt2", "openai-community/gpt2-xl", "gpt5"):
-        with pytest.raises(UserError, match=rf"cannot fetch '{name}' from the Hugging Face Hub: offline .* pass a local folder"):
+        with pytest.raises(UserError,
+                           match=rf"cannot fetch '{name}' from the Hugging Face Hub: offline .* pass a local folder"):
             GPT.from_pretrained(name)
 
 
@@ -242,7 +244,8 @@ def test_weights_that_do_not_fit_the_config(tmp_path, exported):
     config = json.loads((folder / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "n_layer": 3}))
     (tmp_path / "model.safetensors").symlink_to(folder / "model.safetensors")
-    with pytest.raises(UserError, match=r"does not hold a GPT-2 model of this architecture \(missing \['transformer.h.2"):
+    with pytest.raises(UserError,
+                       match=r"does not hold a GPT-2 model of this architecture \(missing \['transformer.h.2"):
         GPT.from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**config, "n_embd": 64}))
     with pytest.raises(UserError, match="weights do not match its config"):
@@ -266,7 +269,8 @@ def test_hub_id_loads_from_the_local_hub_cache(tmp_path, monkeypatch, exported):
     monkeypatch.chdir(tmp_path)
     assert same_weights(GPT.from_pretrained("someone/tiny-gpt2"), model)
     (repo / "snapshots" / commit / "model.safetensors").unlink()  # a repo with pickled weights only
-    with pytest.raises(UserError, match="no model.safetensors in someone/tiny-gpt2; provide the weights as safetensors"):
+    with pytest.raises(UserError,
+                       match="no model.safetensors in someone/tiny-gpt2; provide the weights as safetensors"):
         GPT.from_pretrained("someone/tiny-gpt2")
 
 

@@ -1,4 +1,5 @@
-"""benchmarks/gpu_acceptance.py --smoke: the GPU acceptance command runs its every stage on the CPU, so it never rots."""
+"""benchmarks/gpu_acceptance.py --smoke: the GPU acceptance command runs its every stage on the CPU, so it never
+rots."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,8 @@ from conftest import REPO_ROOT
 
 STAGES = ["env", "tests", "step_compile", "train_resume", "fsdp", "hellaswag", "step_eager"]
 STEP_FIGURES = ["accelerate_tokens_per_s", "bare_tokens_per_s", "accelerate_over_bare", "accelerate_mfu",
-                "accelerate_peak_mem_gib", "bare_peak_mem_gib", "optimizer_fused", "tf32_matmul", "accelerate_last_loss"]
+                "accelerate_peak_mem_gib", "bare_peak_mem_gib", "optimizer_fused", "tf32_matmul",
+                "accelerate_last_loss"]
 
 
 def acceptance(out: Path, *args: str, module: bool = False) -> subprocess.CompletedProcess:

@@ -50,12 +50,13 @@ def test_muon_with_accumulation_applies_the_big_batch_update():
     accumulated.load_state_dict(big.state_dict())
     start = {n: p.detach().clone() for n, p in big.named_parameters()}
     g = torch.Generator().manual_seed(1)
-    data = [(torch.randint(0, 100, (8, 16), generator=g), torch.randint(0, 100, (8, 16), generator=g)) for _ in range(2)]
+    data = [(torch.randint(0, 100, (8, 16), generator=g), torch.randint(0, 100, (8, 16), generator=g))
+            for _ in range(2)]
 
     big_opts = build_optimizer(big, MUON, "cpu")
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
     model, *opts = accelerator.prepare(accumulated, *build_optimizer(accumulated, MUON, "cpu"))
-    for step, (x, y) in enumerate(data):
+    for x, y in data:
         lrs = scheduled_lrs(MUON, 1e-3)
         big(x, y)[1].backward()
         for opt, lr in zip(big_opts, lrs):
@@ -64,7 +65,7 @@ def test_muon_with_accumulation_applies_the_big_batch_update():
             opt.step()
             opt.zero_grad()
         batches = iter(zip(x.chunk(4), y.chunk(4)))
-        train_step(accelerator, model, opts, lambda: next(batches), grad_accum=4, lrs=lrs, grad_clip=1e9)
+        train_step(accelerator, model, opts, batches.__next__, grad_accum=4, lrs=lrs, grad_clip=1e9)
 
     muon_names = set(muon_parameter_names(big))
     for (name, a), b in zip(big.named_parameters(), accumulated.parameters()):

@@ -187,7 +187,8 @@ def test_ctrl_c_ends_the_interactive_loop_quietly(tiny, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     ([], "the following arguments are required: --model; see `python -m model.sample --help`"),
-    (["--model", "M", "--max_new_token", "3"], "unknown argument(s) --max_new_token 3 (did you mean --max_new_tokens?)"),
+    (["--model", "M", "--max_new_token", "3"],
+     "unknown argument(s) --max_new_token 3 (did you mean --max_new_tokens?)"),
     (["--model", "no/such/model!"], "is not an existing folder nor a valid Hub model id"),
     (["--temperature", "-0.5"], "--temperature -0.5: use a number >= 0 (0 = greedy"),
     (["--temperature", "nan"], "--temperature nan: use a number >= 0"),

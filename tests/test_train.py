@@ -342,12 +342,14 @@ def test_bad_preset_values(monkeypatch, capsys, tmp_path):
     preset.write_text("bias: 3\n")
     assert "bias must be bool, got 3" in run_in_process(monkeypatch, capsys, ["--config", str(preset)])
     preset.write_text("n_layer: two\n")
-    assert "n_layer/--n-layer: invalid int value: 'two'" in run_in_process(monkeypatch, capsys, ["--config", str(preset)])
+    err = run_in_process(monkeypatch, capsys, ["--config", str(preset)])
+    assert "n_layer/--n-layer: invalid int value: 'two'" in err
 
 
 def test_resume_from_a_folder_that_is_not_a_checkpoint(monkeypatch, capsys, tmp_path):
     (tmp_path / "junk").mkdir()
-    err = run_in_process(monkeypatch, capsys, TINY + ["--out_dir", str(tmp_path / "r"), "--resume", str(tmp_path / "junk")])
+    err = run_in_process(monkeypatch, capsys,
+                         TINY + ["--out_dir", str(tmp_path / "r"), "--resume", str(tmp_path / "junk")])
     assert "is not a checkpoint" in err
 
 

@@ -287,7 +287,8 @@ def load_checkpoint(accelerator: Accelerator, point: ResumePoint, gpt_config: An
     saved_optimizers = int(point.run_state.get("optimizers", 1))
     if saved_optimizers != len(accelerator._optimizers):
         kinds = {1: "--optimizer adamw", 2: "--optimizer muon"}
-        raise UserError(f"{point.path} was trained with {kinds.get(saved_optimizers, f'{saved_optimizers} optimizers')}, "
+        saved = kinds.get(saved_optimizers, f"{saved_optimizers} optimizers")
+        raise UserError(f"{point.path} was trained with {saved}, "
                         f"this run has {kinds.get(len(accelerator._optimizers), 'another')}; resume with the optimizer "
                         "it was saved with")
     own = point.path / data_state_file(accelerator.process_index)

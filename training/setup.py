@@ -170,5 +170,6 @@ def describe_run(accelerator: Accelerator, cfg: TrainConfig, model: torch.nn.Mod
             f"{trainable / sum(p.numel() for p in params):.2%} of all)" if cfg.lora_rank else "")
     return (f"GPT {n_params / 1e6:.2f}M params{lora} | {accelerator.num_processes} process(es) x {grad_accum} "
             f"accumulation x {cfg.micro_batch_size} x {cfg.block_size} = {cfg.total_batch_size:,} tokens per step | "
-            f"distributed: {accelerator.distributed_type.value} | precision: {accelerator.mixed_precision} | {compiled} | "
-            f"{accelerator.device}\n{describe_optimizers(accelerator.unwrap_model(model, keep_torch_compile=False), cfg)}")
+            f"distributed: {accelerator.distributed_type.value} | precision: {accelerator.mixed_precision} | "
+            f"{compiled} | {accelerator.device}\n"
+            f"{describe_optimizers(accelerator.unwrap_model(model, keep_torch_compile=False), cfg)}")
