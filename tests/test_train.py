@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import REPO_ROOT, free_port
 from safetensors.torch import load_file
 
@@ -54,13 +55,32 @@ def final_weights(out_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def assert_same_weights(a: Path, b: Path, atol: float = 0.0) -> None:
+    """The final weights of two runs: bit for bit (atol 0), or to float rounding (atol > 0) for runs that sum the
+    same gradients in another order (other process counts, nodes).
+
+    To float rounding, one slice is held to a different bound: the key biases (rows C..2C of each `c_attn.bias`).
+    Their exact gradient is zero (q . b_k is the same for every key of a query, and softmax ignores a shift), so
+    what reaches them is rounding noise, whose value depends on the CPU's summation order; AdamW scales it to
+    updates of up to lr each step (its |m/sqrt(v)| <= 1 when 1 - beta1 <= sqrt(1 - beta2), as 0.1 <= 0.22 here).
+    They are bounded by that, 2 x lr x steps apart at most (the lr and steps of run `a`'s config.yaml); the
+    other weights, whose gradients are real, to `atol`."""
     wa, wb = final_weights(a), final_weights(b)
     assert wa.keys() == wb.keys()
+    if atol:
+        config = yaml.safe_load((a / "config.yaml").read_text())
+        key_bias_bound = 2 * config["lr"] * config["max_steps"]
     for name in wa:
         if atol == 0.0:
             assert torch.equal(wa[name], wb[name]), f"{name} differs (max {(wa[name] - wb[name]).abs().max():.3g})"
-        else:
-            torch.testing.assert_close(wa[name], wb[name], atol=atol, rtol=0, msg=f"{name} differs")
+            continue
+        x, y = wa[name], wb[name]
+        if name.endswith("attn.c_attn.bias"):
+            C = x.numel() // 3
+            keys = slice(C, 2 * C)
+            gap = float((x[keys] - y[keys]).abs().max())
+            assert gap <= key_bias_bound, f"{name}: key biases {gap:.3g} apart, over {key_bias_bound:.3g}"
+            x, y = torch.cat([x[:C], x[2 * C:]]), torch.cat([y[:C], y[2 * C:]])
+        torch.testing.assert_close(x, y, atol=atol, rtol=0, msg=f"{name} differs")
 
 
 def read_metrics(out_dir: Path) -> list[dict]:
