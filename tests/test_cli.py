@@ -17,7 +17,8 @@ import yaml
 from common.cli import DefaultsHelpFormatter
 from common.console import TerminalBar
 from common.errors import UserError, run_cli
-from configs import PRESETS_DIR, TrainConfig, _config_parser, parse_config
+from configs import PRESETS_DIR, _config_parser, parse_config
+from configs.schema import GROUPS
 from training.metrics import StepLine
 
 # ---- train.py's flags -----------------------------------------------------------------------------------
@@ -26,7 +27,7 @@ from training.metrics import StepLine
 def test_help_documents_every_field_with_its_default():
     parser = _config_parser()
     formatter = DefaultsHelpFormatter("train.py")
-    for f in fields(TrainConfig):
+    for f in (f for group in GROUPS.values() for f in fields(group)):
         assert f.metadata.get("help"), f"{f.name} has no help"
         action = next(a for a in parser._actions if f"--{f.name}" in a.option_strings)
         shown = formatter._get_help_string(action)
@@ -61,7 +62,7 @@ def test_dashed_spellings_are_the_same_flags():
 def test_a_preset_given_first_is_the_config():
     preset = str(PRESETS_DIR / "gpt2_124m_fineweb_edu.yaml")
     cfg = parse_config([preset, "--max_steps", "5"])
-    assert (cfg.config, cfg.n_layer, cfg.max_steps) == (preset, 12, 5)
+    assert (cfg.preset.config, cfg.model.n_layer, cfg.training.max_steps) == (preset, 12, 5)
     assert cfg == parse_config(["--config", preset, "--max_steps", "5"])
     with pytest.raises(UserError, match=re.escape("a preset given first must be a .yaml file")):
         parse_config(["config/train_shakespeare_char.py"])

@@ -1,0 +1,381 @@
+"""The training configuration, one group of fields per component that uses it.
+
+Each group is a dataclass whose fields are train.py flags (names, defaults and help texts are the command
+line, the presets and `config.yaml`: a contract). Each group checks its own values when it is built, so a
+bad value is one `UserError` line naming the flag and the fix, before anything is created. `TrainConfig`
+holds the groups and the rules that join two of them; a component receives its group, never the whole.
+
+Defaults are the embedded Shakespeare run (`python train.py`). A default of None says in its help what
+None means (`tests/test_cli.py` checks every field's help).
+"""
+from __future__ import annotations
+
+import math
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from common.errors import UserError
+
+REPORT_TO = ("none", "tensorboard", "wandb", "all")
+OPTIMIZERS = ("auto", "adamw", "muon")
+ON_NAN = ("stop", "skip")
+MAX_SEED = 2**32 - 1  # numpy's seed range (accelerate's set_seed seeds numpy too)
+
+
+def _field(default: Any, help: str) -> Any:
+    """A config field with its `--help` text (HfArgumentParser reads it from the field's metadata)."""
+    return field(default=default, metadata={"help": help})
+
+
+def _positive(group: Any, *names: str) -> None:
+    for name in names:
+        if getattr(group, name) <= 0:
+            raise UserError(f"--{name} must be positive, got {getattr(group, name)}; pass a value of at least 1")
+
+
+def _non_negative(group: Any, *names: str) -> None:
+    for name in names:
+        if getattr(group, name) < 0:
+            raise UserError(f"--{name} must be 0 or more, got {getattr(group, name)}; pass 0 to turn it off")
+
+
+def _non_empty(group: Any, *names: str) -> None:
+    """Required text fields must hold text; optional ones (None = left out) must not be blank when given."""
+    for name in names:
+        value = getattr(group, name)
+        if value is not None and not value.strip():
+            default = next(f.default for f in fields(group) if f.name == name)
+            raise UserError(f"--{name} is empty; pass a value (default: {default!r})" if default is not None
+                            else f"--{name} is empty; pass a value or leave the flag out")
+
+
+def _finite(group: Any) -> None:
+    for f in fields(group):
+        value = getattr(group, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"--{f.name} must be a finite number, got {value}")
+
+
+def _looks_like_path(value: str) -> bool:
+    """A value written as a filesystem path (not a Hub id, not a keyword)."""
+    return value.startswith(("/", "./", "../", "~")) or value in (".", "..")
+
+
+@dataclass
+class RunConfig:
+    """The run folder and its checkpoints (training.checkpoint, training.run_folder)."""
+
+    _argument_group_name = "run folder and checkpoints"
+
+    out_dir: str = _field("out/shakespeare", "run folder (checkpoints, metrics, final/)")
+    resume: str | None = _field(None, "'latest' or a checkpoint folder; default: start a new run")
+    save_every: int = _field(100, "checkpoint every N steps (and at the last, and on SIGTERM/SIGUSR1)")
+    keep_last: int = _field(3, "checkpoints kept; older ones are deleted")
+
+    def __post_init__(self) -> None:
+        _positive(self, "save_every", "keep_last")
+        _non_empty(self, "out_dir", "resume")
+        out_dir = Path(self.out_dir).expanduser()
+        if out_dir.exists() and not out_dir.is_dir():
+            raise UserError(f"--out_dir {self.out_dir} is an existing file, not a folder; choose another --out_dir")
+        if self.resume is not None and self.resume != "latest":
+            resume = Path(self.resume).expanduser()
+            if resume.is_file():
+                raise UserError(f"--resume {self.resume} is a file; pass 'latest', a checkpoints/step_* folder or a "
+                                "run folder")
+            if not resume.exists():
+                raise UserError(f"--resume {self.resume}: no such folder; pass 'latest', a checkpoints/step_* folder "
+                                "or a run folder")
+
+
+@dataclass
+class ModelConfig:
+    """The network: its architecture (or the weights it starts from) and LoRA adapters (training.network)."""
+
+    _argument_group_name = "model"
+
+    init_from: str = _field("scratch", "'scratch', a Hub id (gpt2...gpt2-xl), an HF folder or one of our runs; "
+                                       "the architecture flags (n_layer, n_head, n_embd, bias) then come from "
+                                       "those weights")
+    n_layer: int = _field(4, "transformer blocks (with --init_from scratch)")
+    n_head: int = _field(4, "attention heads per block; must divide n_embd")
+    n_embd: int = _field(128, "embedding width")
+    block_size: int = _field(128, "context length in tokens (training windows and the model's positions)")
+    dropout: float = _field(0.0, "dropout probability while training, in [0, 1)")
+    bias: bool = _field(True, "biases in the linear layers and LayerNorms, as GPT-2 (--no_bias: none)")
+    # LoRA (through peft): only the adapters train and are checkpointed; final/ is the merged model
+    lora_rank: int = _field(0, "LoRA rank r; 0 = full fine-tuning (every weight trains); needs --init_from")
+    lora_alpha: float = _field(16.0, "LoRA scaling: the adapter adds B A x lora_alpha / lora_rank")
+    lora_dropout: float = _field(0.0, "dropout on the adapters' input while training, in [0, 1)")
+    lora_targets: str = _field("c_attn,c_proj,c_fc", "comma-separated layers that get adapters: the attention "
+                                                      "(c_attn, attn.c_proj) and MLP (c_fc, mlp.c_proj) projections")
+
+    @property
+    def from_scratch(self) -> bool:
+        return self.init_from == "scratch"
+
+    @property
+    def lora_target_list(self) -> list[str]:
+        return [t.strip() for t in self.lora_targets.split(",")]
+
+    def __post_init__(self) -> None:
+        _positive(self, "n_layer", "n_head", "n_embd", "block_size")
+        _non_empty(self, "init_from")
+        _finite(self)
+        if self.n_embd % self.n_head:
+            raise UserError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"dropout must be in [0, 1), got {self.dropout}; use e.g. 0.0 or 0.1")
+        init_from = Path(self.init_from).expanduser()
+        if init_from.is_file():
+            raise UserError(f"--init_from {self.init_from} is a file; pass 'scratch', a Hub id (e.g. gpt2), an HF "
+                            "model folder or a run folder")
+        if _looks_like_path(self.init_from) and not init_from.exists():
+            raise UserError(f"--init_from {self.init_from}: no such folder; pass an existing HF model folder or run "
+                            "folder, or a Hub id (e.g. gpt2)")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """The LoRA flags as far as they can be judged without the model (rank vs layer sizes: `model.lora`)."""
+        if self.lora_rank < 0:
+            raise UserError(f"--lora_rank must be 0 (full fine-tuning) or a rank of at least 1, got {self.lora_rank}; "
+                            "use e.g. 8")
+        if not self.lora_rank:
+            return
+        if self.from_scratch:
+            raise UserError("--lora_rank trains adapters on pretrained weights, but --init_from is 'scratch'; pass "
+                            "--init_from (a Hub id such as gpt2, an HF folder or a run folder)")
+        if not self.lora_alpha > 0:
+            raise UserError(f"--lora_alpha must be positive, got {self.lora_alpha}; use e.g. 2 x --lora_rank")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise UserError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}; use e.g. 0.0 or 0.05")
+        if not all(self.lora_target_list):
+            raise UserError(f"--lora_targets {self.lora_targets!r} has an empty name; pass comma-separated layer "
+                            "names, e.g. c_attn,c_proj,c_fc")
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from and how much is held out (data.source)."""
+
+    _argument_group_name = "data"
+
+    dataset: str = _field("shakespeare", "'shakespeare', a local .txt/.jsonl/.parquet file/glob/folder, a shard "
+                                         "folder, or a Hub id[:config]")
+    text_column: str = _field("text", "column holding the text in .jsonl/.parquet files and Hub datasets")
+    prompt_field: str = _field("prompt", "prompt field of prompt/completion .jsonl data (a .jsonl whose first record "
+                                         "has it and --completion_field; the loss counts only completion tokens)")
+    completion_field: str = _field("completion", "completion field of prompt/completion .jsonl data")
+    dataset_config: str | None = _field(None, "Hub dataset config name; default: the one given after ':' in "
+                                              "--dataset, or the dataset's default")
+    val_tokens: int = _field(8_192, "size of the fixed validation set, in tokens")
+
+    def __post_init__(self) -> None:
+        _positive(self, "val_tokens")
+        _non_empty(self, "dataset", "text_column", "prompt_field", "completion_field", "dataset_config")
+
+
+@dataclass
+class TrainingConfig:
+    """The loop: batch geometry, length, clipping, what a non-finite step does, the seed (training.step)."""
+
+    _argument_group_name = "training loop"
+
+    # Batch: total_batch_size (tokens) = micro_batch_size * block_size * processes * accumulation
+    total_batch_size: int = _field(2048, "tokens per optimizer step; gradient accumulation = total_batch_size / "
+                                         "(micro_batch_size x block_size x processes)")
+    micro_batch_size: int = _field(8, "sequences per forward pass on each process")
+    max_steps: int = _field(100, "optimizer steps of the whole run")
+    grad_clip: float = _field(1.0, "clip the global gradient norm to this")
+    on_nan: str = _field("stop", "'stop' (keep the last good checkpoint) or 'skip' the step")
+    max_nan_skips: int = _field(10, "with --on_nan skip: stop after this many skipped steps in a row")
+    seed: int = _field(1337, "seed of the initial weights, data order, dropout and samples")
+
+    def __post_init__(self) -> None:
+        _positive(self, "total_batch_size", "micro_batch_size", "max_steps", "max_nan_skips")
+        _finite(self)
+        if not self.grad_clip > 0:
+            raise UserError(f"--grad_clip must be positive (the max gradient norm), got {self.grad_clip}; "
+                            "use e.g. 1.0")
+        if self.on_nan not in ON_NAN:
+            raise UserError(f"on_nan must be 'stop' or 'skip', got {self.on_nan!r}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise UserError(f"--seed must be in [0, {MAX_SEED}], got {self.seed}")
+
+
+@dataclass
+class OptimConfig:
+    """The optimizers and the learning-rate schedule (training.optim)."""
+
+    _argument_group_name = "optimizer and schedule"
+
+    # Linear warmup, then cosine decay to lr * min_lr_ratio
+    lr: float = _field(1e-2, "peak learning rate of AdamW (with Muon: of the embeddings/output layer, biases and "
+                             "LayerNorms), reached after --warmup_steps; AdamW alone from scratch: ~1e-3; "
+                             "fine-tuning: e.g. 6e-5")
+    min_lr_ratio: float = _field(0.1, "the cosine decay ends at lr x min_lr_ratio, at --max_steps")
+    warmup_steps: int = _field(10, "steps of linear warmup from lr / warmup_steps to lr")
+    weight_decay: float = _field(0.1, "AdamW weight decay, on weights of 2 or more dimensions (matrices, embeddings)")
+    beta1: float = _field(0.9, "AdamW beta1")
+    beta2: float = _field(0.95, "AdamW beta2")
+    optimizer: str = _field("auto", "'muon' (torch.optim.Muon on the blocks' 2-D weights, AdamW with --lr on "
+                                    "embeddings/output layer, biases and LayerNorms), 'adamw' (every parameter), or "
+                                    "'auto': muon with --init_from scratch, adamw to fine-tune pretrained weights")
+    muon_lr: float = _field(0.02, "Muon's peak learning rate (--optimizer muon); same warmup and decay as --lr")
+    muon_momentum: float = _field(0.95, "Muon's momentum (Nesterov)")
+    muon_weight_decay: float = _field(0.0, "Muon's decoupled weight decay (each step w -= lr x wd x w)")
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "warmup_steps")
+        _finite(self)
+        if not self.lr > 0:
+            raise UserError(f"--lr must be positive, got {self.lr}; use e.g. 6e-4")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise UserError(f"--min_lr_ratio must be in [0, 1] (the final LR is lr * min_lr_ratio), "
+                            f"got {self.min_lr_ratio}; use e.g. 0.1")
+        if self.weight_decay < 0:
+            raise UserError(f"--weight_decay must be 0 or more, got {self.weight_decay}; use e.g. 0.1, or 0 for none")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise UserError(f"--{name} must be in [0, 1), got {getattr(self, name)}; "
+                                "use e.g. 0.9 (beta1) or 0.95 (beta2)")
+        if self.optimizer not in OPTIMIZERS:
+            raise UserError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if not self.muon_lr > 0:
+            raise UserError(f"--muon_lr must be positive, got {self.muon_lr}; use e.g. 0.02")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise UserError(f"--muon_momentum must be in [0, 1), got {self.muon_momentum}; use e.g. 0.95")
+        if self.muon_weight_decay < 0:
+            raise UserError(f"--muon_weight_decay must be 0 or more, got {self.muon_weight_decay}; use e.g. 0 or 0.01")
+
+
+@dataclass
+class EvalConfig:
+    """What is scored during training, and when (training.evaluation)."""
+
+    _argument_group_name = "evaluation"
+
+    eval_every: int = _field(50, "validation loss and a sample every N steps (and at the last)")
+    eval_batch_size: int = _field(16, "sequences (validation) or HellaSwag items per evaluation forward pass")
+    hellaswag_every: int = _field(0, "HellaSwag every N steps; 0 = never; needs the eval package")
+    hellaswag_data: str | None = _field(None, "local HellaSwag jsonl; default: the Hub split")
+    hellaswag_limit: int | None = _field(None, "score only the first N HellaSwag items; default: all 10,042")
+    sample_tokens: int = _field(64, "tokens of the text sample printed at each evaluation; 0 = no sample")
+    sample_prompt: str = _field("\n", "prompt of that sample")
+
+    def __post_init__(self) -> None:
+        _positive(self, "eval_every", "eval_batch_size")
+        _non_negative(self, "hellaswag_every", "sample_tokens")
+        _non_empty(self, "hellaswag_data")
+        if self.hellaswag_limit is not None and self.hellaswag_limit < 1:
+            raise UserError(f"--hellaswag_limit must be at least 1, got {self.hellaswag_limit}; leave it out to "
+                            "score every item")
+        if not self.sample_prompt:
+            raise UserError("sample_prompt is empty; pass at least one character, e.g. --sample_prompt '\\n' "
+                            "(the default)")
+        if self.hellaswag_data is not None and not Path(self.hellaswag_data).expanduser().is_file():
+            kind = "a folder" if Path(self.hellaswag_data).expanduser().is_dir() else "not an existing file"
+            raise UserError(f"--hellaswag_data {self.hellaswag_data} is {kind}; pass a HellaSwag .jsonl or .jsonl.gz "
+                            "file, or leave it out to use the Hub copy")
+
+
+@dataclass
+class LogConfig:
+    """Console lines, metrics.jsonl and the trackers (training.metrics)."""
+
+    _argument_group_name = "logging and trackers"
+
+    log_every: int = _field(10, "log a line (loss, lr, grad norm, tokens/s, MFU, ETA) every N steps")
+    report_to: str = _field("none", "'none', 'tensorboard', 'wandb', or 'all'")
+    wandb_project: str = _field("gpt2-accelerate", "wandb project (with --report_to wandb)")
+    run_name: str | None = _field(None, "run name for the trackers; default: the --out_dir folder's name")
+    mfu_peak_flops: float | None = _field(None, "bf16 peak FLOP/s per device for MFU; default: the "
+                                                "accelerator's if known (none on CPU or an unlisted GPU: no MFU)")
+
+    def __post_init__(self) -> None:
+        _positive(self, "log_every")
+        _non_empty(self, "wandb_project", "run_name")
+        _finite(self)
+        if self.report_to not in REPORT_TO:
+            raise UserError(f"report_to must be one of {', '.join(REPORT_TO)}, got {self.report_to!r}")
+        if self.mfu_peak_flops is not None and not self.mfu_peak_flops > 0:
+            raise UserError(f"--mfu_peak_flops must be positive (FLOP/s, e.g. 989e12 for an H100), "
+                            f"got {self.mfu_peak_flops}; leave it out to use the accelerator's own")
+
+
+@dataclass
+class HubConfig:
+    """Pushes of the run to the Hugging Face Hub (publish.uploads)."""
+
+    _argument_group_name = "Hub"
+
+    push_to_hub: bool = _field(False, "push final/ to the Hub at the end (needs --hub_model_id)")
+    hub_model_id: str | None = _field(None, "Hub repo to push to, user/name; default: none")
+    hub_push_every: int = _field(0, "also push every K-th checkpoint to branch step-N; 0 = never")
+
+    def __post_init__(self) -> None:
+        _non_negative(self, "hub_push_every")
+        _non_empty(self, "hub_model_id")
+        if self.push_to_hub and not self.hub_model_id:
+            raise UserError("--push_to_hub needs --hub_model_id user/name")
+
+
+@dataclass
+class PresetConfig:
+    """The preset the flags start from (`--config FILE`, or FILE given first)."""
+
+    _argument_group_name = "preset"
+
+    config: str | None = _field(None, "YAML preset, e.g. configs/shakespeare.yaml (or given first, without "
+                                      "--config); flags override it; default: none, the values below")
+
+    def __post_init__(self) -> None:
+        _non_empty(self, "config")
+
+
+# The groups in command-line order; `TrainConfig` has one attribute per group, named as here.
+GROUPS: dict[str, type] = {"preset": PresetConfig, "run": RunConfig, "model": ModelConfig, "data": DataConfig,
+                           "training": TrainingConfig, "optim": OptimConfig, "eval": EvalConfig, "log": LogConfig,
+                           "hub": HubConfig}
+
+
+@dataclass
+class TrainConfig:
+    """A whole run's configuration: one group per component, and the rules that involve two groups."""
+
+    preset: PresetConfig = field(default_factory=PresetConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    hub: HubConfig = field(default_factory=HubConfig)
+
+    def __post_init__(self) -> None:
+        if self.data.val_tokens < self.model.block_size + 1:
+            raise UserError(f"--val_tokens {self.data.val_tokens} is less than one validation window (block_size + 1 "
+                            f"= {self.model.block_size + 1}); pass --val_tokens {self.model.block_size + 1} or more")
+        if self.model.lora_rank and self.optim.optimizer == "muon":
+            raise UserError(f"--lora_rank trains its adapters with AdamW only (Muon orthogonalises whole hidden "
+                            f"matrices, not rank-{self.model.lora_rank} factors); drop --optimizer muon or "
+                            "--lora_rank")
+
+    def flat(self) -> dict[str, Any]:
+        """Every field by its flag name, in command-line order (the keys of `config.yaml`)."""
+        return {f.name: getattr(group, f.name) for group in self.groups() for f in fields(group)}
+
+    def groups(self) -> list[Any]:
+        return [getattr(self, name) for name in GROUPS]
+
+
+def field_types() -> dict[str, Any]:
+    """Every flag's declared type, e.g. {"lr": float, "hellaswag_limit": int | None}."""
+    return {name: hint for group in GROUPS.values() for name, hint in typing.get_type_hints(group).items()
+            if not name.startswith("_")}
+
+
+FIELD_NAMES = [f.name for group in GROUPS.values() for f in fields(group)]
