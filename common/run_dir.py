@@ -21,6 +21,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from accelerate.utils.constants import OPTIMIZER_NAME, RNG_STATE_NAME, SAFE_WEIGHTS_NAME
+
 # Files inside a checkpoint folder (besides accelerate's own).
 GPT_CONFIG = "gpt_config.json"  # the architecture, `dataclasses.asdict(GPTConfig)`
 RUN_STATE = "run_state.json"  # step, tokens seen, tracker run id, world size
@@ -28,7 +30,20 @@ MANIFEST = "manifest.json"  # every other file's size and sha256, written last
 # A LoRA run's checkpoint holds its adapter instead of the whole model (peft's file names; see model/lora.py).
 ADAPTER_CONFIG = "adapter_config.json"  # the LoRA settings and the base weights' name
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # the adapter weights only
+# accelerate's own files in a checkpoint (`save_state`), named by accelerate's constants.
+MODEL_WEIGHTS = SAFE_WEIGHTS_NAME  # model.safetensors
+FSDP_MODEL_DIR, FSDP_OPTIMIZER_DIR = "pytorch_model_fsdp_0", f"{OPTIMIZER_NAME}_0"  # FSDP's sharded state folders
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def optimizer_file(index: int) -> str:
+    """accelerate's file for the run's `index`-th optimizer: optimizer.bin, optimizer_1.bin, ..."""
+    return f"{OPTIMIZER_NAME}.bin" if index == 0 else f"{OPTIMIZER_NAME}_{index}.bin"
+
+
+def rng_state_file(rank: int) -> str:
+    """accelerate's file for rank `rank`'s random number generators (and its accumulation step)."""
+    return f"{RNG_STATE_NAME}_{rank}.pkl"
 
 
 def data_state_file(rank: int) -> str:
