@@ -5,118 +5,121 @@
         --config configs/gpt2_124m_fineweb_edu.yaml   # GPT-2 124M on FineWeb-Edu 10B
 
 Precision (bf16), torch.compile (dynamo backend), the number of processes and FSDP come from the
-accelerate config; everything about the run comes from `configs.TrainConfig` (preset + flags).
-This file is the story of a run; the machinery lives in `training/` (see docs/architecture.md).
+accelerate config; everything about the run comes from `configs` (preset + flags), one group of
+fields per component. This file is the story of a run; the machinery lives in `training/` (see
+docs/architecture.md).
 """
 from __future__ import annotations
 
 import gc
+from contextlib import ExitStack
 
 import torch
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 
 from common.console import TerminalBar
-from common.errors import alike_on_every_rank, run_cli
+from common.errors import computed_alike_on_every_rank, run_cli
 from common.run_dir import RunDir
 from configs import parse_config
 from data.loader import build_train_loader
 from publish.card import write_card
 from publish.uploads import HubUploads
-from training.checkpoint import Checkpointer, find_resume_point
+from training.checkpoint import Checkpointer, restore
 from training.evaluation import TrainingEvals
 from training.export import export_final
-from training.metrics import StepLine, Throughput
-from training.mfu import estimate_mfu, peak_flops
-from training.optim import build_optimizer, scheduled_lrs
+from training.lora import lora_summary, use_adapter_checkpoints
+from training.metrics import StepReport, run_header, trackers_for
+from training.network import build_model
+from training.optim import build_optimizer, plan_optimizers, refuse_unsupported
 from training.preemption import PreemptionFlag
-from training.preflight import check_out_dir_writable, checkpoint_bytes, warn_if_low_disk
-from training.ranks import same_outcome_on_every_rank
-from training.setup import build_model, claim_run_folder, describe_run, open_run_folder, restore, start_accelerator
-from training.step import NonFinitePolicy, learning_rate, train_step
+from training.preflight import checkpoint_bytes
+from training.processes import BatchGeometry, close_process_group, shared_across_ranks, start_accelerator
+from training.resume import find_resume_point
+from training.run_folder import claim_run_folder, open_run_folder, recorded_config
+from training.step import LRSchedule, NonFinitePolicy, train_step
 
 
 def main() -> None:
-    # Setup: whatever can refuse the run does so before anything is written, once, on every rank alike.
-    with alike_on_every_rank():
-        cfg = parse_config()
-        accelerator, grad_accum = start_accelerator(cfg)
-    run, rank, world = RunDir(cfg.out_dir), accelerator.process_index, accelerator.num_processes
-    with same_outcome_on_every_rank(accelerator):
-        resume = find_resume_point(cfg.resume, run.path)  # never over another run's files
-        uploads = HubUploads(cfg, accelerator.is_main_process)  # a missing Hub token fails now, not after training
-        set_seed(cfg.seed)  # identical initial weights on every rank
-        model = build_model(cfg, resume)
-        # Data: every rank reads its own rows of the same global batches; validation is one fixed token set.
-        train_loader = build_train_loader(cfg.dataset, block_size=cfg.block_size, micro_batch_size=cfg.micro_batch_size,
-                                          rank=rank, world_size=world, text_column=cfg.text_column,
-                                          dataset_config=cfg.dataset_config, seed=cfg.seed,
-                                          prompt_field=cfg.prompt_field, completion_field=cfg.completion_field)
-        evals = TrainingEvals(cfg, accelerator)
-        check_out_dir_writable(run.path)
-        claim_run_folder(accelerator, cfg, resume)  # one run per folder (locked); the checkpoint checked file by file
-    arch, n_params, flops_per_token = model.config, model.num_params(), model.flops_per_token()
-    if accelerator.is_main_process:
-        warn_if_low_disk(run.path, checkpoint_bytes(n_params), cfg.keep_last)
-    optimizers = build_optimizer(model, cfg, accelerator.device.type)  # [AdamW] or [AdamW, Muon]
-    model, *optimizers = accelerator.prepare(model, *optimizers)  # no scheduler: the LR is computed from the step
-    torch.manual_seed(cfg.seed + rank)  # from here on, each rank draws its own dropout masks
-    progress = restore(accelerator, cfg, resume, arch, train_loader)  # weights, optimizer, RNGs, data position
-    metrics = open_run_folder(accelerator, cfg, progress, resume)
-    checkpoints = Checkpointer(accelerator, run, arch, cfg.keep_last, healthy=evals.finite_loss)
-    nan_policy = NonFinitePolicy(cfg, run, accelerator)
-    preempted, throughput = PreemptionFlag(), Throughput(cfg.total_batch_size)
-    peak = peak_flops(accelerator.device, cfg.mfu_peak_flops)
-    accelerator.print(describe_run(accelerator, cfg, model, n_params, grad_accum))
+    with ExitStack() as on_exit:  # what the run holds (its process group, its folder's lock) is let go at its end
+        on_exit.callback(close_process_group)
+        # Setup: whatever can refuse the run does so before anything is written, once, on every rank alike.
+        with computed_alike_on_every_rank():
+            cfg = parse_config()
+            run, max_steps = RunDir(cfg.run.out_dir), cfg.training.max_steps
+            plan = plan_optimizers(cfg.optim, from_scratch=cfg.model.from_scratch)  # what trains with what, which LR
+            geometry = BatchGeometry.of_launch(cfg.training, cfg.model.block_size)  # of the batch, in tokens
+        accelerator = start_accelerator(geometry.accumulation, trackers_for(cfg.log.report_to), run)
+        with shared_across_ranks(accelerator):
+            refuse_unsupported(plan, sharded=accelerator.distributed_type == DistributedType.FSDP)
+            resume = find_resume_point(cfg.run.resume, run.path)  # never over another run's files
+            uploads = HubUploads(cfg.hub, run, cfg.run.save_every, accelerator.is_main_process)  # token checked now
+            set_seed(cfg.training.seed)  # identical initial weights on every rank
+            model = build_model(cfg.model, resume)
+            if cfg.model.lora_rank:
+                use_adapter_checkpoints(accelerator)  # checkpoints hold the adapters, not the frozen base
+            # Data: every rank reads its own rows of the same global batches; validation is one fixed token set.
+            d = cfg.data  # (until the data source lands: one object built from cfg.data)
+            loader = build_train_loader(d.dataset, block_size=geometry.block_size, rank=accelerator.process_index,
+                                        micro_batch_size=geometry.micro_batch_size, world_size=geometry.world_size,
+                                        seed=cfg.training.seed, text_column=d.text_column,
+                                        dataset_config=d.dataset_config, prompt_field=d.prompt_field,
+                                        completion_field=d.completion_field)
+            evals = TrainingEvals(cfg.eval, cfg.data, geometry.block_size, cfg.training.seed, accelerator)
+            arch, n_params, flops_per_token = model.config, model.num_params(), model.flops_per_token()
+            on_exit.enter_context(claim_run_folder(accelerator, cfg.run, resume, max_steps,
+                                                   checkpoint_bytes(n_params)))  # one run per folder, locked
+        optimizers = build_optimizer(model, plan, accelerator.device.type)  # [AdamW] or [AdamW, Muon]
+        model, *optimizers = accelerator.prepare(model, *optimizers)  # no scheduler: the LR is computed from the step
+        torch.manual_seed(cfg.training.seed + accelerator.process_index)  # each rank its own dropout masks from here
+        progress = restore(accelerator, resume, cfg.run, arch, plan.names, loader)  # weights, optimizers, RNGs, data
+        metrics = open_run_folder(accelerator, run, resume, progress, recorded_config(cfg, arch, plan),
+                                  cfg.log.wandb_project, cfg.log.run_name)
+        checkpoints = Checkpointer(accelerator, run, arch, plan.names, cfg.run.keep_last, healthy=evals.finite_loss)
+        nan_policy = NonFinitePolicy(cfg.training.on_nan, cfg.training.max_nan_skips, run, accelerator)
+        schedule = LRSchedule(cfg.optim.warmup_steps, max_steps, cfg.optim.min_lr_ratio)
+        report = StepReport(cfg.log, accelerator, max_steps, progress.step, geometry.tokens_per_step, flops_per_token)
+        accelerator.print(run_header(accelerator, model, n_params, geometry, plan, lora_summary(cfg.model)))
 
-    # The loop: one optimizer step, then whatever is due after it (log, evals, checkpoint, a signal). Each log
-    # step and evaluation is a plain line; the live bar is drawn only on a terminal.
-    model.train()
-    step_line = StepLine(cfg.max_steps, progress.step)
-    with TerminalBar(total=cfg.max_steps, initial=progress.step, show=accelerator.is_main_process, unit="step",
-                     dynamic_ncols=True) as bar:  # closed (its line ended) also when an error stops the run
-        while progress.step < cfg.max_steps:
-            with throughput.timing():
-                lr = learning_rate(cfg, progress.step)
-                loss_sum, grad_norm = train_step(accelerator, model, optimizers, train_loader.next_batch, grad_accum,
-                                                 scheduled_lrs(cfg, lr), cfg.grad_clip,
-                                                 masked_targets=train_loader.masked_targets)
-            nan_policy.after_step(progress.step + 1, grad_norm)
-            progress.step += 1
-            progress.tokens += cfg.total_batch_size
-            bar.update(1)
-            last = progress.step == cfg.max_steps
+        # The loop: one optimizer step, then whatever is due after it (log, evals, checkpoint, a signal). Each log
+        # step and evaluation is a plain line; the live bar is drawn only on a terminal.
+        model.train()
+        preempted = PreemptionFlag()
+        with TerminalBar(total=max_steps, initial=progress.step, show=accelerator.is_main_process, unit="step",
+                         dynamic_ncols=True) as bar:  # closed (its line ended) also when an error stops the run
+            while progress.step < max_steps:
+                with report.timing():
+                    lrs = plan.lrs_at(schedule.factor(progress.step))
+                    loss_sum, grad_norm = train_step(accelerator, model, optimizers, loader.next_batch,
+                                                     geometry.accumulation, lrs, cfg.training.grad_clip,
+                                                     masked_targets=loader.masked_targets)
+                nan_policy.after_step(progress.step + 1, grad_norm)
+                progress.advance(geometry.tokens_per_step)
+                bar.update(1)
+                last = progress.step == max_steps
+                record = report.of_step(progress.step, last, loss_sum / geometry.accumulation, lrs[0], grad_norm,
+                                        progress.tokens, write=bar.write)
+                record.update(evals.run_due(model, progress.step, last, write=bar.write))
+                if record:
+                    metrics.log(progress.step, record)
+                stop = preempted.any_rank(accelerator)
+                if progress.step % cfg.run.save_every == 0 or last or stop:
+                    uploads.checkpoint_saved(progress.step, checkpoints.save(model, progress, loader.state_dict()))
+                if stop:
+                    accelerator.print(preempted.stopped_at(progress.step))
+                    break
 
-            record = {}
-            if progress.step % cfg.log_every == 0 or last:
-                loss = accelerator.reduce(loss_sum / grad_accum, reduction="mean").item()
-                tok_per_sec = throughput.read()
-                record = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": progress.tokens,
-                          "tok_per_sec": tok_per_sec, "mfu": estimate_mfu(flops_per_token, tok_per_sec, world, peak)}
-                if accelerator.is_main_process:
-                    bar.write(step_line.format(progress.step, record))
-            record.update(evals.run_due(model, progress.step, last, write=bar.write))
-            if record:
-                metrics.log(progress.step, record)
-            stop = preempted.any_rank(accelerator)
-            if progress.step % cfg.save_every == 0 or last or stop:
-                uploads.checkpoint_saved(progress.step, checkpoints.save(model, progress, train_loader.state_dict()))
-            if stop:
-                accelerator.print(f"signal received: checkpoint saved at step {progress.step}; "
-                                  "continue with --resume latest")
-                break
-
-    # Shutdown: the final export, then an orderly end (two gloo processes that exit with live tensors and an
-    # open group abort now and then), then the final push, after the process group is gone so that no rank
-    # sits in a collective timeout during the upload.
-    finished = progress.step == cfg.max_steps
-    if finished:
-        export_final(accelerator, model, arch, run)
-        if accelerator.is_main_process:  # final/ gets the card and curves the Hub push would upload
-            write_card(run.path, hub_model_id=cfg.hub_model_id if cfg.push_to_hub else None)
-    accelerator.wait_for_everyone()
-    del model, optimizers
-    gc.collect()
-    accelerator.end_training()
+        # Shutdown: the final export, then an orderly end (two gloo processes that exit with live tensors and an
+        # open group abort now and then), then the final push, after the process group is gone so that no rank
+        # sits in a collective timeout during the upload.
+        finished = progress.step == max_steps
+        if finished:
+            export_final(accelerator, model, arch, run)
+            if accelerator.is_main_process:  # final/ gets the card and curves the Hub push would upload
+                write_card(run.path, hub_model_id=cfg.hub.hub_model_id if cfg.hub.push_to_hub else None)
+        accelerator.wait_for_everyone()
+        del model, optimizers
+        gc.collect()
+        accelerator.end_training()
     uploads.wait()
     if finished:
         uploads.push_final()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,12 +32,13 @@ from torch import nn
 
 from common.cli import CliParser
 from common.errors import run_cli
-from configs import TrainConfig
+from configs import DataConfig, TrainConfig
 from data.loader import build_train_loader, load_val_tokens
 from eval.val_loss import evaluate_loss
 from model import GPT, GPTConfig
-from training.optim import build_optimizer, scheduled_lrs
-from training.step import accumulation_steps, learning_rate, train_step
+from training.optim import build_optimizer, plan_optimizers
+from training.processes import BatchGeometry
+from training.step import LRSchedule, train_step
 
 FINEWEB = Path(__file__).resolve().parents[2] / "shared" / "assets" / "fineweb_sample_100docs.parquet"
 SETUPS = {"shakespeare": {}, "fineweb": {"dataset": str(FINEWEB)}}
@@ -64,32 +65,36 @@ class SplitQKV(nn.Module):
 
 def train_one(run: str, cfg: TrainConfig, accelerator: Accelerator, val_tokens, eval_every: int,
               adamw_lr: float) -> dict:
-    """Train `cfg.max_steps` steps from seed `cfg.seed`; the validation curve and the CPU/wall seconds."""
-    cfg = replace(cfg, optimizer="adamw", lr=adamw_lr) if run == "adamw" else replace(cfg, optimizer="muon")
-    set_seed(cfg.seed)
-    model = GPT(GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size))
+    """Train `--max_steps` steps from `--seed`; the validation curve and the CPU/wall seconds."""
+    adamw_only = run == "adamw"
+    optim = replace(cfg.optim, optimizer="adamw", lr=adamw_lr) if adamw_only else replace(cfg.optim, optimizer="muon")
+    plan, arch, steps = plan_optimizers(optim, from_scratch=True), cfg.model, cfg.training.max_steps
+    set_seed(cfg.training.seed)
+    model = GPT(GPTConfig(n_layer=arch.n_layer, n_head=arch.n_head, n_embd=arch.n_embd, block_size=arch.block_size))
     if run == "muon-qkv-split":
         for block in model.transformer.h:
             block.attn.c_attn = SplitQKV(block.attn.c_attn)
-    loader = build_train_loader(cfg.dataset, block_size=cfg.block_size, micro_batch_size=cfg.micro_batch_size,
-                                rank=0, world_size=1, seed=cfg.seed)
-    grad_accum = accumulation_steps(cfg, 1)
-    model, *optimizers = accelerator.prepare(model, *build_optimizer(model, cfg, "cpu"))
+    loader = build_train_loader(cfg.data.dataset, block_size=arch.block_size, rank=0, world_size=1,
+                                micro_batch_size=cfg.training.micro_batch_size, seed=cfg.training.seed)
+    geometry = BatchGeometry.for_total(cfg.training.total_batch_size, cfg.training.micro_batch_size, arch.block_size, 1)
+    schedule = LRSchedule(optim.warmup_steps, steps, optim.min_lr_ratio)
+    model, *optimizers = accelerator.prepare(model, *build_optimizer(model, plan, "cpu"))
 
     def val_loss() -> float:
         model.eval()
-        loss = evaluate_loss(model, val_tokens, block_size=cfg.block_size, batch_size=cfg.eval_batch_size)
+        loss = evaluate_loss(model, val_tokens, block_size=arch.block_size, batch_size=cfg.eval.eval_batch_size)
         model.train()
         return loss
 
     curve = [{"step": 0, "tokens": 0, "val_loss": val_loss()}]
     cpu0, wall0 = time.process_time(), time.perf_counter()
     model.train()
-    for step in range(cfg.max_steps):
-        lrs = scheduled_lrs(cfg, learning_rate(cfg, step))
-        train_step(accelerator, model, optimizers, loader.next_batch, grad_accum, lrs, cfg.grad_clip)
-        if (step + 1) % eval_every == 0 or step + 1 == cfg.max_steps:
-            curve.append({"step": step + 1, "tokens": (step + 1) * cfg.total_batch_size, "val_loss": val_loss()})
+    for step in range(steps):
+        lrs = plan.lrs_at(schedule.factor(step))
+        train_step(accelerator, model, optimizers, loader.next_batch, geometry.accumulation, lrs,
+                   cfg.training.grad_clip)
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            curve.append({"step": step + 1, "tokens": (step + 1) * geometry.tokens_per_step, "val_loss": val_loss()})
             print(f"  {run:<15} step {step + 1:4d}  val_loss {curve[-1]['val_loss']:.4f}", flush=True)
     accelerator.free_memory()
     return {"curve": curve, "cpu_s": time.process_time() - cpu0, "wall_s": time.perf_counter() - wall0}
@@ -140,22 +145,22 @@ def main() -> None:
     accelerator = Accelerator(cpu=True)
     results = {}
     for setup in SETUPS if args.setup == "both" else [args.setup]:
-        cfg = TrainConfig(**SETUPS[setup])
-        overrides = {k: v for k, v in (("max_steps", args.steps), ("lr", args.lr), ("muon_lr", args.muon_lr)) if v}
-        cfg = replace(cfg, **overrides)
-        val_tokens = load_val_tokens(cfg.dataset, max_tokens=cfg.val_tokens)
-        print(f"{setup}: {cfg.n_layer} layers x {cfg.n_embd}, {cfg.total_batch_size} tokens/step, {cfg.max_steps} "
-              f"steps, adamw run's lr {args.adamw_lr:g}, muon runs' lr {cfg.lr:g} and muon_lr {cfg.muon_lr:g}, "
-              f"{len(val_tokens)} validation tokens", flush=True)
+        cfg = TrainConfig(data=DataConfig(**SETUPS[setup]))
+        cfg.training = replace(cfg.training, **({"max_steps": args.steps} if args.steps else {}))
+        cfg.optim = replace(cfg.optim, **{k: v for k, v in (("lr", args.lr), ("muon_lr", args.muon_lr)) if v})
+        val_tokens = load_val_tokens(cfg.data.dataset, max_tokens=cfg.data.val_tokens)
+        print(f"{setup}: {cfg.model.n_layer} layers x {cfg.model.n_embd}, {cfg.training.total_batch_size} tokens/step, "
+              f"{cfg.training.max_steps} steps, adamw run's lr {args.adamw_lr:g}, muon runs' lr {cfg.optim.lr:g} and "
+              f"muon_lr {cfg.optim.muon_lr:g}, {len(val_tokens)} validation tokens", flush=True)
         measured = {run: train_one(run, cfg, accelerator, val_tokens, args.eval_every, args.adamw_lr) for run in runs}
         target = measured[runs[0]]["curve"][-1]["val_loss"]
         for run, r in measured.items():
             r["steps_to_target"] = steps_to_reach(r["curve"], target)
             share = "never" if r["steps_to_target"] is None else \
-                f"step {r['steps_to_target']:.0f} ({r['steps_to_target'] / cfg.max_steps:.0%} of the steps)"
+                f"step {r['steps_to_target']:.0f} ({r['steps_to_target'] / cfg.training.max_steps:.0%} of the steps)"
             print(f"{setup} {run:<15} final val_loss {r['curve'][-1]['val_loss']:.4f} | reaches {runs[0]}'s final "
                   f"{target:.4f} at {share} | {r['cpu_s']:.0f} s CPU, {r['wall_s']:.0f} s wall")
-        results[setup] = {"config": asdict(cfg), "target": target, "runs": measured}
+        results[setup] = {"config": cfg.flat(), "target": target, "runs": measured}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))

@@ -7,7 +7,7 @@
 
 Side (a) is train.py's own `train_step`: Accelerator with
 gradient_accumulation_steps, prepare(model, optimizer), `accumulate`, `backward`, `clip_grad_norm_`,
-float(grad_norm), step/zero_grad, LR from `train.learning_rate`, and the preemption all-reduce.
+float(grad_norm), step/zero_grad, LR from `training.step.LRSchedule`, and the preemption all-reduce.
 Side (b) is the plain loop: autocast when bf16, loss / accum, backward, torch's clip_grad_norm_,
 AdamW step. Both start from the same weights and read the same pre-generated random batches.
 Warmup steps run first and are not timed; then the sides alternate in trials (order flipped every
@@ -29,12 +29,14 @@ import torch
 from accelerate import Accelerator
 
 from common.errors import UserError, run_cli
-from configs import TrainConfig
+from configs import OptimConfig, TrainingConfig
 from model import GPT, GPTConfig
 from training.mfu import estimate_mfu, peak_flops
-from training.optim import build_optimizer, scheduled_lrs
+from training.optim import build_optimizer, plan_optimizers
 from training.preemption import PreemptionFlag
-from training.step import learning_rate, train_step
+from training.step import LRSchedule, train_step
+
+GRAD_CLIP = TrainingConfig().grad_clip  # train.py's default
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -72,7 +74,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=16, help="timed optimizer steps per side (split into trials)")
     p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps per side first")
     p.add_argument("--trials", type=int, default=8, help="alternating rounds the timed steps are split into")
-    p.add_argument("--optimizer", help="TrainConfig's --optimizer, as train.py takes it (default: the config's)")
+    p.add_argument("--optimizer", help="train.py's --optimizer, resolved as train.py does (default: the config's)")
     p.add_argument("--mixed_precision", choices=("no", "bf16"), default="no")
     p.add_argument("--compile", action="store_true", help="torch.compile (inductor) on both sides")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -98,18 +100,19 @@ def main() -> None:
     accelerator = Accelerator(cpu=use_cpu, gradient_accumulation_steps=args.grad_accum,
                               mixed_precision=args.mixed_precision,
                               dynamo_backend="inductor" if args.compile else "no")
-    # The optimizer comes from the same config field as in train.py, so both sides build it alike.
-    chosen = {} if args.optimizer is None else {"optimizer": args.optimizer}
-    cfg = TrainConfig(max_steps=args.warmup + args.steps, warmup_steps=max(1, (args.warmup + args.steps) // 10),
-                      **chosen)
+    # The optimizer comes from the same config group and plan as in train.py, so both sides build it alike.
+    optim = OptimConfig(warmup_steps=max(1, (args.warmup + args.steps) // 10),
+                        **({} if args.optimizer is None else {"optimizer": args.optimizer}))
+    plan = plan_optimizers(optim, from_scratch=True)
+    schedule = LRSchedule(optim.warmup_steps, args.warmup + args.steps, optim.min_lr_ratio)
 
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(1337)
     acc_model = GPT(config)
     bare_model = copy.deepcopy(acc_model).to(device)
     flops_per_token = acc_model.flops_per_token()
     n_params = acc_model.num_params()
-    acc_opts = build_optimizer(acc_model, cfg, device.type)  # [AdamW] or [AdamW, Muon], as in train.py
-    bare_opts = build_optimizer(bare_model, cfg, device.type)
+    acc_opts = build_optimizer(acc_model, plan, device.type)  # [AdamW] or [AdamW, Muon], as in train.py
+    bare_opts = build_optimizer(bare_model, plan, device.type)
     acc_model, *acc_opts = accelerator.prepare(acc_model, *acc_opts)
     bare_fwd = torch.compile(bare_model) if args.compile else bare_model
     acc_model.train()
@@ -136,13 +139,13 @@ def main() -> None:
         sync()
         t0 = time.perf_counter()
         for _ in range(n):
-            lrs = scheduled_lrs(cfg, learning_rate(cfg, steps[side]))
+            lrs = plan.lrs_at(schedule.factor(steps[side]))
             if side == "accelerate":
-                loss_sum, _ = train_step(accelerator, acc_model, acc_opts, streams[side], A, lrs, cfg.grad_clip)
+                loss_sum, _ = train_step(accelerator, acc_model, acc_opts, streams[side], A, lrs, GRAD_CLIP)
                 if preempted.any_rank(accelerator):  # train.py checks this after every step
                     raise SystemExit("signal received: benchmark stopped")
             else:
-                loss_sum = bare_step(bare_fwd, bare_opts, streams[side], A, lrs, cfg.grad_clip, device, bf16)
+                loss_sum = bare_step(bare_fwd, bare_opts, streams[side], A, lrs, GRAD_CLIP, device, bf16)
             steps[side] += 1
         sync()
         seconds = time.perf_counter() - t0
@@ -203,7 +206,7 @@ def main() -> None:
             "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "steps": args.steps, "warmup_steps": args.warmup, "warmup_s": warmup_s,
             # What the CUDA code paths turned on: fused AdamW (training/optim.py) and TF32 matmuls.
-            "optimizer": cfg.optimizer,
+            "optimizer": plan.kind,
             "optimizer_fused": bool(getattr(acc_opts[0], "optimizer", acc_opts[0]).defaults.get("fused")),
             "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
             "ratio_overall": ratio, "ratio_median_paired": statistics.median(paired),

@@ -16,7 +16,7 @@ TEMP_PREFIX = ".tmp-"  # temporary names start with a dot: listings of final nam
 
 
 def temp_path(final: Path) -> Path:
-    """Where `final` is built before `publish` moves it into place."""
+    """Where `final` is built before `rename_into_place` moves it there."""
     return final.with_name(TEMP_PREFIX + final.name)
 
 
@@ -48,7 +48,7 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def publish(tmp: Path, final: Path) -> None:
+def rename_into_place(tmp: Path, final: Path) -> None:
     """Flush `tmp` (a file, or a folder and everything in it) and rename it to `final`.
 
     An existing `final` folder is set aside first and deleted only once the new one is in place,
@@ -71,4 +71,4 @@ def write_json_atomic(path: Path, obj: Any, indent: int = 1) -> None:
     tmp = temp_path(path)
     with tmp.open("w", encoding="utf-8") as f:
         json.dump(obj, f, indent=indent)
-    publish(tmp, path)
+    rename_into_place(tmp, path)

@@ -27,8 +27,10 @@ class UserError(Exception):
 
 
 @contextmanager
-def alike_on_every_rank() -> Iterator[None]:
-    """Mark the `UserError`s of a block that every rank computes alike (e.g. parsing the same flags)."""
+def computed_alike_on_every_rank() -> Iterator[None]:
+    """Mark the `UserError`s of a block that every rank computes alike, without talking to the others (e.g.
+    parsing the same flags): each rank raises the same error, so rank 0 alone prints it. (A block whose ranks
+    may disagree gathers their errors instead: `training.processes.shared_across_ranks`.)"""
     try:
         yield
     except UserError as err:
@@ -51,15 +53,6 @@ def fail(message: str, *, quiet: bool = False) -> NoReturn:
     raise SystemExit(2)
 
 
-_when_done: list[Callable[[], None]] = []
-
-
-def when_done(release: Callable[[], None]) -> None:
-    """Have `run_cli` call `release` when its entry point returns or stops with an error (e.g. to drop a lock
-    also when the entry point runs in-process, where no process exit would drop it)."""
-    _when_done.append(release)
-
-
 def run_cli(main: Callable[[], object]) -> None:
     """Run an entry point, turning a `UserError` into a one-line message and exit status 2."""
     try:
@@ -71,6 +64,3 @@ def run_cli(main: Callable[[], object]) -> None:
         fail(f"(rank {rank}) {err}")
     except KeyboardInterrupt:
         fail("interrupted")
-    finally:
-        while _when_done:
-            _when_done.pop()()

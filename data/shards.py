@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from common.atomic import publish, temp_path
+from common.atomic import rename_into_place, temp_path
 from common.errors import UserError
 from data.tokens import TOKEN_DTYPE
 
@@ -43,7 +43,7 @@ class ShardWriter:
     def finish(self) -> dict[str, Any]:
         """Flush and rename to the final name; return the manifest entry."""
         self.file.close()
-        publish(self.tmp, self.path)
+        rename_into_place(self.tmp, self.path)
         return {"file": self.path.name, "tokens": self.tokens, "sha256": self.sha.hexdigest()}
 
     def abandon(self) -> None:

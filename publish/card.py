@@ -16,7 +16,7 @@ import argparse
 import shutil
 from pathlib import Path
 
-from common.atomic import fresh_temp_dir, publish
+from common.atomic import fresh_temp_dir, rename_into_place
 from common.errors import UserError, run_cli
 from common.run_dir import RunDir, checkpoint_step
 from publish.hub import build_hf_folder, describe_weights
@@ -68,7 +68,7 @@ def write_card(run_dir: str | Path, output: str | Path | None = None, hub_model_
     try:
         build_hf_folder(run, source, tmp)
         write_model_card(run.path, tmp, hub_model_id, source=what, local_path=dest)  # named as it will be
-        publish(tmp, dest)
+        rename_into_place(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest

@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from common.atomic import publish, temp_path
+from common.atomic import rename_into_place, temp_path
 from common.cli import CliParser
 from common.errors import UserError, run_cli
 from common.run_dir import RunDir
@@ -99,7 +99,7 @@ def stage_export(run_dir: str | Path, source: Path | None = None) -> tuple[Path,
     shutil.rmtree(tmp, ignore_errors=True)
     build_hf_folder(run, source, tmp)
     marker.unlink(missing_ok=True)
-    publish(tmp, export)
+    rename_into_place(tmp, export)
     marker.write_text(json.dumps(record))
     return export, what
 

@@ -7,15 +7,16 @@ import threading
 from pathlib import Path
 
 from common.errors import UserError
-from configs import TrainConfig
+from common.run_dir import RunDir
+from configs import HubConfig
 from publish.hub import check_hub_access, push_to_hub, stage_export, upload_export
 
 
 class HubUploads:
     """Pushes of one run; construct it before training so a missing token fails before the first step."""
 
-    def __init__(self, cfg: TrainConfig, is_main_process: bool) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: HubConfig, run: RunDir, save_every: int, is_main_process: bool) -> None:
+        self.cfg, self.run, self.save_every = cfg, run, save_every
         self.enabled = cfg.push_to_hub and is_main_process
         self._upload: threading.Thread | None = None  # the step-N upload in flight, at most one
         if cfg.push_to_hub:
@@ -24,13 +25,13 @@ class HubUploads:
     def checkpoint_saved(self, step: int, checkpoint: Path) -> None:
         """After each save: every `hub_push_every`-th checkpoint goes to branch `step-N`."""
         cfg = self.cfg
-        if not (self.enabled and cfg.hub_push_every and step % (cfg.save_every * cfg.hub_push_every) == 0):
+        if not (self.enabled and cfg.hub_push_every and step % (self.save_every * cfg.hub_push_every) == 0):
             return
         self.wait()  # one upload at a time: the next export reuses the staging folder
         try:
             # Staged now, from this very checkpoint: the branch holds step N even if rotation deletes
             # the checkpoint or a newer one appears while the upload runs.
-            export, what = stage_export(cfg.out_dir, source=checkpoint)
+            export, what = stage_export(self.run.path, source=checkpoint)
         except UserError as err:
             print(f"warning: {err}", flush=True)
             return
@@ -42,7 +43,7 @@ class HubUploads:
 
     def _push(self, export: Path, what: str, revision: str) -> None:
         try:
-            url = upload_export(self.cfg.out_dir, export, what, self.cfg.hub_model_id, revision=revision)
+            url = upload_export(self.run.path, export, what, self.cfg.hub_model_id, revision=revision)
             print(f"pushed to {url}", flush=True)
         except UserError as err:
             print(f"warning: {err}", flush=True)
@@ -60,6 +61,6 @@ class HubUploads:
         if not self.enabled:
             return
         try:
-            print(f"pushed to {push_to_hub(self.cfg.out_dir, self.cfg.hub_model_id)}", flush=True)
+            print(f"pushed to {push_to_hub(self.run.path, self.cfg.hub_model_id)}", flush=True)
         except UserError as err:
             print(f"warning: {err}", flush=True)

@@ -32,25 +32,27 @@ kind, _, at = os.environ.get("FAULT", "").partition(":")
 at = int(at or 0)
 
 if kind == "kill_after_step":
-    learning_rate = train.learning_rate
+    from training.step import LRSchedule
 
-    def learning_rate_then_die(cfg, step):  # called at the start of step `step` (0-based)
+    factor = LRSchedule.factor
+
+    def factor_then_die(self, step):  # called at the start of step `step` (0-based)
         if step == at:
             os.kill(os.getpid(), signal.SIGKILL)
-        return learning_rate(cfg, step)
+        return factor(self, step)
 
-    train.learning_rate = learning_rate_then_die
+    LRSchedule.factor = factor_then_die
 elif kind == "kill_in_save":
     import training.checkpoint as checkpoint
 
-    publish = checkpoint.publish
+    rename_into_place = checkpoint.rename_into_place
 
     def die_before_publish(tmp, final):  # runs after save_state, before the rename that publishes
         if tmp.name == f".tmp-step_{at:06d}":
             os.kill(os.getpid(), signal.SIGKILL)
-        publish(tmp, final)
+        rename_into_place(tmp, final)
 
-    checkpoint.publish = die_before_publish
+    checkpoint.rename_into_place = die_before_publish
 elif kind == "kill_in_save_state":
     import accelerate.checkpointing as checkpointing
 
@@ -83,12 +85,12 @@ elif kind == "kill_in_rotation":
 elif kind == "kill_in_export":
     import training.export as export
 
-    publish = export.publish
+    rename_into_place = export.rename_into_place
 
     def die_before_final_is_published(tmp, final):
         os.kill(os.getpid(), signal.SIGKILL)
 
-    export.publish = die_before_final_is_published
+    export.rename_into_place = die_before_final_is_published
 elif kind == "nan_at_step":
     from model import GPT
 

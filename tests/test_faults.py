@@ -20,7 +20,8 @@ from test_train import TINY, assert_same_weights, launch, read_metrics, run_in_p
 
 import train
 from common.errors import UserError
-from training.checkpoint import find_resume_point, verify_checkpoint
+from training.manifest import verify_checkpoint
+from training.resume import find_resume_point
 
 # 4 steps, a checkpoint at 2 and 4, dropout so that a lost RNG state would change the weights.
 RUN = TINY + ["--max_steps", "4", "--micro_batch_size", "2", "--total_batch_size", "64", "--save_every", "2",
@@ -162,10 +163,9 @@ def test_skipped_steps_are_bounded(tmp_path):
     from accelerate import Accelerator
 
     from common.run_dir import RunDir
-    from configs import TrainConfig
     from training.step import NonFinitePolicy
 
-    policy = NonFinitePolicy(TrainConfig(on_nan="skip", max_nan_skips=2), RunDir(tmp_path), Accelerator(cpu=True))
+    policy = NonFinitePolicy("skip", 2, RunDir(tmp_path), Accelerator(cpu=True))
     policy.after_step(1, float("nan"))
     policy.after_step(2, 1.0)  # a good step resets the count
     policy.after_step(3, float("inf"))

@@ -13,12 +13,13 @@ import pytest
 import torch
 from test_train import TINY, assert_same_weights, launch, read_metrics, run_in_process
 
-from configs import TrainConfig
+from configs import OptimConfig
 from model import GPT, GPTConfig
-from training.optim import build_optimizer, muon_parameter_names, scheduled_lrs
+from training.optim import build_optimizer, muon_parameter_names, plan_optimizers
 
 SMALL = GPTConfig(vocab_size=100, n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=0.0)
-MUON = TrainConfig(optimizer="muon", lr=1e-3, muon_lr=0.02, warmup_steps=1, max_steps=10)
+MUON = plan_optimizers(OptimConfig(optimizer="muon", lr=1e-3, muon_lr=0.02), from_scratch=True)
+ADAMW = plan_optimizers(OptimConfig(optimizer="adamw"), from_scratch=True)
 
 
 def test_muon_trains_the_blocks_matrices_and_adamw_everything_else():
@@ -35,8 +36,8 @@ def test_muon_trains_the_blocks_matrices_and_adamw_everything_else():
                                                                           "mlp.c_proj")}
     assert {names[id(p)] for p in in_muon} == expected == set(muon_parameter_names(model))
     assert {names[id(p)] for p in in_adamw if p.dim() == 2} == {"transformer.wte.weight", "transformer.wpe.weight"}
-    assert scheduled_lrs(MUON, 5e-4) == [5e-4, pytest.approx(0.01)]  # half of each peak
-    assert len(build_optimizer(model, TrainConfig(optimizer="adamw"), "cpu")) == 1
+    assert MUON.lrs_at(0.5) == [5e-4, pytest.approx(0.01)]  # half of each peak
+    assert len(build_optimizer(model, ADAMW, "cpu")) == 1
 
 
 def test_muon_with_accumulation_applies_the_big_batch_update():
@@ -57,7 +58,7 @@ def test_muon_with_accumulation_applies_the_big_batch_update():
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
     model, *opts = accelerator.prepare(accumulated, *build_optimizer(accumulated, MUON, "cpu"))
     for x, y in data:
-        lrs = scheduled_lrs(MUON, 1e-3)
+        lrs = MUON.lrs_at(1.0)
         big(x, y)[1].backward()
         for opt, lr in zip(big_opts, lrs):
             for group in opt.param_groups:
@@ -83,7 +84,7 @@ def test_muon_under_fsdp_is_refused_in_one_line():
     from training.optim import refuse_unsupported
 
     refuse_unsupported(MUON, sharded=False)
-    refuse_unsupported(TrainConfig(optimizer="adamw"), sharded=True)  # AdamW shards fine
+    refuse_unsupported(ADAMW, sharded=True)  # AdamW shards fine
     with pytest.raises(UserError) as err:
         refuse_unsupported(MUON, sharded=True)
     assert "not supported under FSDP" in str(err.value) and "\n" not in str(err.value)

@@ -485,24 +485,24 @@ def test_a_failed_push_during_training_is_a_warning(tmp_path):
 # ---- the pieces of the loop -------------------------------------------------------------------------------
 
 def test_learning_rate_schedule():
-    from configs import TrainConfig
-    from training.step import learning_rate
+    from training.step import LRSchedule
 
-    cfg = TrainConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=10, max_steps=110)
-    assert learning_rate(cfg, 0) == pytest.approx(0.1)
-    assert learning_rate(cfg, 9) == pytest.approx(1.0)
-    assert learning_rate(cfg, 60) == pytest.approx(0.55)  # half-way down the cosine
-    assert learning_rate(cfg, 110) == pytest.approx(0.1)
-    assert all(learning_rate(cfg, s) >= learning_rate(cfg, s + 1) for s in range(10, 120))
+    learning_rate = LRSchedule(warmup_steps=10, max_steps=110, min_lr_ratio=0.1).factor  # of a peak LR of 1
+    assert learning_rate(0) == pytest.approx(0.1)
+    assert learning_rate(9) == pytest.approx(1.0)
+    assert learning_rate(60) == pytest.approx(0.55)  # half-way down the cosine
+    assert learning_rate(110) == pytest.approx(0.1)
+    assert all(learning_rate(s) >= learning_rate(s + 1) for s in range(10, 120))
 
 
 def test_optimizer_groups_decay_only_matrices():
-    from configs import TrainConfig
+    from configs import OptimConfig
     from model import GPT, GPTConfig
-    from training.optim import build_optimizer
+    from training.optim import build_optimizer, plan_optimizers
 
     model = GPT(GPTConfig(vocab_size=100, n_layer=2, n_head=2, n_embd=32, block_size=16))
-    (opt,) = build_optimizer(model, TrainConfig(optimizer="adamw", weight_decay=0.1, lr=3e-4), "cpu")
+    plan = plan_optimizers(OptimConfig(optimizer="adamw", weight_decay=0.1, lr=3e-4), from_scratch=True)
+    (opt,) = build_optimizer(model, plan, "cpu")
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])

@@ -13,7 +13,7 @@ import torch
 from accelerate import Accelerator
 
 from common.errors import UserError
-from configs import TrainConfig
+from configs import DataConfig, EvalConfig
 from data import get_tokenizer
 from data.loader import load_val_tokens, small_val_advice
 from data.pairs import PairExamples
@@ -21,13 +21,13 @@ from eval.val_loss import evaluate_loss
 from model import GPT
 
 
-def sample(model: GPT, cfg: TrainConfig, device: torch.device) -> str:
+def sample(model: GPT, prompt: str, max_new_tokens: int, seed: int, device: torch.device) -> str:
     """A short sample from a fixed seed, drawn without disturbing the training RNG streams."""
     enc = get_tokenizer()
-    prompt = torch.tensor([enc.encode(cfg.sample_prompt, allowed_special="all")], device=device)
+    ids = torch.tensor([enc.encode(prompt, allowed_special="all")], device=device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(cfg.seed)
-        out = model.generate(prompt, max_new_tokens=cfg.sample_tokens, temperature=1.0, top_k=200)
+        torch.manual_seed(seed)
+        out = model.generate(ids, max_new_tokens=max_new_tokens, temperature=1.0, top_k=200)
     return enc.decode(out[0].tolist())
 
 
@@ -37,17 +37,17 @@ class TrainingEvals:
     Built before the first step: a validation set shorter than one window (block_size + 1 tokens) and bad
     HellaSwag data are refused here, before any training time is spent."""
 
-    def __init__(self, cfg: TrainConfig, accelerator: Accelerator) -> None:
-        self.cfg, self.accelerator = cfg, accelerator
-        self.val_tokens = load_val_tokens(cfg.dataset, max_tokens=cfg.val_tokens, text_column=cfg.text_column,
-                                          dataset_config=cfg.dataset_config, prompt_field=cfg.prompt_field,
-                                          completion_field=cfg.completion_field)
+    def __init__(self, cfg: EvalConfig, data: DataConfig, block_size: int, seed: int, accelerator: Accelerator) -> None:
+        self.cfg, self.block_size, self.seed, self.accelerator = cfg, block_size, seed, accelerator
+        self.val_tokens = load_val_tokens(data.dataset, max_tokens=data.val_tokens, text_column=data.text_column,
+                                          dataset_config=data.dataset_config, prompt_field=data.prompt_field,
+                                          completion_field=data.completion_field)
         self.pairs = isinstance(self.val_tokens, PairExamples)  # held-out examples (at least one), not a stream
         # parse_config ensures val_tokens >= block_size + 1, so a shorter set means the split itself is short.
-        if not self.pairs and len(self.val_tokens) < cfg.block_size + 1:
+        if not self.pairs and len(self.val_tokens) < block_size + 1:
             raise UserError(f"the validation set has {len(self.val_tokens)} tokens, fewer than one window of "
-                            f"block_size + 1 = {cfg.block_size + 1}; "
-                            + small_val_advice(cfg.dataset, len(self.val_tokens), cfg.block_size))
+                            f"block_size + 1 = {block_size + 1}; "
+                            + small_val_advice(data.dataset, len(self.val_tokens), block_size))
         self.hellaswag_items = None
         if cfg.hellaswag_every:
             from eval.hellaswag import load_items, require_metric_packages
@@ -68,11 +68,11 @@ class TrainingEvals:
         plain.eval()
         results, text = {}, None
         if val:
-            results["val_loss"] = evaluate_loss(plain, self.val_tokens, block_size=cfg.block_size,
+            results["val_loss"] = evaluate_loss(plain, self.val_tokens, block_size=self.block_size,
                                                 batch_size=cfg.eval_batch_size, accelerator=self.accelerator, bf16=bf16)
             # Sampling from non-finite logits would fail inside torch.multinomial.
-            text = (sample(plain, cfg, self.accelerator.device) if math.isfinite(results["val_loss"])
-                    else "(no sample: the validation loss is not finite)")
+            text = (sample(plain, cfg.sample_prompt, cfg.sample_tokens, self.seed, self.accelerator.device)
+                    if math.isfinite(results["val_loss"]) else "(no sample: the validation loss is not finite)")
         if hellaswag:
             from eval.hellaswag import evaluate_hellaswag
 
@@ -89,7 +89,7 @@ class TrainingEvals:
         """Whether the current weights give a finite loss on the first validation window or example (the same
         answer on every rank: a cheap health check before weights are saved)."""
         plain = self.accelerator.unwrap_model(model, keep_torch_compile=False)
-        block = self.cfg.block_size
+        block = self.block_size
         first = self.val_tokens[:1] if self.pairs else self.val_tokens[:block + 1]
         loss = evaluate_loss(plain, first, block_size=block, batch_size=1,
                              accelerator=self.accelerator, bf16=self.accelerator.mixed_precision == "bf16")

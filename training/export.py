@@ -10,7 +10,7 @@ import torch
 from accelerate import Accelerator
 from safetensors import SafetensorError
 
-from common.atomic import fresh_temp_dir, publish
+from common.atomic import fresh_temp_dir, rename_into_place
 from common.errors import UserError
 from common.run_dir import RunDir
 from model import GPT, GPTConfig
@@ -42,7 +42,7 @@ def _write(run: RunDir, folder: Path, write: Callable[[Path], None]) -> None:
     tmp = fresh_temp_dir(folder)
     try:
         write(tmp)
-        publish(tmp, folder)
+        rename_into_place(tmp, folder)
     except (OSError, SafetensorError) as err:
         shutil.rmtree(tmp, ignore_errors=True)
         reason = getattr(err, "strerror", None) or str(err).splitlines()[0]

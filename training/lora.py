@@ -1,13 +1,14 @@
 """A LoRA run (`--lora_rank N`): adapters on the network, checkpoints holding only them, resumes that match.
 
 What changes against a full fine-tune, and where:
-- `add_run_adapters` (from `training.setup.build_model`): peft's adapters on the `--init_from` weights, everything
+- `add_run_adapters` (from `training.network.build_model`): peft's adapters on the `--init_from` weights, everything
   else frozen (`build_optimizer` takes trainable parameters only, so the optimizer state is the adapters' too).
-- `use_adapter_checkpoints` (from `start_accelerator`): accelerate's `save_state` writes the adapter
-  (`adapter_model.safetensors`, `adapter_config.json`) in place of `model.safetensors`, and `load_state` loads
-  it back; optimizer, RNG and data states are saved as for any run, and the manifest covers every file.
-- `check_resume` (from `build_model`, before any weights are read): a LoRA checkpoint resumes only as a LoRA run
-  with the same settings on the same base, a full one only as a full run.
+- `use_adapter_checkpoints` (from train.py, before the resume point is loaded): accelerate's `save_state` writes
+  the adapter (`adapter_model.safetensors`, `adapter_config.json`) in place of `model.safetensors`, and
+  `load_state` loads it back; optimizer, RNG and data states are saved as for any run, and the manifest covers
+  every file.
+- `check_resume` (from `training.network.build_model`, before any weights are read): a LoRA checkpoint resumes
+  only as a LoRA run with the same settings on the same base, a full one only as a full run.
 - `training.export.export_final` writes `final/` merged and `final_adapter/` (see `model.lora`).
 
 peft is imported only here and in `model.lora`, and only for a LoRA run (the GPU image may lack it).
@@ -22,7 +23,7 @@ from accelerate.utils import DistributedType
 
 from common.errors import UserError
 from common.run_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from configs import TrainConfig
+from configs import ModelConfig
 from model import GPT
 
 
@@ -33,21 +34,25 @@ def base_name(init_from: str) -> str:
     return str(path.resolve()) if path.exists() else init_from
 
 
-def _config(cfg: TrainConfig):
+def _config(cfg: ModelConfig):
     from model.lora import lora_config
 
-    targets = [t.strip() for t in cfg.lora_targets.split(",")]
-    return lora_config(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, targets, base_name(cfg.init_from))
+    return lora_config(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_list, base_name(cfg.init_from))
 
 
-def add_run_adapters(model: GPT, cfg: TrainConfig) -> GPT:
+def lora_summary(cfg: ModelConfig) -> str | None:
+    """What a LoRA run adds, for the run's header (None for a full fine-tune or a run from scratch)."""
+    return f"LoRA r={cfg.lora_rank} on {cfg.lora_targets}" if cfg.lora_rank else None
+
+
+def add_run_adapters(model: GPT, cfg: ModelConfig) -> GPT:
     """`model` with the run's adapters injected (in place); only they require gradients."""
     from model.lora import add_adapters
 
     return add_adapters(model, _config(cfg))
 
 
-def check_resume(cfg: TrainConfig, checkpoint: Path) -> None:
+def check_resume(cfg: ModelConfig, checkpoint: Path) -> None:
     """Refuse to resume a LoRA checkpoint as a full run or the reverse, or with other LoRA settings or base."""
     saved_lora = (checkpoint / ADAPTER_CONFIG).is_file()
     if cfg.lora_rank and not saved_lora:

@@ -1,5 +1,5 @@
-"""Where a run's numbers go: `metrics.jsonl` in the run folder, accelerate's trackers, and one plain
-console line per logged step (`StepLine`).
+"""Where a run's numbers go: `metrics.jsonl` in the run folder, accelerate's trackers, the run's header and
+one plain console line per logged step (`StepLine`).
 
 `metrics.jsonl` has one JSON object per logged step (`step`, `loss`, `lr`, `grad_norm`, `tokens`,
 `tok_per_sec`, `mfu`, and `val_loss` / `hellaswag_*` on the steps they are computed). Scripts outside
@@ -14,11 +14,16 @@ import time
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
+import torch
 from accelerate import Accelerator
 
 from common.run_dir import RunDir
+from configs import LogConfig
+from training.mfu import estimate_mfu, peak_flops
+from training.optim import OptimizerPlan, describe_optimizers
+from training.processes import BatchGeometry
 
 
 def trackers_for(report_to: str) -> list[str] | None:
@@ -111,6 +116,56 @@ class StepLine:
                 f"mfu {'-' if mfu is None else f'{mfu:.1%}'} | {_clock(elapsed)} elapsed, {_clock(left)} left")
 
 
+class StepReport:
+    """What a logged step reports: the step's loss (averaged over ranks), learning rate, gradient norm, tokens
+    seen, tokens/s and MFU, as a console line (main process) and a `metrics.jsonl` record. Steps are timed with
+    `timing()`; every `log_every` steps and at the last, `of_step` reads them."""
+
+    def __init__(self, cfg: LogConfig, accelerator: Accelerator, max_steps: int, start_step: int,
+                 tokens_per_step: int, flops_per_token: float) -> None:
+        self.accelerator, self.log_every, self.flops_per_token = accelerator, cfg.log_every, flops_per_token
+        self.peak = peak_flops(accelerator.device, cfg.mfu_peak_flops)  # None where unknown: no MFU then
+        self.throughput, self.line = Throughput(tokens_per_step), StepLine(max_steps, start_step)
+
+    def timing(self):
+        return self.throughput.timing()
+
+    def of_step(self, step: int, last: bool, mean_loss: torch.Tensor, lr: float, grad_norm: float, tokens: int,
+                write: Callable[[str], None]) -> dict[str, Any]:
+        """The record of optimizer step `step` if it is a logged one (printed with `write`), else {}.
+        `mean_loss`: this rank's mean micro-batch loss of the step, on device (reduced here, on every rank)."""
+        if step % self.log_every and not last:
+            return {}
+        loss = self.accelerator.reduce(mean_loss, reduction="mean").item()
+        tok_per_sec = self.throughput.read()
+        mfu = estimate_mfu(self.flops_per_token, tok_per_sec, self.accelerator.num_processes, self.peak)
+        record = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "tok_per_sec": tok_per_sec,
+                  "mfu": mfu}
+        if self.accelerator.is_main_process:
+            write(self.line.format(step, record))
+        return record
+
+
 def _clock(seconds: float) -> str:
     """H:MM:SS, whole seconds."""
     return str(timedelta(seconds=round(seconds)))
+
+
+def run_header(accelerator: Accelerator, model: torch.nn.Module, n_params: int, geometry: BatchGeometry,
+               plan: OptimizerPlan, lora: str | None) -> str:
+    """The run's header: model size (and what LoRA trains), batch geometry, distribution, precision,
+    compilation, device; then which optimizer trains which parameters. `model`: as prepared."""
+    # accelerate wraps the prepared model in torch.compile's OptimizedModule when a dynamo backend is set.
+    compiled = f"torch.compile ({accelerator.state.dynamo_plugin.backend.value.lower()})" \
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else "eager"
+    adapters = ""
+    if lora:
+        params = list(model.parameters())
+        trainable = sum(p.numel() for p in params if p.requires_grad)
+        adapters = f" ({lora}: {trainable:,} trainable, {trainable / sum(p.numel() for p in params):.2%} of all)"
+    g = geometry
+    return (f"GPT {n_params / 1e6:.2f}M params{adapters} | {g.world_size} process(es) x {g.accumulation} "
+            f"accumulation x {g.micro_batch_size} x {g.block_size} = {g.tokens_per_step:,} tokens per step | "
+            f"distributed: {accelerator.distributed_type.value} | precision: {accelerator.mixed_precision} | "
+            f"{compiled} | {accelerator.device}\n"
+            f"{describe_optimizers(accelerator.unwrap_model(model, keep_torch_compile=False), plan)}")

@@ -5,18 +5,54 @@ matrices inside the transformer blocks (attention and MLP projections), AdamW on
 position embeddings, the output layer tied to the token embedding, biases, LayerNorms): Muon orthogonalises a
 matrix's update, which suits hidden layers only, and torch's Muon takes 2-D parameters only.
 
+`--optimizer auto` is resolved once, into an `OptimizerPlan`: Muon to train from scratch (tuned and measured
+here: docs/benchmarks.md), AdamW to fine-tune weights that AdamW trained and for LoRA adapters (low-rank
+factors, not hidden matrices).
+
 Invariants: every trainable parameter is in exactly one optimizer (a tied weight once); the list's first
-optimizer is always the AdamW (accelerate saves it as `optimizer.bin`, a second one as `optimizer_1.bin`); the
-learning rates of step s are `scheduled_lrs(cfg, learning_rate(cfg, s))`, one per optimizer, in that order.
+optimizer is always the AdamW (accelerate saves it as `optimizer.bin`, a second one as `optimizer_1.bin`);
+`plan.names` names them in that order (checkpoints record it); the learning rates of step s are
+`plan.lrs_at(schedule.factor(s))`, one per optimizer, in that order.
 """
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 
 from common.errors import UserError
-from configs import TrainConfig
+from configs import OptimConfig
+
+
+@dataclass(frozen=True)
+class OptimizerPlan:
+    """The run's optimizers, resolved from `--optimizer` and the job: what trains with what, at which peak LR."""
+
+    kind: str  # "adamw" (every parameter) or "muon" (Muon on the blocks' matrices, AdamW on the rest)
+    lr: float  # AdamW's peak learning rate
+    muon_lr: float  # Muon's peak learning rate (kind "muon" only)
+    weight_decay: float
+    betas: tuple[float, float]
+    muon_momentum: float
+    muon_weight_decay: float
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The optimizers `build_optimizer` returns, in order: ("adamw",) or ("adamw", "muon")."""
+        return ("adamw", "muon") if self.kind == "muon" else ("adamw",)
+
+    def lrs_at(self, factor: float) -> list[float]:
+        """Each optimizer's learning rate when the schedule is at `factor` of the peak (one per optimizer)."""
+        return [self.lr * factor] + ([self.muon_lr * factor] if self.kind == "muon" else [])
+
+
+def plan_optimizers(cfg: OptimConfig, from_scratch: bool) -> OptimizerPlan:
+    """`--optimizer` resolved: `auto` is Muon to train from scratch and AdamW to fine-tune (or for LoRA)."""
+    kind = cfg.optimizer if cfg.optimizer != "auto" else ("muon" if from_scratch else "adamw")
+    return OptimizerPlan(kind=kind, lr=cfg.lr, muon_lr=cfg.muon_lr, weight_decay=cfg.weight_decay,
+                         betas=(cfg.beta1, cfg.beta2), muon_momentum=cfg.muon_momentum,
+                         muon_weight_decay=cfg.muon_weight_decay)
 
 
 def muon_parameter_names(model: torch.nn.Module) -> list[str]:
@@ -25,46 +61,40 @@ def muon_parameter_names(model: torch.nn.Module) -> list[str]:
             if p.requires_grad and p.dim() == 2 and name.startswith("transformer.h.")]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device_type: str) -> list[torch.optim.Optimizer]:
-    """[AdamW] or [AdamW, Muon] (`cfg.optimizer`). AdamW decays matrices and embeddings (>= 2-D) only, not biases
+def build_optimizer(model: torch.nn.Module, plan: OptimizerPlan, device_type: str) -> list[torch.optim.Optimizer]:
+    """[AdamW] or [AdamW, Muon] (`plan.kind`). AdamW decays matrices and embeddings (>= 2-D) only, not biases
     or LayerNorm gains."""
-    to_muon = set(muon_parameter_names(model)) if cfg.optimizer == "muon" else set()
+    to_muon = set(muon_parameter_names(model)) if plan.kind == "muon" else set()
     named = dict(model.named_parameters())  # a tied weight appears once, under its first name
     adamw_params = [p for name, p in named.items() if p.requires_grad and name not in to_muon]
     groups = [
-        {"params": [p for p in adamw_params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in adamw_params if p.dim() >= 2], "weight_decay": plan.weight_decay},
         {"params": [p for p in adamw_params if p.dim() < 2], "weight_decay": 0.0},
     ]
     # The fused CUDA kernel does the whole update in a few launches instead of one per tensor.
     fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
-    adamw = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **({"fused": True} if fused else {}))
+    adamw = torch.optim.AdamW(groups, lr=plan.lr, betas=plan.betas, **({"fused": True} if fused else {}))
     if not to_muon:
         return [adamw]
-    muon = torch.optim.Muon([named[name] for name in sorted(to_muon)], lr=cfg.muon_lr,
-                            momentum=cfg.muon_momentum, weight_decay=cfg.muon_weight_decay)
+    muon = torch.optim.Muon([named[name] for name in sorted(to_muon)], lr=plan.muon_lr,
+                            momentum=plan.muon_momentum, weight_decay=plan.muon_weight_decay)
     return [adamw, muon]
 
 
-def scheduled_lrs(cfg: TrainConfig, lr: float) -> list[float]:
-    """The learning rate of each optimizer of `build_optimizer` when the schedule gives AdamW `lr`: Muon follows
-    the same warmup and decay, scaled to its own peak `--muon_lr`."""
-    return [lr] if cfg.optimizer == "adamw" else [lr, lr * cfg.muon_lr / cfg.lr]
-
-
-def refuse_unsupported(cfg: TrainConfig, sharded: bool) -> None:
+def refuse_unsupported(plan: OptimizerPlan, sharded: bool) -> None:
     """Muon orthogonalises whole matrices; FSDP shards them, and torch.optim.Muon on FSDP's sharded (DTensor)
     parameters is not verified here: refuse the combination rather than train something untested."""
-    if sharded and cfg.optimizer == "muon":
+    if sharded and plan.kind == "muon":
         raise UserError("--optimizer muon is not supported under FSDP (Muon orthogonalises whole matrices, FSDP "
                         "shards them); use --optimizer adamw with FSDP, or Muon with a DDP launch config")
 
 
-def describe_optimizers(model: torch.nn.Module, cfg: TrainConfig) -> str:
+def describe_optimizers(model: torch.nn.Module, plan: OptimizerPlan) -> str:
     """Which optimizer trains which parameters, for the run's header."""
     total = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    if cfg.optimizer == "adamw":
+    if plan.kind == "adamw":
         return f"optimizer: AdamW on all {total / 1e6:.2f}M trainable params"
     named = dict(model.named_parameters())
     muon = sum(named[name].numel() for name in muon_parameter_names(model))
-    return (f"optimizer: Muon (lr {cfg.muon_lr:g}) on the blocks' 2-D weights ({muon / 1e6:.2f}M params), "
-            f"AdamW (lr {cfg.lr:g}) on embeddings/output layer, biases, LayerNorms ({(total - muon) / 1e6:.2f}M)")
+    return (f"optimizer: Muon (lr {plan.muon_lr:g}) on the blocks' 2-D weights ({muon / 1e6:.2f}M params), "
+            f"AdamW (lr {plan.lr:g}) on embeddings/output layer, biases, LayerNorms ({(total - muon) / 1e6:.2f}M)")

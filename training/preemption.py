@@ -37,6 +37,11 @@ class PreemptionFlag:
     def received(self) -> bool:
         return self.signal is not None
 
+    @staticmethod
+    def stopped_at(step: int) -> str:
+        """What the run says when it stops on a signal, after saving the checkpoint of `step`."""
+        return f"signal received: checkpoint saved at step {step}; continue with --resume latest"
+
     def any_rank(self, accelerator: Accelerator) -> bool:
         """True on every rank if a signal reached any rank (so all ranks stop at the same step)."""
         flag = torch.tensor([0.0 if self.signal is None else 1.0], device=accelerator.device)

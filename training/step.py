@@ -1,12 +1,14 @@
-"""One optimizer step, its batch geometry and its learning rate.
+"""One optimizer step, its learning rate, and what follows a step that was not finite.
 
 The batch is set in tokens (`total_batch_size`); the number of micro-steps follows from the micro
-batch, the context and the number of processes. The learning rate is a function of the step alone
-(no scheduler object to checkpoint or to step the wrong number of times under accelerate).
+batch, the context and the number of processes (`training.processes.BatchGeometry`). The learning rate
+is a function of the step alone (no scheduler object to checkpoint or to step the wrong number of times
+under accelerate).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -14,27 +16,23 @@ from accelerate import Accelerator
 
 from common.errors import UserError
 from common.run_dir import RunDir
-from configs import TrainConfig
 
 
-def accumulation_steps(cfg: TrainConfig, world_size: int) -> int:
-    """Micro-steps per optimizer step so that micro * block * processes * steps == total_batch_size."""
-    per_micro_step = cfg.micro_batch_size * cfg.block_size * world_size
-    if cfg.total_batch_size % per_micro_step:
-        raise UserError(
-            f"total_batch_size {cfg.total_batch_size} is not a multiple of micro_batch_size x block_size x processes "
-            f"= {cfg.micro_batch_size} x {cfg.block_size} x {world_size} = {per_micro_step}; change one of them"
-        )
-    return cfg.total_batch_size // per_micro_step
+@dataclass(frozen=True)
+class LRSchedule:
+    """Linear warmup to the peak, then cosine decay to `min_lr_ratio` of it at `max_steps`, as a factor of the
+    peak (each optimizer multiplies its own peak LR by it: `OptimizerPlan.lrs_at`)."""
 
+    warmup_steps: int
+    max_steps: int
+    min_lr_ratio: float
 
-def learning_rate(cfg: TrainConfig, step: int) -> float:
-    """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at `max_steps`."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
-    min_lr = cfg.lr * cfg.min_lr_ratio
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - min_lr)
+    def factor(self, step: int) -> float:
+        """The fraction of the peak learning rate at optimizer step `step` (0-based)."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps))
+        return self.min_lr_ratio + 0.5 * (1.0 + math.cos(math.pi * progress)) * (1.0 - self.min_lr_ratio)
 
 
 def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer],
@@ -86,8 +84,8 @@ class NonFinitePolicy:
     `train_step` therefore did not apply): stop, naming the last good checkpoint, or skip it, but never more
     than `--max_nan_skips` steps in a row (a run whose every step is skipped is broken, not unlucky)."""
 
-    def __init__(self, cfg: TrainConfig, run: RunDir, accelerator: Accelerator) -> None:
-        self.cfg, self.run, self.accelerator = cfg, run, accelerator
+    def __init__(self, on_nan: str, max_nan_skips: int, run: RunDir, accelerator: Accelerator) -> None:
+        self.on_nan, self.max_nan_skips, self.run, self.accelerator = on_nan, max_nan_skips, run, accelerator
         self.skipped_in_a_row = 0
 
     def after_step(self, step: int, grad_norm: float) -> None:
@@ -96,9 +94,9 @@ class NonFinitePolicy:
             self.skipped_in_a_row = 0
             return
         self.skipped_in_a_row += 1
-        limit = self.cfg.max_nan_skips
-        if self.cfg.on_nan == "stop" or self.skipped_in_a_row > limit:
-            skip = self.cfg.on_nan == "skip"
+        limit = self.max_nan_skips
+        if self.on_nan == "stop" or self.skipped_in_a_row > limit:
+            skip = self.on_nan == "skip"
             why = f" ({self.skipped_in_a_row} steps in a row, over --max_nan_skips {limit})" if skip else ""
             advice = "Lower --lr and resume from it" + ("" if skip else ", or resume with --on_nan skip")
             raise UserError(f"non-finite loss/gradient norm at step {step}{why}; last good checkpoint: "

@@ -1,0 +1,39 @@
+"""The network a run trains: new from the flags, pretrained (`--init_from`), or a fine-tune being resumed.
+
+The architecture that runs is the built model's `config` (a `GPTConfig`); with `--init_from` it comes from
+the weights, not from the architecture flags, which are then unused. It is computed here once; the run
+records it (`training.run_folder.recorded_config`), the parsed flags are never changed.
+"""
+from __future__ import annotations
+
+from common.errors import UserError
+from configs import ModelConfig
+from model import GPT, GPTConfig
+from training.lora import add_run_adapters, check_resume
+from training.resume import ResumePoint
+
+
+def build_model(cfg: ModelConfig, resume: ResumePoint | None) -> GPT:
+    """The network: from the flags (`init_from scratch`), from `init_from` weights, or, for a fine-tune being
+    resumed, the checkpoint's architecture (its weights replace init_from's when loaded). With `--lora_rank`,
+    the network gets adapters and only they train (see `training.lora`)."""
+    if resume is not None:
+        check_resume(cfg, resume.path)  # a LoRA checkpoint only into the same LoRA run, a full one only into a full run
+    model = _network(cfg, resume)
+    if cfg.lora_rank:
+        model = add_run_adapters(model, cfg)
+    return model
+
+
+def _network(cfg: ModelConfig, resume: ResumePoint | None) -> GPT:
+    if cfg.from_scratch:
+        return GPT(GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size,
+                             dropout=cfg.dropout, bias=cfg.bias))
+    if resume is not None and not cfg.lora_rank:  # a LoRA checkpoint holds no base weights: init_from has them
+        try:
+            arch = GPTConfig(**{**resume.gpt_config, "block_size": cfg.block_size, "dropout": cfg.dropout})
+        except (TypeError, ValueError) as err:
+            raise UserError(f"the model config in {resume.path} is damaged ({err}); resume from another "
+                            "checkpoint") from None
+        return GPT(arch)
+    return GPT.from_pretrained(cfg.init_from, block_size=cfg.block_size, dropout=cfg.dropout)

@@ -1,0 +1,99 @@
+"""The processes of a launch: their Accelerator, the batch geometry they share, and agreement on errors.
+
+Without the agreement, a rank that finds a problem (a damaged file of its own, a data source it cannot
+read) exits while the others wait for it in their next collective until a timeout, and the user reads a
+distributed-timeout traceback instead of the problem.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import ProjectConfiguration, gather_object
+
+from common.errors import UserError
+from common.run_dir import RunDir
+from configs import TrainingConfig
+
+
+@dataclass(frozen=True)
+class BatchGeometry:
+    """How one optimizer step's batch is cut: micro_batch_size x block_size tokens per forward pass, on each of
+    world_size processes, accumulation times. Their product is the step's batch in tokens."""
+
+    micro_batch_size: int
+    block_size: int
+    world_size: int
+    accumulation: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batch_size * self.block_size * self.world_size * self.accumulation
+
+    @classmethod
+    def of_launch(cls, cfg: TrainingConfig, block_size: int) -> BatchGeometry:
+        """The geometry of this launch (its world size is known before any Accelerator) for `--total_batch_size`."""
+        return cls.for_total(cfg.total_batch_size, cfg.micro_batch_size, block_size, process_state().num_processes)
+
+    @classmethod
+    def for_total(cls, total_batch_size: int, micro_batch_size: int, block_size: int,
+                  world_size: int) -> BatchGeometry:
+        """The accumulation that makes `total_batch_size` tokens per step; a UserError when none does."""
+        per_micro_step = micro_batch_size * block_size * world_size
+        if total_batch_size % per_micro_step:
+            raise UserError(
+                f"total_batch_size {total_batch_size} is not a multiple of micro_batch_size x block_size x processes "
+                f"= {micro_batch_size} x {block_size} x {world_size} = {per_micro_step}; change one of them")
+        return cls(micro_batch_size, block_size, world_size, total_batch_size // per_micro_step)
+
+
+def process_state() -> PartialState:
+    """This process's place in the launch, before any Accelerator exists (so that the batch geometry is known
+    first). A multi-process launch on a machine without CUDA runs on gloo; otherwise every process would
+    believe it is rank 0."""
+    return PartialState(cpu=_cpu_launch())
+
+
+def _cpu_launch() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+
+
+def start_accelerator(accumulation: int, trackers: list[str] | None, run: RunDir) -> Accelerator:
+    """The Accelerator of this process: devices, precision, compile and FSDP come from accelerate's config,
+    micro-steps per optimizer step from the batch geometry, trackers (`--report_to`) write into the run folder."""
+    accelerator = Accelerator(cpu=_cpu_launch(), gradient_accumulation_steps=accumulation, log_with=trackers,
+                              project_config=ProjectConfiguration(str(run.path), logging_dir=str(run.tensorboard)))
+    if accelerator.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return accelerator
+
+
+def close_process_group() -> None:
+    """Close the launch's process group, if one is open. A process that stops on an error with its gloo group
+    open aborts now and then at exit (SIGABRT instead of status 2); a no-op after `end_training` closed it."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+@contextmanager
+def shared_across_ranks(accelerator: Accelerator) -> Iterator[None]:
+    """Run a block on every rank; if it raised a `UserError` on any rank, raise the first (lowest rank's)
+    message on every rank, marked for printing once. The block must not run collectives itself (a rank that
+    failed early would not join them)."""
+    error: UserError | None = None
+    try:
+        yield
+    except UserError as err:
+        error = err
+    if accelerator.num_processes == 1:
+        if error is not None:
+            raise error
+        return
+    messages = [m for m in gather_object([None if error is None else str(error)]) if m is not None]
+    if messages:
+        raise UserError(messages[0], on_every_rank=True) from error

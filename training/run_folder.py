@@ -1,0 +1,106 @@
+"""The run folder (`--out_dir`) of a training run: claimed once the run is accepted, then recorded.
+
+A refused run leaves the folder as it was: the folder is locked and written only after every check that
+can refuse the run has passed (`training.resume.find_resume_point` decided what may be resumed;
+`claim_run_folder` then takes the lock and checks the checkpoint file by file). One run per folder: the
+lock is held by a `RunLock` for as long as the run's context lasts (the OS drops it if the process dies).
+"""
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+from accelerate import Accelerator
+from filelock import FileLock, Timeout
+
+from common.errors import UserError
+from common.run_dir import RunDir
+from configs import RunConfig, TrainConfig, write_run_config
+from model import GPTConfig
+from training.manifest import verify_checkpoint
+from training.metrics import MetricsLog
+from training.optim import OptimizerPlan
+from training.preflight import check_out_dir_writable, warn_if_low_disk
+from training.resume import Progress, ResumePoint, find_resume_point, set_aside_superseded
+
+
+class RunLock:
+    """`<out_dir>/.lock`, taken by `acquire` (or a refusal naming the run that holds it), let go when the `with`
+    (or ExitStack) it is entered into ends."""
+
+    def __init__(self, run: RunDir) -> None:
+        self.path = run.lock_file
+        self.lock = FileLock(self.path)
+
+    def acquire(self) -> RunLock:
+        try:
+            self.lock.acquire(timeout=0)
+        except Timeout:
+            raise UserError(f"another run is writing into {self.path.parent} (it holds {self.path}); wait for it to "
+                            "end or choose another --out_dir") from None
+        return self
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+
+
+def claim_run_folder(accelerator: Accelerator, cfg: RunConfig, resume: ResumePoint | None, max_steps: int,
+                     checkpoint_size: int) -> AbstractContextManager:
+    """Make the folder this run's own, once `find_resume_point` accepted it (so a refused run created nothing).
+
+    The main process checks that the folder can be written, takes its lock, sees that the folder still resumes
+    the same way, checks the resume point file by file and warns when the disk looks too small for the
+    `--keep_last` checkpoints of `checkpoint_size` bytes; it returns the held lock, to be entered into the
+    run's context, which lets it go when the run ends (other processes: a context that holds nothing). Call
+    inside `training.processes.shared_across_ranks`."""
+    run = RunDir(cfg.out_dir)
+    if resume is not None and resume.progress.step > max_steps:
+        raise UserError(f"{resume.path} is at step {resume.progress.step}, past --max_steps {max_steps}; "
+                        "pass a larger --max_steps to train on")
+    check_out_dir_writable(run.path)
+    if not accelerator.is_main_process:
+        return nullcontext()
+    run.path.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(run).acquire()
+    try:
+        now = find_resume_point(cfg.resume, run.path)
+        if (now and (now.path, now.superseded)) != (resume and (resume.path, resume.superseded)):
+            raise UserError(f"another run changed {run.path} while this one was starting; start this one again")
+        if resume is not None:
+            verify_checkpoint(resume)
+    except UserError:
+        lock.__exit__()
+        raise
+    warn_if_low_disk(run.path, checkpoint_size, cfg.keep_last)
+    return lock
+
+
+def recorded_config(cfg: TrainConfig, arch: GPTConfig, plan: OptimizerPlan) -> dict[str, Any]:
+    """What the run ran with, one key per flag (`config.yaml`, the trackers' config): the flags, except that the
+    architecture is the model's (with `--init_from`, the loaded weights', not the unused flags') and
+    `--optimizer auto` is the optimizer it chose."""
+    values = cfg.flat()
+    values.update(n_layer=arch.n_layer, n_head=arch.n_head, n_embd=arch.n_embd, bias=arch.bias,
+                  block_size=arch.block_size, optimizer=plan.kind, lr=plan.lr, muon_lr=plan.muon_lr)
+    return values
+
+
+def open_run_folder(accelerator: Accelerator, run: RunDir, resume: ResumePoint | None, progress: Progress,
+                    record: dict[str, Any], wandb_project: str, run_name: str | None) -> MetricsLog:
+    """Set aside what an older resume point supersedes, record the config and start the trackers (once the
+    resume was accepted and loaded, so that a refused one leaves the folder untouched); the run's metrics log."""
+    if accelerator.is_main_process:
+        aside = set_aside_superseded(resume, run) if resume is not None else None
+        if aside is not None:
+            newer = ", ".join(p.name for p in resume.superseded)
+            print(f"resuming from {resume.path.name}: the newer checkpoints ({newer}) and final/, if any, were moved "
+                  f"to {aside} (with a copy of metrics.jsonl); nothing was deleted", flush=True)
+        write_run_config(record, run.config_file)
+    accelerator.init_trackers(wandb_project, config=record,
+                              init_kwargs={"wandb": {"id": progress.run_id, "resume": "allow",
+                                                     "name": run_name or run.path.name, "dir": str(run.path)}})
+    return MetricsLog(accelerator, run.path, resume_step=progress.step)
+
