@@ -13,13 +13,14 @@ from tqdm import tqdm
 
 
 class TerminalBar(tqdm):
-    """A tqdm bar drawn only when `show` (e.g. on the main process) and stderr is a terminal.
+    """A tqdm bar, drawn only where tqdm itself draws one (`disable=None`: its output, stderr, is a terminal) and
+    when `show` (e.g. on the main process).
 
     `write` prints a plain line above the bar (or just the line, when no bar is drawn) and flushes it:
     redirected stdout is block-buffered, and `tail -f` on a log should show a line when it is written."""
 
     def __init__(self, *args: Any, show: bool = True, **kwargs: Any) -> None:
-        super().__init__(*args, disable=not (show and sys.stderr.isatty()), **kwargs)
+        super().__init__(*args, disable=None if show else True, **kwargs)
 
     @classmethod
     def write(cls, s: str, file: TextIO | None = None, end: str = "\n", nolock: bool = False) -> None:
