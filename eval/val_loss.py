@@ -27,6 +27,7 @@ from common.console import TerminalBar
 from common.errors import UserError, run_cli
 from common.run_dir import RunDir
 from data.pairs import PairExamples
+from data.tokenizer import IGNORE
 from eval.common import (
     autocast,
     cli_accelerator,
@@ -88,10 +89,10 @@ def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray | Sequence[int] | t
             batch = mine[step * batch_size:(step + 1) * batch_size]
             # Fixed shape (batch_size, block_size): rows past the end are padding with no targets.
             x = torch.zeros(batch_size, block_size, dtype=torch.long)
-            y = torch.full((batch_size, block_size), -100, dtype=torch.long)
+            y = torch.full((batch_size, block_size), IGNORE, dtype=torch.long)
             if batch:
                 x[:len(batch)], y[:len(batch)] = rows(batch)
-            count += int((y != -100).sum())
+            count += int((y != IGNORE).sum())
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with autocast(device, bf16):
                 _, loss = model(x, y, loss_reduction="sum")
