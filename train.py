@@ -19,7 +19,7 @@ from common.console import TerminalBar
 from common.errors import alike_on_every_rank, run_cli
 from common.run_dir import RunDir
 from configs import parse_config
-from data.loader import build_train_loader
+from data.source import open_source
 from publish.card import write_card
 from publish.uploads import HubUploads
 from training.checkpoint import Checkpointer, find_resume_point
@@ -47,11 +47,10 @@ def main() -> None:
         set_seed(cfg.seed)  # identical initial weights on every rank
         model = build_model(cfg, resume)
         # Data: every rank reads its own rows of the same global batches; validation is one fixed token set.
-        train_loader = build_train_loader(cfg.dataset, block_size=cfg.block_size, micro_batch_size=cfg.micro_batch_size,
-                                          rank=rank, world_size=world, text_column=cfg.text_column,
-                                          dataset_config=cfg.dataset_config, seed=cfg.seed,
-                                          prompt_field=cfg.prompt_field, completion_field=cfg.completion_field)
-        evals = TrainingEvals(cfg, accelerator)
+        source = open_source(cfg)  # --dataset, parsed once
+        train_loader = source.train_loader(block_size=cfg.block_size, micro_batch_size=cfg.micro_batch_size,
+                                           rank=rank, world_size=world, seed=cfg.seed)
+        evals = TrainingEvals(cfg, source, accelerator)
         check_out_dir_writable(run.path)
         claim_run_folder(accelerator, cfg, resume)  # one run per folder (locked); the checkpoint checked file by file
     arch, n_params, flops_per_token = model.config, model.num_params(), model.flops_per_token()

@@ -33,7 +33,7 @@ from torch import nn
 from common.cli import CliParser
 from common.errors import run_cli
 from configs import TrainConfig
-from data.loader import build_train_loader, load_val_tokens
+from data.source import open_source
 from eval.val_loss import evaluate_loss
 from model import GPT, GPTConfig
 from training.optim import build_optimizer, scheduled_lrs
@@ -71,8 +71,8 @@ def train_one(run: str, cfg: TrainConfig, accelerator: Accelerator, val_tokens, 
     if run == "muon-qkv-split":
         for block in model.transformer.h:
             block.attn.c_attn = SplitQKV(block.attn.c_attn)
-    loader = build_train_loader(cfg.dataset, block_size=cfg.block_size, micro_batch_size=cfg.micro_batch_size,
-                                rank=0, world_size=1, seed=cfg.seed)
+    loader = open_source(cfg).train_loader(block_size=cfg.block_size, micro_batch_size=cfg.micro_batch_size,
+                                           rank=0, world_size=1, seed=cfg.seed)
     grad_accum = accumulation_steps(cfg, 1)
     model, *optimizers = accelerator.prepare(model, *build_optimizer(model, cfg, "cpu"))
 
@@ -143,7 +143,7 @@ def main() -> None:
         cfg = TrainConfig(**SETUPS[setup])
         overrides = {k: v for k, v in (("max_steps", args.steps), ("lr", args.lr), ("muon_lr", args.muon_lr)) if v}
         cfg = replace(cfg, **overrides)
-        val_tokens = load_val_tokens(cfg.dataset, max_tokens=cfg.val_tokens)
+        val_tokens = open_source(cfg).val_set(cfg.block_size)
         print(f"{setup}: {cfg.n_layer} layers x {cfg.n_embd}, {cfg.total_batch_size} tokens/step, {cfg.max_steps} "
               f"steps, adamw run's lr {args.adamw_lr:g}, muon runs' lr {cfg.lr:g} and muon_lr {cfg.muon_lr:g}, "
               f"{len(val_tokens)} validation tokens", flush=True)

@@ -70,12 +70,13 @@ def test_bad_arguments(setup):
 def test_cli_two_processes_match_one(tmp_path):
     """`python -m eval.val_loss` on Tiny Shakespeare's held-out tokens with 2 gloo ranks prints
     the loss that one process computes."""
-    from data.loader import load_val_tokens
+    from data.settings import DataSettings
+    from data.source import open_source
 
     torch.manual_seed(1)
     GPT(GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)).save_pretrained(tmp_path / "m")
     one = evaluate_loss(GPT.from_pretrained(tmp_path / "m"),
-                        load_val_tokens("shakespeare", max_tokens=1000), block_size=32, batch_size=4)
+                        open_source(DataSettings(val_tokens=1000)).val_set(block_size=32), block_size=32, batch_size=4)
     args = ["-m", "eval.val_loss", "--model", str(tmp_path / "m"), "--max_tokens", "1000",
             "--batch_size", "4"]
     launch = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",

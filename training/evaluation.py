@@ -12,11 +12,10 @@ from typing import Any, Callable
 import torch
 from accelerate import Accelerator
 
-from common.errors import UserError
 from configs import TrainConfig
 from data import get_tokenizer
-from data.loader import load_val_tokens, small_val_advice
 from data.pairs import PairExamples
+from data.source import DataSource
 from eval.val_loss import evaluate_loss
 from model import GPT
 
@@ -37,17 +36,10 @@ class TrainingEvals:
     Built before the first step: a validation set shorter than one window (block_size + 1 tokens) and bad
     HellaSwag data are refused here, before any training time is spent."""
 
-    def __init__(self, cfg: TrainConfig, accelerator: Accelerator) -> None:
+    def __init__(self, cfg: TrainConfig, source: DataSource, accelerator: Accelerator) -> None:
         self.cfg, self.accelerator = cfg, accelerator
-        self.val_tokens = load_val_tokens(cfg.dataset, max_tokens=cfg.val_tokens, text_column=cfg.text_column,
-                                          dataset_config=cfg.dataset_config, prompt_field=cfg.prompt_field,
-                                          completion_field=cfg.completion_field)
+        self.val_tokens = source.val_set(cfg.block_size)  # refuses a set shorter than a window, with the fix
         self.pairs = isinstance(self.val_tokens, PairExamples)  # held-out examples (at least one), not a stream
-        # parse_config ensures val_tokens >= block_size + 1, so a shorter set means the split itself is short.
-        if not self.pairs and len(self.val_tokens) < cfg.block_size + 1:
-            raise UserError(f"the validation set has {len(self.val_tokens)} tokens, fewer than one window of "
-                            f"block_size + 1 = {cfg.block_size + 1}; "
-                            + small_val_advice(cfg.dataset, len(self.val_tokens), cfg.block_size))
         self.hellaswag_items = None
         if cfg.hellaswag_every:
             from eval.hellaswag import load_items, require_metric_packages
