@@ -89,3 +89,12 @@ def test_cli_two_processes_match_one(tmp_path):
     assert len(losses) == 1  # only the main process prints
     assert float(losses[0]) == pytest.approx(one, abs=2e-6)  # printed with 6 decimals
     assert "(992 target tokens, block_size 32" in two.stdout  # 31 windows of 32 targets
+
+
+def test_cli_refuses_a_cap_below_one_window_naming_its_own_flag(tmp_path):
+    from eval.val_loss import main
+
+    GPT(GPTConfig(block_size=32, n_layer=1, n_head=1, n_embd=8)).save_pretrained(tmp_path / "m")
+    with pytest.raises(UserError, match=r"^--max_tokens 10 is less than one validation window \(block_size \+ 1 = "
+                                        r"33\); pass --max_tokens 33 or more$"):
+        main(["--model", str(tmp_path / "m"), "--max_tokens", "10", "--device", "cpu"])
