@@ -21,7 +21,7 @@ from common.console import TerminalBar
 from common.errors import computed_alike_on_every_rank, run_cli
 from common.run_dir import RunDir
 from configs import parse_config
-from data.loader import build_train_loader
+from data.source import open_source
 from publish.card import write_card
 from publish.uploads import HubUploads
 from training.checkpoint import Checkpointer, restore
@@ -58,13 +58,11 @@ def main() -> None:
             if cfg.model.lora_rank:
                 use_adapter_checkpoints(accelerator)  # checkpoints hold the adapters, not the frozen base
             # Data: every rank reads its own rows of the same global batches; validation is one fixed token set.
-            d = cfg.data  # (until the data source lands: one object built from cfg.data)
-            loader = build_train_loader(d.dataset, block_size=geometry.block_size, rank=accelerator.process_index,
-                                        micro_batch_size=geometry.micro_batch_size, world_size=geometry.world_size,
-                                        seed=cfg.training.seed, text_column=d.text_column,
-                                        dataset_config=d.dataset_config, prompt_field=d.prompt_field,
-                                        completion_field=d.completion_field)
-            evals = TrainingEvals(cfg.eval, cfg.data, geometry.block_size, cfg.training.seed, accelerator)
+            source = open_source(cfg.data)  # --dataset, parsed once
+            loader = source.train_loader(block_size=geometry.block_size, micro_batch_size=geometry.micro_batch_size,
+                                         rank=accelerator.process_index, world_size=geometry.world_size,
+                                         seed=cfg.training.seed)
+            evals = TrainingEvals(cfg.eval, source, geometry.block_size, cfg.training.seed, accelerator)
             arch, n_params, flops_per_token = model.config, model.num_params(), model.flops_per_token()
             on_exit.enter_context(claim_run_folder(accelerator, cfg.run, resume, max_steps,
                                                    checkpoint_bytes(n_params)))  # one run per folder, locked
@@ -78,7 +76,8 @@ def main() -> None:
         nan_policy = NonFinitePolicy(cfg.training.on_nan, cfg.training.max_nan_skips, run, accelerator)
         schedule = LRSchedule(cfg.optim.warmup_steps, max_steps, cfg.optim.min_lr_ratio)
         report = StepReport(cfg.log, accelerator, max_steps, progress.step, geometry.tokens_per_step, flops_per_token)
-        accelerator.print(run_header(accelerator, model, n_params, geometry, plan, lora_summary(cfg.model)))
+        accelerator.print(run_header(accelerator, model, n_params, geometry, plan, lora_summary(cfg.model),
+                                     source.describe()))
 
         # The loop: one optimizer step, then whatever is due after it (log, evals, checkpoint, a signal). Each log
         # step and evaluation is a plain line; the live bar is drawn only on a terminal.

@@ -72,11 +72,12 @@ def main() -> None:
         bench_prepare(src, Path(tmp) / "shards1", 1)
         bench_prepare(src, Path(tmp) / "shards", all_threads)
 
-        from data.loader import build_train_loader
+        from data.settings import DataConfig
+        from data.source import open_source
         from data.streaming import StreamingLoader, open_hub_stream
 
-        shard_loader = build_train_loader(str(Path(tmp) / "shards"), block_size=1024, micro_batch_size=16, rank=0,
-                                          world_size=1)
+        shard_loader = open_source(DataConfig(dataset=str(Path(tmp) / "shards"))).train_loader(
+            block_size=1024, micro_batch_size=16, rank=0, world_size=1, seed=0)
         bench_loader(shard_loader, "shard loader next_batch (B=16, T=1024)", 200)
         stream = StreamingLoader(open_hub_stream("parquet", None, "train", data_files=str(src)), block_size=1024,
                                  micro_batch_size=16, rank=0, world_size=1, val_docs=10)

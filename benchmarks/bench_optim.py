@@ -33,7 +33,7 @@ from torch import nn
 from common.cli import CliParser
 from common.errors import run_cli
 from configs import DataConfig, TrainConfig
-from data.loader import build_train_loader, load_val_tokens
+from data.source import open_source
 from eval.val_loss import evaluate_loss
 from model import GPT, GPTConfig
 from training.optim import build_optimizer, plan_optimizers
@@ -74,8 +74,8 @@ def train_one(run: str, cfg: TrainConfig, accelerator: Accelerator, val_tokens, 
     if run == "muon-qkv-split":
         for block in model.transformer.h:
             block.attn.c_attn = SplitQKV(block.attn.c_attn)
-    loader = build_train_loader(cfg.data.dataset, block_size=arch.block_size, rank=0, world_size=1,
-                                micro_batch_size=cfg.training.micro_batch_size, seed=cfg.training.seed)
+    loader = open_source(cfg.data).train_loader(block_size=arch.block_size, rank=0, world_size=1,
+                                                micro_batch_size=cfg.training.micro_batch_size, seed=cfg.training.seed)
     geometry = BatchGeometry.for_total(cfg.training.total_batch_size, cfg.training.micro_batch_size, arch.block_size, 1)
     schedule = LRSchedule(optim.warmup_steps, steps, optim.min_lr_ratio)
     model, *optimizers = accelerator.prepare(model, *build_optimizer(model, plan, "cpu"))
@@ -148,7 +148,7 @@ def main() -> None:
         cfg = TrainConfig(data=DataConfig(**SETUPS[setup]))
         cfg.training = replace(cfg.training, **({"max_steps": args.steps} if args.steps else {}))
         cfg.optim = replace(cfg.optim, **{k: v for k, v in (("lr", args.lr), ("muon_lr", args.muon_lr)) if v})
-        val_tokens = load_val_tokens(cfg.data.dataset, max_tokens=cfg.data.val_tokens)
+        val_tokens = open_source(cfg.data).val_set(cfg.model.block_size)
         print(f"{setup}: {cfg.model.n_layer} layers x {cfg.model.n_embd}, {cfg.training.total_batch_size} tokens/step, "
               f"{cfg.training.max_steps} steps, adamw run's lr {args.adamw_lr:g}, muon runs' lr {cfg.optim.lr:g} and "
               f"muon_lr {cfg.optim.muon_lr:g}, {len(val_tokens)} validation tokens", flush=True)

@@ -1,4 +1,5 @@
-"""The training configuration, one group of fields per component that uses it.
+"""The training configuration, one group of fields per component that uses it (the data group, which
+`data.prepare` and `eval.val_loss` use too, is data's own: `data.settings.DataConfig`).
 
 Each group is a dataclass whose fields are train.py flags (names, defaults and help texts are the command
 line, the presets and `config.yaml`: a contract). Each group checks its own values when it is built, so a
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import UserError
+from data.settings import DataConfig, check_val_tokens
 
 REPORT_TO = ("none", "tensorboard", "wandb", "all")
 OPTIMIZERS = ("auto", "adamw", "muon")
@@ -154,27 +156,6 @@ class ModelConfig:
         if not all(self.lora_target_list):
             raise UserError(f"--lora_targets {self.lora_targets!r} has an empty name; pass comma-separated layer "
                             "names, e.g. c_attn,c_proj,c_fc")
-
-
-@dataclass
-class DataConfig:
-    """Where the tokens come from and how much is held out (data.source)."""
-
-    _argument_group_name = "data"
-
-    dataset: str = _field("shakespeare", "'shakespeare', a local .txt/.jsonl/.parquet file/glob/folder, a shard "
-                                         "folder, or a Hub id[:config]")
-    text_column: str = _field("text", "column holding the text in .jsonl/.parquet files and Hub datasets")
-    prompt_field: str = _field("prompt", "prompt field of prompt/completion .jsonl data (a .jsonl whose first record "
-                                         "has it and --completion_field; the loss counts only completion tokens)")
-    completion_field: str = _field("completion", "completion field of prompt/completion .jsonl data")
-    dataset_config: str | None = _field(None, "Hub dataset config name; default: the one given after ':' in "
-                                              "--dataset, or the dataset's default")
-    val_tokens: int = _field(8_192, "size of the fixed validation set, in tokens")
-
-    def __post_init__(self) -> None:
-        _positive(self, "val_tokens")
-        _non_empty(self, "dataset", "text_column", "prompt_field", "completion_field", "dataset_config")
 
 
 @dataclass
@@ -356,9 +337,7 @@ class TrainConfig:
     hub: HubConfig = field(default_factory=HubConfig)
 
     def __post_init__(self) -> None:
-        if self.data.val_tokens < self.model.block_size + 1:
-            raise UserError(f"--val_tokens {self.data.val_tokens} is less than one validation window (block_size + 1 "
-                            f"= {self.model.block_size + 1}); pass --val_tokens {self.model.block_size + 1} or more")
+        check_val_tokens(self.data.val_tokens, self.model.block_size)
         if self.model.lora_rank and self.optim.optimizer == "muon":
             raise UserError(f"--lora_rank trains its adapters with AdamW only (Muon orthogonalises whole hidden "
                             f"matrices, not rank-{self.model.lora_rank} factors); drop --optimizer muon or "

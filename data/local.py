@@ -27,6 +27,8 @@ EXTENSIONS = (".txt", ".jsonl", ".parquet")
 # Above this many bytes of input, in-memory tokenization would hold several GB: use data.prepare.
 MAX_IN_MEMORY_BYTES = 1 << 30
 DOCS_PER_BATCH = 1024
+# Data read in memory (local text, prompt/completion examples): its last 10% is held out for validation.
+VAL_FRACTION = 0.1
 # A .txt file with at least this share of U+FFFD (bytes that are not UTF-8) or NUL characters gets a warning.
 MAX_BINARY_SHARE = 0.01
 

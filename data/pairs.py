@@ -34,12 +34,10 @@ import numpy as np
 import torch
 
 from common.errors import UserError
-from data.local import MAX_IN_MEMORY_BYTES, iter_jsonl_records, resolve_files
+from data.local import MAX_IN_MEMORY_BYTES, VAL_FRACTION, iter_jsonl_records, resolve_files
 from data.strided import _mix, permute_index
-from data.tokenizer import EOT_ID, get_tokenizer
+from data.tokenizer import EOT_ID, IGNORE, get_tokenizer
 
-IGNORE = -100  # the targets value that GPT.forward (and F.cross_entropy) leaves out of the loss
-VAL_FRACTION = 0.1
 STATE_VERSION = 1
 
 

@@ -21,29 +21,23 @@ from common.atomic import write_json_atomic
 from common.cli import CliParser
 from common.errors import UserError, run_cli
 from data.local import DOCS_PER_BATCH
+from data.settings import DataConfig
 from data.shards import FORMAT, FORMAT_VERSION, MANIFEST, ShardWriter, read_manifest
+from data.source import HubStream, PromptCompletion, TextFiles, TokenShards, open_source
 from data.tokenizer import EOT_ID
 from data.tokens import default_threads, encode_documents
 
 
-def source_batches(dataset: str, config: str | None, split: str, text_column: str,
-                   batch_docs: int) -> Iterator[list[str]]:
-    """Batches of non-empty documents of any source the loader accepts (except shard folders)."""
-    from data.loader import SHAKESPEARE, SHAKESPEARE_FILE, parse_hub_id, source_kind
-
-    kind = source_kind(dataset)
-    if kind == "shards":
+def text_source(dataset: str, dataset_config: str | None, text_column: str) -> TextFiles | HubStream:
+    """The source to pack, parsed as training parses `--dataset`; UserError for those that are not text."""
+    source = open_source(DataConfig(dataset=dataset, dataset_config=dataset_config, text_column=text_column))
+    if isinstance(source, TokenShards):
         raise UserError(f"{dataset} already holds token shards; train on it directly with --dataset {dataset}")
-    if kind in ("shakespeare", "local"):
-        from data.local import iter_document_batches, resolve_files
-
-        files = resolve_files(str(SHAKESPEARE_FILE) if dataset == SHAKESPEARE else dataset)
-        yield from iter_document_batches(files, text_column, batch_docs)
-        return
-    from data.streaming import open_hub_stream, text_batches
-
-    name, config = parse_hub_id(dataset, config)
-    yield from text_batches(open_hub_stream(name, config, split), text_column, batch_docs)
+    if isinstance(source, PromptCompletion):
+        raise UserError(f"{dataset} holds prompt/completion records ({source.prompt_field!r} and "
+                        f"{source.completion_field!r}), which train from the .jsonl itself with a masked loss; "
+                        "data.prepare packs text only: train on it directly with --dataset")
+    return source
 
 
 def encoded_batches(batches: Iterator[list[str]], threads: int,
@@ -89,7 +83,7 @@ def prepare(
     dataset_config: str | None = None,
     split: str = "train",
     val_split: str | None = None,
-    text_column: str = "text",
+    text_column: str = DataConfig.text_column,
     shard_tokens: int = 100_000_000,
     val_tokens: int = 10_000_000,
     max_tokens: int | None = None,
@@ -100,9 +94,8 @@ def prepare(
     """Write (or finish) the shards of `dataset` in `out`; return the final manifest."""
     from tqdm import tqdm
 
-    from data.loader import source_kind
-
-    if val_split and source_kind(dataset) != "hub":
+    source = text_source(dataset, dataset_config, text_column)  # refused before anything is written
+    if val_split and not isinstance(source, HubStream):
         raise UserError("--val_split applies to Hub datasets only; local files get the first --val_tokens tokens as "
                         "validation")
     out = Path(out).expanduser()
@@ -126,8 +119,7 @@ def prepare(
         write_json_atomic(out / MANIFEST, manifest)
 
     def batches(name: str, start_doc: int = 0) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-        return encoded_batches(source_batches(dataset, dataset_config, name, text_column, batch_docs), threads,
-                               start_doc)
+        return encoded_batches(source.document_batches(name, batch_docs), threads, start_doc)
 
     start = manifest["resume"]
     train = ((f, p, e, start["offset"] if f == start["doc"] else 0) for f, p, e in batches(split, start["doc"]))
@@ -182,7 +174,7 @@ def main() -> None:
     parser.add_argument("--split", default="train", help="the Hub dataset's split to read")
     parser.add_argument("--val_split", default=None,
                         help="the dataset's own validation split (default: the first --val_tokens tokens)")
-    parser.add_argument("--text_column", default="text", help="the column holding the text")
+    parser.add_argument("--text_column", default=DataConfig.text_column, help="the column holding the text")
     parser.add_argument("--shard_tokens", type=int, default=100_000_000, help="tokens per shard file")
     parser.add_argument("--val_tokens", type=int, default=10_000_000, help="tokens of the validation shard")
     parser.add_argument("--max_tokens", type=int, default=None,

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from common.errors import UserError
+from data.settings import count_windows
 from data.tokens import TokenStream
 
 STATE_VERSION = 1
@@ -75,7 +76,7 @@ class StridedLoader:
         self.seed = seed
         self.shuffle = shuffle
         self.source = source
-        self.n_sequences = (len(stream) - 1) // block_size
+        self.n_sequences = count_windows(len(stream), block_size)
         if self.n_sequences < 1:
             raise UserError(
                 f"{source or 'the dataset'} has {len(stream)} training tokens, fewer than block_size + 1 = "

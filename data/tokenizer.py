@@ -16,6 +16,9 @@ RANKS_FILE = Path(__file__).with_name("gpt2.tiktoken")
 RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 EOT_TOKEN = "<|endoftext|>"
 EOT_ID = 50256
+# The target id that the loss leaves out (F.cross_entropy's default ignore_index): prompt tokens of
+# prompt/completion data, padding, and the context of HellaSwag rows. Not a token: no id is negative.
+IGNORE = -100
 N_VOCAB = 50257
 # GPT-2's pre-tokenization pattern (tiktoken's r50k_base / gpt2 encodings).
 PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""

@@ -28,6 +28,7 @@ import torch
 from common.cli import CliParser
 from common.console import TerminalBar
 from common.errors import UserError, run_cli
+from data.tokenizer import IGNORE
 from eval.common import (
     autocast,
     broadcast_from_main,
@@ -115,7 +116,7 @@ def _forward(model: torch.nn.Module, encoded: Sequence[Encoded], batch: list[int
     T = -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE
     T = min(T, block_size) if block_size else T
     x = torch.zeros(n_rows, T, dtype=torch.long)
-    y = torch.full((n_rows, T), -100, dtype=torch.long)
+    y = torch.full((n_rows, T), IGNORE, dtype=torch.long)
     for r, (row, n) in enumerate(rows):
         L = len(row) - 1
         x[r, :L] = torch.tensor(row[:-1])

@@ -16,6 +16,7 @@ logged with those weights, exactly on CPU in fp32.
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -27,6 +28,9 @@ from common.console import TerminalBar
 from common.errors import UserError, run_cli
 from common.run_dir import RunDir
 from data.pairs import PairExamples
+from data.settings import DataConfig, check_val_tokens, count_windows, require_a_window
+from data.source import open_source
+from data.tokenizer import IGNORE
 from eval.common import (
     autocast,
     cli_accelerator,
@@ -68,10 +72,8 @@ def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray | Sequence[int] | t
             return examples.rows(indices, block_size)
     else:
         stream = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
-        n_rows = (len(stream) - 1) // block_size
-        if n_rows < 1:
-            raise UserError(f"validation set has {len(stream)} tokens, fewer than one window of "
-                            f"{block_size + 1}; use more validation tokens or a smaller block_size")
+        require_a_window(len(stream), block_size, "use more validation tokens or a smaller block_size")
+        n_rows = count_windows(len(stream), block_size)
 
         def rows(indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
             windows = torch.stack([stream[i * block_size:(i + 1) * block_size + 1] for i in indices])
@@ -88,10 +90,10 @@ def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray | Sequence[int] | t
             batch = mine[step * batch_size:(step + 1) * batch_size]
             # Fixed shape (batch_size, block_size): rows past the end are padding with no targets.
             x = torch.zeros(batch_size, block_size, dtype=torch.long)
-            y = torch.full((batch_size, block_size), -100, dtype=torch.long)
+            y = torch.full((batch_size, block_size), IGNORE, dtype=torch.long)
             if batch:
                 x[:len(batch)], y[:len(batch)] = rows(batch)
-            count += int((y != -100).sum())
+            count += int((y != IGNORE).sum())
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with autocast(device, bf16):
                 _, loss = model(x, y, loss_reduction="sum")
@@ -101,12 +103,13 @@ def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray | Sequence[int] | t
     return (totals[0] / totals[1]).item()
 
 
-# This CLI's settings, the run config fields they default to for a run, and their defaults otherwise.
-_RUN_FIELDS = {"dataset": "dataset", "dataset_config": "dataset_config", "text_column": "text_column",
-               "prompt_field": "prompt_field", "completion_field": "completion_field",
-               "max_tokens": "val_tokens", "block_size": "block_size", "batch_size": "eval_batch_size"}
-_DEFAULTS = {"dataset": "shakespeare", "dataset_config": None, "text_column": "text", "prompt_field": "prompt",
-             "completion_field": "completion", "max_tokens": 1_000_000,
+# This CLI's settings, the run config fields they default to for a run, and their defaults otherwise: the data
+# flags are a run's own (same names, defaults from data.settings); --max_tokens is the run's val_tokens, but
+# scores up to 1,000,000 tokens by default.
+_DATA_FLAGS = tuple(f.name for f in fields(DataConfig) if f.name != "val_tokens")
+_RUN_FIELDS = {**{name: name for name in _DATA_FLAGS}, "max_tokens": "val_tokens", "block_size": "block_size",
+               "batch_size": "eval_batch_size"}
+_DEFAULTS = {**{name: getattr(DataConfig, name) for name in _DATA_FLAGS}, "max_tokens": 1_000_000,
              "block_size": None, "batch_size": 8}
 
 
@@ -145,16 +148,16 @@ def main(argv: Sequence[str] | None = None) -> float:
     run_default = "default: the run's --{} when --model is one of our runs, else {}"
     parser.add_argument("--dataset", default=None,
                         help="shakespeare, a local file/folder, prepared shards or a Hub dataset id; "
-                             + run_default.format("dataset", "shakespeare"))
+                             + run_default.format("dataset", _DEFAULTS["dataset"]))
     parser.add_argument("--dataset_config", default=None,
                         help="Hub dataset config name; " + run_default.format("dataset_config", "none"))
-    parser.add_argument("--text_column", default=None, help=run_default.format("text_column", "text"))
+    parser.add_argument("--text_column", default=None, help=run_default.format("text_column", _DEFAULTS["text_column"]))
     parser.add_argument("--prompt_field", default=None, help="prompt field of prompt/completion .jsonl data; "
-                        + run_default.format("prompt_field", "prompt"))
+                        + run_default.format("prompt_field", _DEFAULTS["prompt_field"]))
     parser.add_argument("--completion_field", default=None, help="completion field of prompt/completion .jsonl "
-                        "data; " + run_default.format("completion_field", "completion"))
+                        "data; " + run_default.format("completion_field", _DEFAULTS["completion_field"]))
     parser.add_argument("--max_tokens", type=int, default=None,
-                        help="validation tokens to score; " + run_default.format("val_tokens", "1000000"))
+                        help="validation tokens to score; " + run_default.format("val_tokens", _DEFAULTS["max_tokens"]))
     parser.add_argument("--block_size", type=int, default=None, help=run_default.format("block_size", "the model's"))
     parser.add_argument("--batch_size", type=int, default=None,
                         help="windows per forward pass; " + run_default.format("eval_batch_size", "8"))
@@ -162,15 +165,12 @@ def main(argv: Sequence[str] | None = None) -> float:
                                                        "the accelerator's")
     args = parser.parse_args(argv)
     chosen, run = settings(args)
-
-    from data.loader import load_val_tokens
-
-    tokens = load_val_tokens(chosen["dataset"], max_tokens=chosen["max_tokens"],
-                             text_column=chosen["text_column"], dataset_config=chosen["dataset_config"],
-                             prompt_field=chosen["prompt_field"], completion_field=chosen["completion_field"])
+    source = open_source(DataConfig(**{name: chosen[name] for name in _DATA_FLAGS}, val_tokens=chosen["max_tokens"]))
     with cli_accelerator(cpu=args.device == "cpu") as accelerator:
         model = load_model(args.model, pick_device(args.device, accelerator))
         block_size = chosen["block_size"] or model_block_size(model)
+        check_val_tokens(chosen["max_tokens"], block_size, flag="--max_tokens")
+        tokens = source.val_set(block_size)
         loss = evaluate_loss(model, tokens, block_size=block_size, batch_size=chosen["batch_size"],
                              accelerator=accelerator)
         if accelerator.is_main_process:

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from data.tokenizer import EOT_ID, IGNORE
 from model.loss import chunked_cross_entropy
 
 # One (key, value) pair per layer, each (B, n_head, T_cached, head_dim).
@@ -219,7 +220,7 @@ class GPT(nn.Module):
             pad_bias[V:] = float("-inf")
         logits = self._logits(x, pad_bias)
         loss = F.cross_entropy(
-            logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100, reduction=loss_reduction
+            logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE, reduction=loss_reduction
         )
         if loss_reduction == "none":
             loss = loss.view(B, T)
@@ -270,7 +271,7 @@ class GPT(nn.Module):
         Settings are checked on the first `next()`, before any forward pass.
         """
         if idx.size(1) == 0:
-            raise ValueError("generate needs at least one prompt token; start from e.g. <|endoftext|> (50256)")
+            raise ValueError(f"generate needs at least one prompt token; start from e.g. <|endoftext|> ({EOT_ID})")
         if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
             raise ValueError(
                 f"invalid sampling settings temperature={temperature}, top_k={top_k}, top_p={top_p}; "

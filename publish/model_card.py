@@ -15,17 +15,18 @@ from typing import Any, Sequence
 
 import yaml
 
+from common.errors import UserError
 from common.run_dir import RunDir
 from configs import read_run_config
-from data.loader import parse_hub_id, source_kind
+from data.settings import DataConfig
+from data.source import DataSource, open_source
 from data.tokenizer import get_tokenizer
 from model.hf_io import GPT2_NAMES, is_repo_id
 from training.metrics import read_metrics
 
 LOSS_CURVE = "loss_curve.png"
 _SECRET_KEY = re.compile(r"(^|_)token$|secret|password|passwd|api_?key|credential", re.IGNORECASE)
-# Short names the data and model packages accept, and the Hub repos they stand for.
-_KNOWN_DATASETS = {"shakespeare": "karpathy/tiny_shakespeare"}
+# Short names the model package accepts, and the Hub repos they stand for.
 _KNOWN_MODELS = {name: f"openai-community/{name}" for name in GPT2_NAMES}
 
 
@@ -103,16 +104,16 @@ def _lookup(config: dict[str, Any], *keys: str) -> Any:
     return None
 
 
-def hub_dataset_id(dataset: Any) -> str | None:
-    """The Hub id behind a `--dataset` value, or None for local files and folders."""
+def recorded_source(config: dict[str, Any]) -> DataSource | None:
+    """The data source a run's config records, parsed as training parsed it; None when it records no dataset or
+    one that does not parse (a hand-edited config), which the card then names as written."""
+    dataset = _lookup(config, "dataset")
     if not isinstance(dataset, str):
         return None
-    if dataset in _KNOWN_DATASETS:
-        return _KNOWN_DATASETS[dataset]
-    if source_kind(dataset) != "hub":
+    try:
+        return open_source(DataConfig(dataset=dataset, dataset_config=_lookup(config, "dataset_config")))
+    except UserError:
         return None
-    name, _ = parse_hub_id(dataset, None)
-    return name if is_repo_id(name) else None
 
 
 def _base_model(config: dict[str, Any]) -> str | None:
@@ -176,12 +177,11 @@ def render_card(
     path; `name` the title (default: the repo name). `curves`: the panels of loss_curve.png, if drawn."""
     from huggingface_hub import ModelCardData
 
-    dataset = _lookup(config, "dataset")
-    dataset_id = hub_dataset_id(dataset)
+    dataset, data_source = _lookup(config, "dataset"), recorded_source(config)
     base = _base_model(config)
     data = ModelCardData(
         license=str(config.get("license") or "mit"),
-        datasets=[dataset_id] if dataset_id else None,
+        datasets=[data_source.hub_id] if data_source and data_source.hub_id else None,
         base_model=base,
         library_name="transformers",
         pipeline_tag="text-generation",
@@ -190,8 +190,7 @@ def render_card(
     name = name or model_id.split("/")[-1]
     size = f"{arch['params'] / 1e6:.1f}M-parameter " if arch.get("params") else ""
     shape = ", ".join(f"{k}={arch[k]}" for k in ("n_layer", "n_head", "n_embd", "n_positions") if arch.get(k))
-    trained_on = f"[{dataset_id}](https://huggingface.co/datasets/{dataset_id})" if dataset_id else (
-        f"`{dataset}`" if dataset else "its training data")
+    trained_on = data_source.card_text() if data_source else f"`{dataset}`" if dataset else "its training data"
     how = f"fine-tuned from [{base}](https://huggingface.co/{base})" if base else "trained from scratch"
     rev_arg = f', revision="{revision}"' if revision else ""
     prompt, new_tokens = usage_prompt(arch.get("n_positions"))

@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data.loader import build_train_loader  # noqa: E402
+from data.settings import DataConfig  # noqa: E402
+from data.source import open_source  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from training.step import train_step  # noqa: E402
 
@@ -32,8 +33,9 @@ def main(dataset: str, out_file: str, micro_batch: int, grad_accum: int) -> floa
     """Runs the step; returns the step's loss as train.py logs it (summed micro-batch losses / grad_accum,
     averaged over ranks)."""
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=grad_accum)
-    loader = build_train_loader(dataset, block_size=TINY.block_size, micro_batch_size=micro_batch,
-                                rank=accelerator.process_index, world_size=accelerator.num_processes)
+    loader = open_source(DataConfig(dataset=dataset)).train_loader(
+        block_size=TINY.block_size, micro_batch_size=micro_batch, rank=accelerator.process_index,
+        world_size=accelerator.num_processes, seed=0)
     model = tiny_gpt()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0))

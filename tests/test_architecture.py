@@ -19,7 +19,7 @@ ALLOWED = {
     "data": {"common"},
     "model": {"common", "data"},
     "eval": {"common", "configs", "data", "model"},
-    "configs": {"common"},
+    "configs": {"common", "data"},
     "training": {"common", "configs", "data", "eval", "model"},
     "publish": {"common", "configs", "data", "model", "training"},
     "benchmarks": {"common", "configs", "data", "eval", "model", "training"},

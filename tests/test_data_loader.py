@@ -11,12 +11,18 @@ import pytest
 
 from common.errors import UserError
 from data import EOT_ID, get_tokenizer
-from data.loader import build_train_loader, load_val_tokens
+from data.settings import DataConfig
+from data.source import DataSource, open_source
 from data.strided import StridedLoader, permute_index
 from data.tokens import TokenStream, encode_documents
 
 FIXTURES = Path(__file__).parent / "fixtures" / "data"
 SHAKESPEARE = Path(__file__).resolve().parents[1] / "data" / "tinyshakespeare.txt"
+
+
+def source(dataset: str, **settings) -> DataSource:
+    """`dataset` parsed as train.py parses `--dataset` (other settings at their defaults unless given)."""
+    return open_source(DataConfig(dataset=dataset, **settings))
 
 
 def test_packing_round_trip_and_literal_eot():
@@ -131,10 +137,10 @@ def test_shakespeare_split_matches_an_independent_encoding():
     enc = get_tokenizer()
     tokens = enc.encode_ordinary(SHAKESPEARE.read_text(encoding="utf-8")) + [EOT_ID]
     cut = int(len(tokens) * 0.9)
-    val = load_val_tokens("shakespeare", max_tokens=10**9)
+    val = source("shakespeare", val_tokens=10**9).val_set(block_size=64)
     assert val.dtype == np.uint16 and val.tolist() == tokens[cut:]
-    assert load_val_tokens("shakespeare", max_tokens=100).tolist() == tokens[cut : cut + 100]
-    loader = build_train_loader("shakespeare", block_size=64, micro_batch_size=2, rank=0, world_size=1)
+    assert source("shakespeare", val_tokens=100).val_set(block_size=64).tolist() == tokens[cut : cut + 100]
+    loader = source("shakespeare").train_loader(block_size=64, micro_batch_size=2, rank=0, world_size=1, seed=0)
     assert len(loader.stream) == cut
     # Every training row is a slice of the first 90% at a multiple of the block size.
     x, y = loader.next_batch()
@@ -156,8 +162,8 @@ def test_local_sources_tokenize_their_documents(name):
     enc = get_tokenizer()
     tokens = [t for d in docs for t in enc.encode_ordinary(d) + [EOT_ID]]
     cut = int(len(tokens) * 0.9)
-    assert load_val_tokens(str(FIXTURES / name), max_tokens=10**9).tolist() == tokens[cut:]
-    loader = build_train_loader(str(FIXTURES / name), block_size=4, micro_batch_size=2, rank=1, world_size=2)
+    assert source(str(FIXTURES / name), val_tokens=10**9).val_set(block_size=4).tolist() == tokens[cut:]
+    loader = source(str(FIXTURES / name)).train_loader(block_size=4, micro_batch_size=2, rank=1, world_size=2, seed=0)
     assert loader.stream.read(0, len(loader.stream)).tolist() == tokens[:cut]
 
 
@@ -179,13 +185,14 @@ def _write(path: Path, text: str) -> str:
 )
 def test_bad_local_inputs_are_user_errors(tmp_path, setup, column, match):
     with pytest.raises(UserError, match=match):
-        build_train_loader(setup(tmp_path), block_size=8, micro_batch_size=1, rank=0, world_size=1, text_column=column)
+        source(setup(tmp_path), text_column=column).train_loader(block_size=8, micro_batch_size=1, rank=0, world_size=1,
+                                                                 seed=0)
 
 
 def test_corpus_smaller_than_a_block_is_a_user_error(tmp_path):
     (tmp_path / "tiny.txt").write_text("Too short.")
     with pytest.raises(UserError, match="smaller --block_size"):
-        build_train_loader(str(tmp_path / "tiny.txt"), block_size=64, micro_batch_size=1, rank=0, world_size=1)
+        source(str(tmp_path / "tiny.txt")).train_loader(block_size=64, micro_batch_size=1, rank=0, world_size=1, seed=0)
 
 
 # ---- damaged or mistaken input files ---------------------------------------------------------------------
@@ -195,7 +202,7 @@ def test_non_utf8_jsonl_names_the_line_and_byte(tmp_path):
     first = b'{"text": "fine"}\n'
     path.write_bytes(first + '{"text": "caf\u00e9"}\n'.encode("latin-1"))
     with pytest.raises(UserError) as err:
-        load_val_tokens(str(path), max_tokens=10)
+        source(str(path), val_tokens=10).val_set(block_size=1)
     offset = len(first) + len(b'{"text": "caf')
     assert str(err.value) == (f"{path}:2 is not UTF-8 (byte {offset} of the file); re-save the file as UTF-8 or "
                               "remove that line")
@@ -204,7 +211,7 @@ def test_non_utf8_jsonl_names_the_line_and_byte(tmp_path):
 def test_a_binary_txt_file_warns_and_training_goes_on(tmp_path, capsys):
     path = tmp_path / "noise.txt"
     path.write_bytes(np.random.default_rng(0).integers(0, 256, 20_000, dtype=np.uint8).tobytes())
-    loader = build_train_loader(str(path), block_size=8, micro_batch_size=2, rank=0, world_size=1)
+    loader = source(str(path)).train_loader(block_size=8, micro_batch_size=2, rank=0, world_size=1, seed=0)
     assert loader.next_batch()[0].shape == (2, 8)
     warning = capsys.readouterr().err.strip()
     assert warning.startswith(f"warning: {path}: ") and "invalid UTF-8 or NUL bytes" in warning
@@ -214,7 +221,7 @@ def test_a_binary_txt_file_warns_and_training_goes_on(tmp_path, capsys):
 def test_text_with_a_few_non_utf8_bytes_is_silent(tmp_path, capsys):
     path = tmp_path / "mostly_fine.txt"
     path.write_bytes(b"plain text " * 100 + b"\xff")  # 1 bad byte in 1,101: under 1%
-    build_train_loader(str(path), block_size=8, micro_batch_size=2, rank=0, world_size=1)
+    source(str(path)).train_loader(block_size=8, micro_batch_size=2, rank=0, world_size=1, seed=0)
     assert capsys.readouterr().err == ""
 
 
@@ -222,7 +229,7 @@ def test_a_parquet_file_that_is_not_parquet(tmp_path):
     path = tmp_path / "fake.parquet"
     path.write_text('{"text": "this is json, not parquet"}\n')
     with pytest.raises(UserError) as err:
-        build_train_loader(str(path), block_size=8, micro_batch_size=1, rank=0, world_size=1)
+        source(str(path)).train_loader(block_size=8, micro_batch_size=1, rank=0, world_size=1, seed=0)
     assert str(err.value).startswith(f"cannot read parquet file {path} (") and "\n" not in str(err.value)
     assert str(err.value).endswith("check that it is a complete parquet file")
 
@@ -234,4 +241,4 @@ def test_a_parquet_file_damaged_inside_its_row_groups(tmp_path):
     data[100:5000] = b"\xab" * 4900  # the footer still reads; the first data pages do not
     path.write_bytes(bytes(data))
     with pytest.raises(UserError, match=r"^cannot read parquet file .*damaged\.parquet \(.*\); check that it is"):
-        build_train_loader(str(path), block_size=8, micro_batch_size=1, rank=0, world_size=1)
+        source(str(path)).train_loader(block_size=8, micro_batch_size=1, rank=0, world_size=1, seed=0)

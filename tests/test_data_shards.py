@@ -14,12 +14,18 @@ import pytest
 import data.prepare as prep
 from common.errors import UserError
 from data import EOT_ID, get_tokenizer
-from data.loader import build_train_loader, load_val_tokens
+from data.settings import DataConfig
+from data.source import DataSource, open_source
 
 FIXTURES = Path(__file__).parent / "fixtures" / "data"
 PARQUET = FIXTURES / "fineweb_24docs.parquet"
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = dict(shard_tokens=3000, val_tokens=1000, batch_docs=2, progress=False)
+
+
+def source(dataset: str, **settings) -> DataSource:
+    """`dataset` parsed as train.py parses `--dataset` (other settings at their defaults unless given)."""
+    return open_source(DataConfig(dataset=dataset, **settings))
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +58,7 @@ def test_manifest_hashes_and_token_stream(prepared, reference_tokens):
     # val + train shards, concatenated, are exactly the packed corpus: nothing lost at shard ends.
     stream = np.concatenate([np.fromfile(prepared / e["file"], dtype="<u2") for e in entries])
     np.testing.assert_array_equal(stream, reference_tokens)
-    np.testing.assert_array_equal(load_val_tokens(str(prepared), max_tokens=600), reference_tokens[:600])
+    np.testing.assert_array_equal(source(str(prepared), val_tokens=600).val_set(block_size=64), reference_tokens[:600])
     assert not list(prepared.glob(".tmp-*"))
 
 
@@ -60,8 +66,8 @@ def test_shard_loader_reads_across_shards_and_is_world_size_invariant(prepared, 
     train = reference_tokens[1000:]
 
     def steps(world: int, batch: int) -> list[list[tuple]]:
-        loaders = [build_train_loader(str(prepared), block_size=64, micro_batch_size=batch, rank=r, world_size=world)
-                   for r in range(world)]
+        loaders = [source(str(prepared)).train_loader(block_size=64, micro_batch_size=batch, rank=r, world_size=world,
+                                                      seed=0) for r in range(world)]
         return [sorted(tuple(row) for ld in loaders for row in ld.next_batch()[0].tolist()) for _ in range(60)]
 
     ref = steps(1, 4)  # 60 steps of 4 > one epoch of 174 sequences: wraps
@@ -71,14 +77,14 @@ def test_shard_loader_reads_across_shards_and_is_world_size_invariant(prepared, 
 
 
 def test_shard_loader_resume(prepared):
-    kw = dict(block_size=32, micro_batch_size=3, world_size=2)
-    loaders = [build_train_loader(str(prepared), rank=r, **kw) for r in range(2)]
+    kw = dict(block_size=32, micro_batch_size=3, world_size=2, seed=0)
+    loaders = [source(str(prepared)).train_loader(rank=r, **kw) for r in range(2)]
     for _ in range(11):
         [ld.next_batch() for ld in loaders]
     states = [json.loads(json.dumps(ld.state_dict())) for ld in loaders]
     expected = [[ld.next_batch()[1] for _ in range(4)] for ld in loaders]
     for r in range(2):
-        resumed = build_train_loader(str(prepared), rank=r, **kw)
+        resumed = source(str(prepared)).train_loader(rank=r, **kw)
         resumed.load_state_dict(states[r])
         for want in expected[r]:
             assert (resumed.next_batch()[1] == want).all()
@@ -119,7 +125,7 @@ def test_interrupted_prepare_is_never_read_and_rerun_completes(tmp_path, prepare
     for entry in manifest["train"]:  # whatever is listed is whole
         assert (out / entry["file"]).stat().st_size == 2 * entry["tokens"]
     with pytest.raises(UserError, match="has not finished.*data.prepare"):
-        build_train_loader(str(out), block_size=32, micro_batch_size=2, rank=0, world_size=1)
+        source(str(out)).train_loader(block_size=32, micro_batch_size=2, rank=0, world_size=1, seed=0)
     monkeypatch.undo()
     prep.prepare(str(PARQUET), out, **SETTINGS)
     assert _files(out) == _files(prepared)  # byte-identical to an uninterrupted run
@@ -147,10 +153,10 @@ def test_truncated_or_missing_shard_is_a_user_error(tmp_path, prepared):
     with (out / "train_000001.bin").open("r+b") as f:
         f.truncate(1000)
     with pytest.raises(UserError, match="train_000001.bin is 1000 bytes.*data.prepare"):
-        build_train_loader(str(out), block_size=32, micro_batch_size=2, rank=0, world_size=1)
+        source(str(out)).train_loader(block_size=32, micro_batch_size=2, rank=0, world_size=1, seed=0)
     (out / "train_000001.bin").unlink()
     with pytest.raises(UserError, match="missing"):
-        load_val_tokens(str(out), max_tokens=10)
+        source(str(out), val_tokens=10).val_set(block_size=1)
 
 
 def test_max_tokens(tmp_path):
@@ -182,13 +188,13 @@ def test_resume_on_other_shards_of_the_same_length_is_refused(prepared, tmp_path
     """Re-prepared data with the same token count must not resume silently from the old position."""
     import shutil
 
-    loader = build_train_loader(str(prepared), block_size=16, micro_batch_size=2, rank=0, world_size=1)
+    loader = source(str(prepared)).train_loader(block_size=16, micro_batch_size=2, rank=0, world_size=1, seed=0)
     loader.next_batch()
     state = loader.state_dict()
     other = Path(shutil.copytree(prepared, tmp_path / "other"))
     manifest = json.loads((other / "manifest.json").read_text())
     manifest["train"][0]["sha256"] = "0" * 64  # as if the shard had been written with other text
     (other / "manifest.json").write_text(json.dumps(manifest))
-    fresh = build_train_loader(str(other), block_size=16, micro_batch_size=2, rank=0, world_size=1)
+    fresh = source(str(other)).train_loader(block_size=16, micro_batch_size=2, rank=0, world_size=1, seed=0)
     with pytest.raises(UserError, match="resume with the same --dataset"):
         fresh.load_state_dict(state)

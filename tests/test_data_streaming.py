@@ -10,12 +10,18 @@ import pytest
 
 from common.errors import UserError
 from data import EOT_ID, get_tokenizer
-from data.loader import build_train_loader, load_val_tokens
+from data.settings import DataConfig
+from data.source import DataSource, open_source
 from data.streaming import StreamingLoader, open_hub_stream
 
 PARQUET = Path(__file__).parent / "fixtures" / "data" / "fineweb_24docs.parquet"
 DOCS = pq.read_table(PARQUET).column("text").to_pylist()
 VAL_DOCS = 4
+
+
+def source(dataset: str, **settings) -> DataSource:
+    """`dataset` parsed as train.py parses `--dataset` (other settings at their defaults unless given)."""
+    return open_source(DataConfig(dataset=dataset, **settings))
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +79,7 @@ def test_val_tokens_are_the_held_out_documents(monkeypatch):
     monkeypatch.setattr(streaming, "VAL_DOCS", VAL_DOCS)
     monkeypatch.setattr(streaming, "open_hub_stream",
                         lambda *a, **k: open_hub_stream("parquet", None, "train", data_files=str(PARQUET)))
-    val = load_val_tokens("some/hub-dataset", max_tokens=10**6)
+    val = source("some/hub-dataset", val_tokens=10**6).val_set(block_size=32)
     assert val.dtype == np.uint16
     assert val.tolist() == [t for d in DOCS[:VAL_DOCS] for t in enc.encode_ordinary(d) + [EOT_ID]]
 
@@ -109,9 +115,10 @@ def test_missing_text_column_is_a_user_error():
 
 def test_hub_dataset_while_offline_is_a_user_error():
     with pytest.raises(UserError, match="HuggingFaceFW/fineweb.*sample-10BT.*HF_DATASETS_OFFLINE.*data.prepare"):
-        build_train_loader("HuggingFaceFW/fineweb:sample-10BT", block_size=8, micro_batch_size=1, rank=0, world_size=1)
+        source("HuggingFaceFW/fineweb:sample-10BT").train_loader(block_size=8, micro_batch_size=1, rank=0, world_size=1,
+                                                                 seed=0)
     with pytest.raises(UserError, match="HF_DATASETS_OFFLINE"):
-        load_val_tokens("Skylion007/openwebtext", max_tokens=10)
+        source("Skylion007/openwebtext", val_tokens=10).val_set(block_size=8)
 
 
 def test_rank_with_only_validation_documents_raises_instead_of_spinning(tmp_path):

@@ -70,12 +70,13 @@ def test_bad_arguments(setup):
 def test_cli_two_processes_match_one(tmp_path):
     """`python -m eval.val_loss` on Tiny Shakespeare's held-out tokens with 2 gloo ranks prints
     the loss that one process computes."""
-    from data.loader import load_val_tokens
+    from data.settings import DataConfig
+    from data.source import open_source
 
     torch.manual_seed(1)
     GPT(GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)).save_pretrained(tmp_path / "m")
     one = evaluate_loss(GPT.from_pretrained(tmp_path / "m"),
-                        load_val_tokens("shakespeare", max_tokens=1000), block_size=32, batch_size=4)
+                        open_source(DataConfig(val_tokens=1000)).val_set(block_size=32), block_size=32, batch_size=4)
     args = ["-m", "eval.val_loss", "--model", str(tmp_path / "m"), "--max_tokens", "1000",
             "--batch_size", "4"]
     launch = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
@@ -88,3 +89,12 @@ def test_cli_two_processes_match_one(tmp_path):
     assert len(losses) == 1  # only the main process prints
     assert float(losses[0]) == pytest.approx(one, abs=2e-6)  # printed with 6 decimals
     assert "(992 target tokens, block_size 32" in two.stdout  # 31 windows of 32 targets
+
+
+def test_cli_refuses_a_cap_below_one_window_naming_its_own_flag(tmp_path):
+    from eval.val_loss import main
+
+    GPT(GPTConfig(block_size=32, n_layer=1, n_head=1, n_embd=8)).save_pretrained(tmp_path / "m")
+    with pytest.raises(UserError, match=r"^--max_tokens 10 is less than one validation window \(block_size \+ 1 = "
+                                        r"33\); pass --max_tokens 33 or more$"):
+        main(["--model", str(tmp_path / "m"), "--max_tokens", "10", "--device", "cpu"])

@@ -25,7 +25,7 @@ from common.run_dir import RunDir
 from model import GPT, GPTConfig
 from publish.hub import main as hub_cli
 from publish.hub import push_to_hub
-from publish.model_card import hub_dataset_id, render_card
+from publish.model_card import recorded_source, render_card
 
 SECRET = "hf_TestSecretToken_3e9b71c2d4"
 REPO = "alice/tiny-shakespeare-gpt"
@@ -271,4 +271,4 @@ def test_card_masks_credentials_and_maps_datasets():
     assert "wandb-xyz" not in card and "hf_abc" not in card
     assert "max_tokens: 100" in card and "tokenizer: gpt2" in card
     assert "No metrics were logged" in card and "HellaSwag" not in card
-    assert hub_dataset_id("data/corpus.txt") is None and hub_dataset_id("shards/*.parquet") is None
+    assert all(recorded_source({"dataset": local}).hub_id is None for local in ("data/corpus.txt", "shards/*.parquet"))

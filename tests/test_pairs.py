@@ -21,10 +21,17 @@ from conftest import REPO_ROOT, free_port
 from safetensors.torch import load_file
 
 from common.errors import UserError
-from data.loader import build_train_loader, load_val_tokens
-from data.pairs import IGNORE, PairsLoader, is_pairs_dataset, read_pairs, split_pairs
+from data.pairs import PairsLoader, is_pairs_dataset, read_pairs, split_pairs
+from data.settings import DataConfig
+from data.source import DataSource, open_source
 from data.strided import StridedLoader
-from data.tokenizer import EOT_ID, get_tokenizer
+from data.tokenizer import EOT_ID, IGNORE, get_tokenizer
+
+
+def source(dataset: str, **settings) -> DataSource:
+    """`dataset` parsed as train.py parses `--dataset` (other settings at their defaults unless given)."""
+    return open_source(DataConfig(dataset=dataset, **settings))
+
 
 WORDS = "the cat sat on a mat and then it ran to see what was there under an old red tree".split()
 
@@ -61,7 +68,7 @@ def test_detection_by_the_first_record(tmp_path, pairs):
     text = tmp_path / "text.jsonl"
     text.write_text(json.dumps({"text": "a longer document, of some tokens", "prompt": "metadata"}) + "\n")
     assert not is_pairs_dataset(str(text), **fields)  # a text column and only one of the fields: text
-    loader = build_train_loader(str(text), block_size=2, micro_batch_size=1, rank=0, world_size=1)
+    loader = source(str(text)).train_loader(block_size=2, micro_batch_size=1, rank=0, world_size=1, seed=0)
     assert isinstance(loader, StridedLoader) and not loader.masked_targets
     renamed = tmp_path / "qa.jsonl"
     renamed.write_text(json.dumps({"q": "2+2=", "a": " 4"}) + "\n" + json.dumps({"q": "1+1=", "a": " 2"}) + "\n")
@@ -90,7 +97,7 @@ def test_an_epoch_gives_every_example_whole_once_and_ranks_disjoint(pairs):
     assert len(train) == 36  # 40 examples, the last 4 held out
     seen = []
     for rank in (0, 1):
-        loader = build_train_loader(str(pairs), block_size=48, micro_batch_size=3, rank=rank, world_size=2, seed=5)
+        loader = source(str(pairs)).train_loader(block_size=48, micro_batch_size=3, rank=rank, world_size=2, seed=5)
         assert loader.masked_targets
         # 6 calls x 2 ranks x 3 rows = one epoch of 36 examples; an example is its x up to the padding.
         for x, y in rows_of(loader, 6):
@@ -108,7 +115,7 @@ def test_an_example_too_long_is_never_cut(pairs):
     with pytest.raises(UserError, match=rf"^{too_long} of 40 examples in .* are longer than block_size \+ 1 = "
                                         rf"{block + 1} tokens \(the first at .*pairs.jsonl:{first}, the longest "
                                         rf"{max(lengths)} tokens\)"):
-        build_train_loader(str(pairs), block_size=block, micro_batch_size=1, rank=0, world_size=1)
+        source(str(pairs)).train_loader(block_size=block, micro_batch_size=1, rank=0, world_size=1, seed=0)
 
 
 @pytest.mark.parametrize("lines, message", [
@@ -122,7 +129,7 @@ def test_bad_lines_name_file_and_line(tmp_path, lines, message):
     path = tmp_path / "two.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     with pytest.raises(UserError, match=message):
-        build_train_loader(str(path), block_size=8, micro_batch_size=1, rank=0, world_size=1)
+        source(str(path)).train_loader(block_size=8, micro_batch_size=1, rank=0, world_size=1, seed=0)
 
 
 def test_bad_line_through_train_py_is_one_line(monkeypatch, capsys, tmp_path):
@@ -136,12 +143,12 @@ def test_bad_line_through_train_py_is_one_line(monkeypatch, capsys, tmp_path):
 
 
 def test_resume_continues_exactly_with_another_world_size(pairs):
-    one = build_train_loader(str(pairs), block_size=48, micro_batch_size=4, rank=0, world_size=1, seed=1)
+    one = source(str(pairs)).train_loader(block_size=48, micro_batch_size=4, rank=0, world_size=1, seed=1)
     expected = rows_of(one, 20)  # 80 rows: two epochs and a bit, so the order of a new epoch is checked too
-    first = build_train_loader(str(pairs), block_size=48, micro_batch_size=4, rank=0, world_size=1, seed=1)
+    first = source(str(pairs)).train_loader(block_size=48, micro_batch_size=4, rank=0, world_size=1, seed=1)
     got = rows_of(first, 7)
     state = json.loads(json.dumps(first.state_dict()))  # what a checkpoint stores
-    resumed = [build_train_loader(str(pairs), block_size=48, micro_batch_size=2, rank=r, world_size=2, seed=1)
+    resumed = [source(str(pairs)).train_loader(block_size=48, micro_batch_size=2, rank=r, world_size=2, seed=1)
                for r in (0, 1)]
     for loader in resumed:
         loader.load_state_dict(state)
@@ -157,7 +164,7 @@ def test_masked_val_loss_equals_a_per_example_reference(pairs):
 
     from eval.val_loss import evaluate_loss
 
-    val = load_val_tokens(str(pairs), max_tokens=10_000)
+    val = source(str(pairs), val_tokens=10_000).val_set(block_size=48)
     assert len(val) == 4 and val.where == split_pairs(read_pairs(str(pairs)))[1].where
     model = tiny_gpt().eval()
     total, count = 0.0, 0
@@ -171,7 +178,7 @@ def test_masked_val_loss_equals_a_per_example_reference(pairs):
     assert count == val.n_targets()
     got = evaluate_loss(model, val, block_size=48, batch_size=3)  # 2 batches, one with a padding row
     assert got == pytest.approx(total / count, rel=1e-5)
-    assert load_val_tokens(str(pairs), max_tokens=len(val.tokens[0])).where == val.where[:1]
+    assert source(str(pairs), val_tokens=len(val.tokens[0])).val_set(block_size=48).where == val.where[:1]
 
 
 # ---- the step's gradient ---------------------------------------------------------------------------------
@@ -181,8 +188,8 @@ def big_batch_gradient(pairs: Path) -> tuple[dict[str, torch.Tensor], float]:
     returns the gradients and that loss."""
     from pairs_grads import TINY, tiny_gpt
 
-    x, y = build_train_loader(str(pairs), block_size=TINY.block_size, micro_batch_size=8, rank=0,
-                              world_size=1).next_batch()
+    x, y = source(str(pairs)).train_loader(block_size=TINY.block_size, micro_batch_size=8, rank=0, world_size=1,
+                                           seed=0).next_batch()
     model = tiny_gpt()
     loss = model(x, y)[1]
     loss.backward()

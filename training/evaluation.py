@@ -12,11 +12,10 @@ from typing import Any, Callable
 import torch
 from accelerate import Accelerator
 
-from common.errors import UserError
-from configs import DataConfig, EvalConfig
+from configs import EvalConfig
 from data import get_tokenizer
-from data.loader import load_val_tokens, small_val_advice
 from data.pairs import PairExamples
+from data.source import DataSource
 from eval.val_loss import evaluate_loss
 from model import GPT
 
@@ -37,17 +36,11 @@ class TrainingEvals:
     Built before the first step: a validation set shorter than one window (block_size + 1 tokens) and bad
     HellaSwag data are refused here, before any training time is spent."""
 
-    def __init__(self, cfg: EvalConfig, data: DataConfig, block_size: int, seed: int, accelerator: Accelerator) -> None:
+    def __init__(self, cfg: EvalConfig, source: DataSource, block_size: int, seed: int,
+                 accelerator: Accelerator) -> None:
         self.cfg, self.block_size, self.seed, self.accelerator = cfg, block_size, seed, accelerator
-        self.val_tokens = load_val_tokens(data.dataset, max_tokens=data.val_tokens, text_column=data.text_column,
-                                          dataset_config=data.dataset_config, prompt_field=data.prompt_field,
-                                          completion_field=data.completion_field)
+        self.val_tokens = source.val_set(block_size)  # refuses a set shorter than a window, with the fix
         self.pairs = isinstance(self.val_tokens, PairExamples)  # held-out examples (at least one), not a stream
-        # parse_config ensures val_tokens >= block_size + 1, so a shorter set means the split itself is short.
-        if not self.pairs and len(self.val_tokens) < block_size + 1:
-            raise UserError(f"the validation set has {len(self.val_tokens)} tokens, fewer than one window of "
-                            f"block_size + 1 = {block_size + 1}; "
-                            + small_val_advice(data.dataset, len(self.val_tokens), block_size))
         self.hellaswag_items = None
         if cfg.hellaswag_every:
             from eval.hellaswag import load_items, require_metric_packages

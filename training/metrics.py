@@ -152,9 +152,10 @@ def _clock(seconds: float) -> str:
 
 
 def run_header(accelerator: Accelerator, model: torch.nn.Module, n_params: int, geometry: BatchGeometry,
-               plan: OptimizerPlan, lora: str | None) -> str:
+               plan: OptimizerPlan, lora: str | None, data: str) -> str:
     """The run's header: model size (and what LoRA trains), batch geometry, distribution, precision,
-    compilation, device; then which optimizer trains which parameters. `model`: as prepared."""
+    compilation, device; which optimizer trains which parameters; `data`, the data source's own line.
+    `model`: as prepared."""
     # accelerate wraps the prepared model in torch.compile's OptimizedModule when a dynamo backend is set.
     compiled = f"torch.compile ({accelerator.state.dynamo_plugin.backend.value.lower()})" \
         if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else "eager"
@@ -168,4 +169,4 @@ def run_header(accelerator: Accelerator, model: torch.nn.Module, n_params: int, 
             f"accumulation x {g.micro_batch_size} x {g.block_size} = {g.tokens_per_step:,} tokens per step | "
             f"distributed: {accelerator.distributed_type.value} | precision: {accelerator.mixed_precision} | "
             f"{compiled} | {accelerator.device}\n"
-            f"{describe_optimizers(accelerator.unwrap_model(model, keep_torch_compile=False), plan)}")
+            f"{describe_optimizers(accelerator.unwrap_model(model, keep_torch_compile=False), plan)}\n{data}")

@@ -16,6 +16,7 @@ from accelerate import Accelerator
 
 from common.errors import UserError
 from common.run_dir import RunDir
+from data.tokenizer import IGNORE
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizers: Seq
     scale = None
     if masked_targets:
         batches = list(batches)
-        count = sum(int((y != -100).sum()) for _, y in batches)
+        count = sum(int((y != IGNORE).sum()) for _, y in batches)
         global_count = accelerator.reduce(torch.tensor(count, device=device), reduction="sum")
         scale = accelerator.num_processes * grad_accum / global_count.clamp(min=1)
     for x, y in batches:
