@@ -16,10 +16,10 @@ from typing import Any, Sequence
 import yaml
 
 from common.run_dir import RunDir
+from common.weights import GPT2_NAMES, is_repo_id
 from configs import read_run_config
 from data.loader import parse_hub_id, source_kind
 from data.tokenizer import get_tokenizer
-from model.hf_io import GPT2_NAMES, is_repo_id
 from training.metrics import read_metrics
 
 LOSS_CURVE = "loss_curve.png"
