@@ -37,10 +37,12 @@ ADAPTER = "default"  # peft's name for the one adapter of a model
 DEFAULT_TARGETS = ("c_attn", "c_proj", "c_fc")  # attention (qkv, output) and MLP (in, out) projections
 
 
-def lora_config(rank: int, alpha: float, dropout: float, targets: list[str] | tuple[str, ...], base: str) -> LoraConfig:
-    """peft's LoraConfig for our GPT; `base` names the weights the adapter is added to (recorded, checked on resume)."""
+def lora_config(rank: int, alpha: float, dropout: float, targets: list[str] | tuple[str, ...], base: str,
+                revision: str | None = None) -> LoraConfig:
+    """peft's LoraConfig for our GPT; `base` names the weights the adapter is added to, `revision` the Hub revision
+    of a Hub base (both recorded in adapter_config.json, where `common.weights` finds the base again)."""
     return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), bias="none",
-                      base_model_name_or_path=base)
+                      base_model_name_or_path=base, revision=revision)
 
 
 def _targeted_layers(model: torch.nn.Module, config: LoraConfig) -> dict[str, torch.nn.Module]:

@@ -100,8 +100,7 @@ def lora_checkpoint(folder: Path, base_spec: str, revision: str | None = None) -
     from model.lora import adapter_state, add_adapters, lora_config, save_adapter_config
 
     model = GPT.from_pretrained(base_spec, revision=revision)
-    config = lora_config(4, 8.0, 0.0, ["c_attn", "c_fc"], base_spec)
-    config.revision = revision
+    config = lora_config(4, 8.0, 0.0, ["c_attn", "c_fc"], base_spec, revision)
     add_adapters(model, config)
     with torch.no_grad():
         for name, p in model.named_parameters():
