@@ -12,7 +12,8 @@ evaluations and publishing act on that answer and never look at the path again. 
   - anything else that is not a local path: a Hub repo id, downloaded (config and safetensors only: a
     pickle can run code when loaded) to a snapshot folder in the Hub cache: `HUB`.
 
-Every way a spec can fail is one `UserError` line here, and only here. Imports nothing above `common/`.
+Every way a spec can name no weights is one `UserError` line here, and only here (what can be wrong inside
+the files is the loader's: `model/pretrained.py`). Imports nothing above `common/`.
 """
 from __future__ import annotations
 

@@ -100,6 +100,17 @@ def test_our_folders_resolve_to_hf_folders_and_their_run(tmp_path):
         assert (weights.pretrained, weights.run) == ("openai-community/gpt2", None)
 
 
+def test_a_hub_revision_reaches_the_harness(tmp_path, monkeypatch):
+    import lm_eval
+
+    seen = {}
+    monkeypatch.setattr(lm_eval, "simple_evaluate", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.chdir(tmp_path)
+    with resolve_model("someone/tiny-gpt2", revision="v1") as model:  # nothing downloaded: lm-eval does that
+        run_harness(model, ["hellaswag_tiny"], include_path=TASKS, device="cpu")
+    assert seen["model_args"] == {"pretrained": "someone/tiny-gpt2", "revision": "v1"}
+
+
 def test_unfinished_runs_are_exported_to_a_temporary_folder_that_goes_away(tmp_path):
     model = opinionated_gpt()
     checkpoint = tmp_path / "run" / "checkpoints" / "step_000005"
