@@ -21,28 +21,29 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from accelerate.utils.constants import OPTIMIZER_NAME, RNG_STATE_NAME, SAFE_WEIGHTS_NAME
+from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME, RNG_STATE_NAME, SAFE_WEIGHTS_NAME
 
-# Files inside a checkpoint folder (besides accelerate's own).
+# Files inside a checkpoint folder that we write.
 GPT_CONFIG = "gpt_config.json"  # the architecture, `dataclasses.asdict(GPTConfig)`
 RUN_STATE = "run_state.json"  # step, tokens seen, tracker run id, world size
 MANIFEST = "manifest.json"  # every other file's size and sha256, written last
 # A LoRA run's checkpoint holds its adapter instead of the whole model (peft's file names; see model/lora.py).
-ADAPTER_CONFIG = "adapter_config.json"  # the LoRA settings and the base weights' name
+ADAPTER_CONFIG = "adapter_config.json"  # the LoRA settings and the base weights' name (and revision)
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # the adapter weights only
-# accelerate's own files in a checkpoint (`save_state`), named by accelerate's constants.
-MODEL_WEIGHTS = SAFE_WEIGHTS_NAME  # model.safetensors
-FSDP_MODEL_DIR, FSDP_OPTIMIZER_DIR = "pytorch_model_fsdp_0", f"{OPTIMIZER_NAME}_0"  # FSDP's sharded state folders
+# What accelerate's save_state writes, named from accelerate's own constants (as its checkpointing composes them).
+MODEL_WEIGHTS = SAFE_WEIGHTS_NAME  # model.safetensors: the (possibly wrapped) model's state dict
+FSDP_MODEL_DIR = f"{FSDP_MODEL_NAME}_0"  # pytorch_model_fsdp_0/: the model's shards under FSDP's sharded state
+FSDP_OPTIMIZER_DIR = f"{OPTIMIZER_NAME}_0"  # optimizer_0/: the optimizer's shards under FSDP's sharded state
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def optimizer_file(index: int) -> str:
-    """accelerate's file for the run's `index`-th optimizer: optimizer.bin, optimizer_1.bin, ..."""
+    """accelerate's file for the `index`-th prepared optimizer: optimizer.bin, optimizer_1.bin, ..."""
     return f"{OPTIMIZER_NAME}.bin" if index == 0 else f"{OPTIMIZER_NAME}_{index}.bin"
 
 
 def rng_state_file(rank: int) -> str:
-    """accelerate's file for rank `rank`'s random number generators (and its accumulation step)."""
+    """accelerate's file for process `rank`'s RNG states: random_states_{rank}.pkl."""
     return f"{RNG_STATE_NAME}_{rank}.pkl"
 
 
@@ -65,6 +66,12 @@ class RunDir:
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RunDir) and self.path == other.path
+
+    def __hash__(self) -> int:
+        return hash(self.path)
 
     @property
     def config_file(self) -> Path:

@@ -9,6 +9,7 @@ from typing import Any, Iterator
 import torch
 
 from common.errors import UserError
+from common.weights import Weights
 
 
 def rank_and_world(accelerator: Any | None) -> tuple[int, int]:
@@ -82,15 +83,10 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 def model_block_size(model: torch.nn.Module) -> int | None:
-    """The context length of our GPT (or an HF model), looking through DDP/compile wrappers."""
-    inner = model
-    while True:  # OptimizedModule._orig_mod, DistributedDataParallel.module, in any order
-        wrapped = getattr(inner, "_orig_mod", None)
-        wrapped = getattr(inner, "module", None) if wrapped is None else wrapped
-        if not isinstance(wrapped, torch.nn.Module):
-            break
-        inner = wrapped
-    config = getattr(inner, "config", None)
+    """The context length of our GPT (or an HF model), looking through DDP/FSDP/compile wrappers."""
+    from accelerate.utils import extract_model_from_parallel
+
+    config = getattr(extract_model_from_parallel(model, keep_torch_compile=False), "config", None)
     return getattr(config, "block_size", None) or getattr(config, "n_positions", None)
 
 
@@ -114,11 +110,12 @@ def eval_mode(model: torch.nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
-def load_model(spec: str, device: torch.device) -> torch.nn.Module:
-    """`GPT.from_pretrained(spec)` (Hub id, HF folder, our checkpoint or run folder) on `device`."""
-    from model.hf_io import load_for_cli
+def load_model(weights: str | Weights, device: torch.device) -> torch.nn.Module:
+    """`GPT.from_pretrained(weights)` (a spec: Hub id, HF folder, our checkpoint or run folder; or resolved
+    `Weights`) on `device`."""
+    from model import GPT
 
-    return load_for_cli(spec).to(device)
+    return GPT.from_pretrained(weights).to(device)
 
 
 def pick_device(name: str | None, accelerator: Any) -> torch.device:

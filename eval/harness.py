@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from common.errors import UserError, run_cli
-from common.run_dir import GPT_CONFIG, RunDir, checkpoint_step
+from common.run_dir import RunDir, checkpoint_step
+from common.weights import Kind, resolve_weights
 
 
 def require_lm_eval() -> None:
@@ -38,60 +39,34 @@ def require_lm_eval() -> None:
 
 
 @dataclass
-class Weights:
-    """What the harness loads (`pretrained`: an HF folder or a Hub id) and, for our runs, where they came from."""
+class HarnessModel:
+    """What the harness loads (`pretrained`: an HF folder, or a Hub id at `revision`) and, for our weights,
+    where they came from."""
 
     pretrained: str
     run: RunDir | None = None  # the run whose harness.jsonl gets the results
-    source: Path | None = None  # final/ or checkpoints/step_N inside that run
-
-
-def _run_of_checkpoint(folder: Path) -> RunDir | None:
-    """The run a `checkpoints/step_N` folder belongs to, if it sits in one."""
-    if checkpoint_step(folder) is not None and folder.parent.name == "checkpoints":
-        return RunDir(folder.parent.parent)
-    return None
+    source: Path | None = None  # our folder: final/ or checkpoints/step_N inside `run`, or any HF folder or checkpoint
+    revision: str | None = None  # of a Hub id
 
 
 @contextmanager
-def resolve_model(spec: str) -> Iterator[Weights]:
+def resolve_model(spec: str, revision: str | None = None) -> Iterator[HarnessModel]:
     """`spec` as something the harness's `hf` model loads, for the duration of the block.
 
-    An HF folder (our `final/` included) and a Hub id are passed through; our checkpoints, and runs
-    that have not finished, are exported with `GPT.save_pretrained` to a temporary folder that is
-    removed afterwards."""
-    path = Path(spec).expanduser()
-    if not path.exists():
-        # "out/my_rnu" is also a valid Hub id: a first component that is a local folder means a typo.
-        if len(path.parts) > 1 and Path(path.parts[0]).is_dir():
-            raise UserError(f"model folder {path} does not exist; pass an HF folder, a checkpoint or a run folder "
-                            "(or a Hub id)")
-        yield Weights(spec)
-        return
-    if not path.is_dir():
-        raise UserError(f"{path} is a file; pass the folder that holds config.json, a checkpoint or a run folder")
-    if (path / "config.json").is_file():
-        run = RunDir(path.parent) if path.name == "final" and RunDir(path.parent).looks_like_run() else None
-        yield Weights(str(path), run, path if run else None)
-        return
-    if (path / GPT_CONFIG).is_file():
-        run, source = _run_of_checkpoint(path), path
-    elif RunDir(path).looks_like_run():
-        run, source = RunDir(path), RunDir(path).newest_weights()
-        if source is None:
-            raise UserError(f"run folder {path} has no final/ export and no checkpoints/step_* yet; train longer "
-                            "or pick another run")
-        if source == run.final:
-            yield Weights(str(source), run, source)
-            return
+    A Hub id is passed on (lm-eval downloads it, tokenizer included) and an HF folder (our `final/`
+    included) used as it is; our checkpoints, and runs that have not finished, are exported with
+    `GPT.save_pretrained` to a temporary folder that is removed afterwards."""
+    weights = resolve_weights(spec, revision, download=False)
+    if weights.kind is Kind.HUB:
+        yield HarnessModel(weights.spec, revision=weights.revision)
+    elif weights.kind is Kind.HF_FOLDER:
+        yield HarnessModel(str(weights.folder), weights.run, weights.folder)
     else:
-        raise UserError(f"{path} is neither a model folder (config.json or gpt_config.json) nor a run folder "
-                        "(final/ or checkpoints/); point at one of those")
-    from model import GPT
+        from model import GPT
 
-    with tempfile.TemporaryDirectory(prefix="harness-export-") as tmp:
-        GPT.from_pretrained(source).save_pretrained(tmp)  # config, safetensors and the GPT-2 tokenizer files
-        yield Weights(tmp, run, source)
+        with tempfile.TemporaryDirectory(prefix="harness-export-") as tmp:
+            GPT.from_pretrained(weights).save_pretrained(tmp)  # config, safetensors and the GPT-2 tokenizer files
+            yield HarnessModel(tmp, weights.run, weights.folder)
 
 
 def _task_manager(tasks: Sequence[str], include_path: str | None) -> Any:
@@ -120,7 +95,7 @@ def _flat_metrics(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def run_harness(
-    weights: Weights,
+    weights: HarnessModel,
     tasks: Sequence[str],
     *,
     include_path: str | None = None,
@@ -144,7 +119,8 @@ def run_harness(
         raise UserError(f"unknown lm-eval task(s) {', '.join(unknown)}; check the names with `lm_eval ls tasks`, "
                         "or pass --include_path with the folder of their YAML files")
     try:
-        return simple_evaluate(model="hf", model_args={"pretrained": weights.pretrained}, tasks=list(tasks),
+        model_args = {"pretrained": weights.pretrained, **({"revision": weights.revision} if weights.revision else {})}
+        return simple_evaluate(model="hf", model_args=model_args, tasks=list(tasks),
                                task_manager=task_manager, batch_size=batch_size, device=device, limit=limit,
                                num_fewshot=num_fewshot, log_samples=log_samples)
     except AssertionError as err:
@@ -155,7 +131,7 @@ def run_harness(
                         ) from err
 
 
-def record_in_run(weights: Weights, output: dict[str, Any]) -> Path | None:
+def record_in_run(weights: HarnessModel, output: dict[str, Any]) -> Path | None:
     """Append the results as one JSON line to `<run>/harness.jsonl` when the model is one of our runs.
 
     A file of its own, not `metrics.jsonl`: those rows are training steps (a resume truncates them by

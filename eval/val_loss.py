@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import fields
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -27,6 +26,7 @@ from common.cli import CliParser
 from common.console import TerminalBar
 from common.errors import UserError, run_cli
 from common.run_dir import RunDir
+from common.weights import Weights, resolve_weights
 from data.pairs import PairExamples
 from data.settings import DataConfig, check_val_tokens, count_windows, require_a_window
 from data.source import open_source
@@ -113,26 +113,14 @@ _DEFAULTS = {**{name: getattr(DataConfig, name) for name in _DATA_FLAGS}, "max_t
              "block_size": None, "batch_size": 8}
 
 
-def run_folder_of(model: str) -> RunDir | None:
-    """The training run that `--model` names: the run folder itself, its final/ or one of its
-    checkpoints/step_N; None for a Hub id or an HF folder that is not inside a run (no config.yaml)."""
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        return None
-    for run in (RunDir(path), RunDir(path.parent), RunDir(path.parent.parent)):
-        inside = path in (run.path, run.final) or path.parent == run.checkpoints
-        if inside and run.config_file.is_file():
-            return run
-    return None
-
-
-def settings(args: argparse.Namespace) -> tuple[dict[str, Any], RunDir | None]:
+def settings(args: argparse.Namespace, weights: Weights) -> tuple[dict[str, Any], RunDir | None]:
     """The dataset, token count, block and batch size to score with: each flag the user passed, else the
     run's own (so the loss is the one the run logged: the same windows in the same batches), else the
-    defaults. Returns them and the run they came from (None when --model is not a run)."""
+    defaults. Returns them and the run they came from (None when the weights are not a run's, or the run
+    has no config.yaml)."""
     from configs import read_run_config  # here: scoring a model from Python needs no config schema
 
-    run = run_folder_of(args.model)
+    run = weights.run if weights.run is not None and weights.run.config_file.is_file() else None
     recorded = read_run_config(run.config_file) if run is not None else {}
     chosen = {}
     for name, default in _DEFAULTS.items():
@@ -164,10 +152,11 @@ def main(argv: Sequence[str] | None = None) -> float:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (single process); default: "
                                                        "the accelerator's")
     args = parser.parse_args(argv)
-    chosen, run = settings(args)
+    weights = resolve_weights(args.model)  # once: the run's settings and the model both come from it
+    chosen, run = settings(args, weights)
     source = open_source(DataConfig(**{name: chosen[name] for name in _DATA_FLAGS}, val_tokens=chosen["max_tokens"]))
     with cli_accelerator(cpu=args.device == "cpu") as accelerator:
-        model = load_model(args.model, pick_device(args.device, accelerator))
+        model = load_model(weights, pick_device(args.device, accelerator))
         block_size = chosen["block_size"] or model_block_size(model)
         check_val_tokens(chosen["max_tokens"], block_size, flag="--max_tokens")
         tokens = source.val_set(block_size)

@@ -1,13 +1,13 @@
 """The GPT-2 network: pre-LN transformer blocks, learned positions, tied input/output embeddings.
 
 Module and parameter names follow Hugging Face's GPT2LMHeadModel (`transformer.h.0.attn.c_attn`,
-...), so converting weights is a transpose of the four Conv1D matrices and nothing else.
-Loading and exporting live in `model/hf_io.py`; this file is only the network.
+...), so converting weights is a transpose of the four Conv1D matrices and nothing else
+(`model/state_dict_adapter.py`). The architecture is `model/config.py`'s GPTConfig; loading and
+exporting live in `model/pretrained.py`; this file is only the network.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -15,56 +15,14 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from common.weights import Weights
 from data.tokenizer import EOT_ID, IGNORE
+from model import pretrained
+from model.config import GPTConfig
 from model.loss import chunked_cross_entropy
 
 # One (key, value) pair per layer, each (B, n_head, T_cached, head_dim).
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
-
-_SIZES: dict[str, dict[str, int]] = {
-    # The four released GPT-2 sizes.
-    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
-    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
-    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
-    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
-    # Small sizes that train in minutes on a laptop CPU.
-    "tiny": dict(n_layer=2, n_head=2, n_embd=64, block_size=64),
-    "mini": dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
-    "small": dict(n_layer=6, n_head=6, n_embd=384, block_size=256),
-}
-
-
-@dataclass
-class GPTConfig:
-    block_size: int = 1024
-    vocab_size: int = 50257
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    dropout: float = 0.0
-    bias: bool = True  # biases in Linear and LayerNorm layers, as GPT-2 has them
-    pad_vocab_multiple: int = 64  # embedding rows rounded up to this (50257 -> 50304), 1 = none
-
-    def __post_init__(self) -> None:
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; pick sizes where it is")
-        if min(self.block_size, self.vocab_size, self.n_layer, self.n_head, self.pad_vocab_multiple) < 1:
-            raise ValueError(f"invalid model config {self}; sizes must be positive integers")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout={self.dropout} is outside [0, 1); use e.g. 0.0 or 0.1")
-
-    @property
-    def padded_vocab_size(self) -> int:
-        m = self.pad_vocab_multiple
-        return (self.vocab_size + m - 1) // m * m
-
-    @classmethod
-    def from_name(cls, name: str, **overrides) -> "GPTConfig":
-        """Config of a named size (`gpt2` .. `gpt2-xl`, or `tiny`/`mini`/`small` for CPUs)."""
-        if name not in _SIZES:
-            raise ValueError(f"unknown model size {name!r}; choose one of {', '.join(_SIZES)}")
-        return cls(**{**_SIZES[name], **overrides})
-
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
@@ -299,18 +257,17 @@ class GPT(nn.Module):
         return 6.0 * self.num_params(non_embedding=True) + 12.0 * cfg.n_layer * T * cfg.n_embd
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str | Path, block_size: int | None = None,
-                        dropout: float | None = None) -> "GPT":
-        """Load from a Hub id, a local HF GPT-2 folder, or one of our checkpoint or run folders."""
-        from model.hf_io import load_pretrained
+    def from_pretrained(cls, name_or_path: str | Path | Weights, block_size: int | None = None,
+                        dropout: float | None = None, revision: str | None = None) -> "GPT":
+        """Load from a Hub id (at `revision`: a branch, tag or commit), a local HF GPT-2 folder, one of our
+        run or checkpoint folders, or a LoRA run's checkpoint (its base with the adapter merged in).
 
-        return load_pretrained(name_or_path, block_size=block_size, dropout=dropout)
+        `block_size` keeps the first positions (at most the weights' own); `dropout` replaces the saved rate."""
+        return pretrained.load(cls, name_or_path, revision=revision, block_size=block_size, dropout=dropout)
 
     def save_pretrained(self, save_directory: str | Path, overwrite: bool = False) -> None:
         """Write a Hugging Face GPT-2 folder (weights, configs, tokenizer files) loadable by transformers."""
-        from model.hf_io import save_pretrained
-
-        save_pretrained(self, save_directory, overwrite=overwrite)
+        pretrained.save_pretrained(self, save_directory, overwrite=overwrite)
 
 
 def sample_next(

@@ -14,6 +14,9 @@ Invariants:
 - `merged(model)` is a plain GPT (no peft layers) computing what `model` computes, without changing `model`.
 - Adapters go only on nn.Linear layers inside the transformer blocks: `lm_head` is tied to the token
   embedding, so an adapter there would untie them and break the GPT-2 export.
+- This module never imports the network (`model/gpt.py`): it works on the model it is given, and builds a
+  copy with `type(model)`. Loading a LoRA checkpoint (`model.pretrained`) loads the base, then calls
+  `merge_adapter`.
 """
 from __future__ import annotations
 
@@ -24,31 +27,30 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, inject_adapter_in_model
 from peft.tuners.tuners_utils import check_target_module_exists
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from common.errors import UserError
-from common.run_dir import ADAPTER_CONFIG
-from model.gpt import GPT
+from common.run_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 ADAPTER = "default"  # peft's name for the one adapter of a model
 DEFAULT_TARGETS = ("c_attn", "c_proj", "c_fc")  # attention (qkv, output) and MLP (in, out) projections
 
 
-def lora_config(rank: int, alpha: float, dropout: float, targets: list[str] | tuple[str, ...], base: str) -> LoraConfig:
-    """peft's LoraConfig for our GPT; `base` names the weights the adapter is added to (recorded, checked on resume)."""
+def lora_config(rank: int, alpha: float, dropout: float, targets: list[str] | tuple[str, ...], base: str,
+                revision: str | None = None) -> LoraConfig:
+    """peft's LoraConfig for our GPT; `base` names the weights the adapter is added to, `revision` the Hub revision
+    of a Hub base (both recorded in adapter_config.json, where `common.weights` finds the base again)."""
     return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), bias="none",
-                      base_model_name_or_path=base)
+                      base_model_name_or_path=base, revision=revision)
 
 
-def has_adapters(model: torch.nn.Module) -> bool:
-    return ADAPTER in getattr(model, "peft_config", {})
-
-
-def _targeted_layers(model: GPT, config: LoraConfig) -> dict[str, torch.nn.Module]:
+def _targeted_layers(model: torch.nn.Module, config: LoraConfig) -> dict[str, torch.nn.Module]:
     """The modules `config.target_modules` names (peft's own matching rule: a name or a dotted suffix)."""
     return {name: module for name, module in model.named_modules() if name and check_target_module_exists(config, name)}
 
 
-def add_adapters(model: GPT, config: LoraConfig) -> GPT:
+def add_adapters(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
     """Inject LoRA adapters into `model` in place and freeze everything else; returns `model`.
 
     Refuses (one line) targets that match no layer, or match something other than a block's linear layer, and a
@@ -72,13 +74,13 @@ def add_adapters(model: GPT, config: LoraConfig) -> GPT:
     return inject_adapter_in_model(config, model, adapter_name=ADAPTER)
 
 
-def adapter_state(model: GPT) -> dict[str, torch.Tensor]:
+def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapter weights only (no base weights), keyed by module path without the adapter name."""
     return {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(
         model, adapter_name=ADAPTER, save_embedding_layers=False).items()}
 
 
-def load_adapter_state(model: GPT, state: dict[str, torch.Tensor], source: str) -> None:
+def load_adapter_state(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
     """Put `state` (from `adapter_state`) into `model`'s adapters; every adapter weight must be there, nothing else."""
     expected = set(adapter_state(model))
     if set(state) != expected:
@@ -89,13 +91,13 @@ def load_adapter_state(model: GPT, state: dict[str, torch.Tensor], source: str) 
     assert not result.unexpected_keys, result.unexpected_keys  # checked above: every key is an adapter weight
 
 
-def _peft_model(model: GPT) -> PeftModel:
+def _peft_model(model: torch.nn.Module) -> PeftModel:
     """A PeftModel over a fresh copy of `model`'s base weights, holding `model`'s adapter (so peft's merge and
     save_pretrained can run without touching the model being trained)."""
     config = model.peft_config[ADAPTER]
     base_state = {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if ".lora_" not in k}
     with torch.device("meta"):
-        base = GPT(model.config)
+        base = type(model)(model.config)
     base.load_state_dict(base_state, assign=True)
     base.lm_head.weight = base.transformer.wte.weight  # assign=True replaced wte: tie again
     base.name_or_path = config.base_model_name_or_path  # what get_peft_model records as the adapter's base
@@ -104,12 +106,25 @@ def _peft_model(model: GPT) -> PeftModel:
     return peft_model
 
 
-def merged(model: GPT) -> GPT:
+def merged(model: torch.nn.Module) -> torch.nn.Module:
     """A plain GPT whose weights are `model`'s base weights plus its adapters' update (W + B A * alpha / r)."""
     return _peft_model(model).merge_and_unload()
 
 
-def save_adapter_folder(model: GPT, directory: Path) -> None:
+def merge_adapter(base: torch.nn.Module, adapter: Path) -> torch.nn.Module:
+    """`base` (a plain GPT, changed in place) with the adapter saved in the folder `adapter` (a LoRA run's
+    checkpoint) added, as a plain GPT with the adapter merged in."""
+    add_adapters(base, read_adapter_config(adapter))
+    try:
+        state = load_file(adapter / ADAPTER_WEIGHTS)
+    except (SafetensorError, OSError) as err:
+        raise UserError(f"the weights in {adapter} are damaged or missing ({err.__class__.__name__}: {err}); "
+                        "restore them or use another checkpoint") from None
+    load_adapter_state(base, state, str(adapter))
+    return merged(base)
+
+
+def save_adapter_folder(model: torch.nn.Module, directory: Path) -> None:
     """Write `model`'s adapter as a PEFT adapter folder for transformers' GPT2LMHeadModel (see the module docstring)."""
     _peft_model(model).save_pretrained(directory, save_embedding_layers=False)  # only the adapter
     _rewrite_config(directory, fan_in_fan_out=True,  # GPT2LMHeadModel's Conv1D layers hold W transposed
@@ -117,7 +132,7 @@ def save_adapter_folder(model: GPT, directory: Path) -> None:
                     auto_mapping=None)  # peft recorded our GPT class here: transformers' GPT-2 is the base to load
 
 
-def save_adapter_config(model: GPT, directory: Path) -> None:
+def save_adapter_config(model: torch.nn.Module, directory: Path) -> None:
     """Write `model`'s LoraConfig as `adapter_config.json` (what a checkpoint of a LoRA run records)."""
     model.peft_config[ADAPTER].save_pretrained(str(directory))
     _rewrite_config(directory)

@@ -30,7 +30,6 @@ from common.cli import CliParser
 from common.errors import UserError, run_cli
 from data.tokenizer import EOT_ID, EOT_TOKEN, N_VOCAB, get_tokenizer
 from model.gpt import GPT
-from model.hf_io import load_for_cli
 
 SEPARATOR = "-" * 40  # a line of its own between the samples of one prompt
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed accepts up to 2**64 - 1; seed + j must fit
@@ -97,7 +96,7 @@ def pick_device(name: str) -> torch.device:
 
 def load_model(spec: str, device: torch.device) -> GPT:
     """`GPT.from_pretrained(spec)` (Hub id, HF folder, our checkpoint or run folder), in eval mode on `device`."""
-    model = load_for_cli(spec)
+    model = GPT.from_pretrained(spec)
     if model.config.vocab_size > N_VOCAB:
         raise UserError(f"{spec} has {model.config.vocab_size} token ids, more than GPT-2's tokenizer ({N_VOCAB}) "
                         "can print; use a model trained with GPT-2's tokenizer")

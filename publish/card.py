@@ -18,26 +18,8 @@ from pathlib import Path
 
 from common.atomic import fresh_temp_dir, rename_into_place
 from common.errors import UserError, run_cli
-from common.run_dir import RunDir, checkpoint_step
-from publish.hub import build_hf_folder, describe_weights
+from publish.hub import build_hf_folder, describe_weights, run_weights
 from publish.model_card import write_model_card
-
-
-def _run_and_weights(run_dir: Path) -> tuple[RunDir, Path]:
-    """The run and the weights to describe: a checkpoint given directly, else final/ or the newest checkpoint."""
-    if checkpoint_step(run_dir) is not None and run_dir.parent.name == "checkpoints":
-        run = RunDir(run_dir.parent.parent)
-        if run_dir not in run.list_checkpoints():
-            raise UserError(f"{run_dir} is not a complete checkpoint (no gpt_config.json); pick another one")
-        return run, run_dir
-    run = RunDir(run_dir)
-    if not run.path.is_dir():
-        raise UserError(f"run folder {run.path} does not exist; pass the --out_dir of a training run as --run_dir")
-    source = run.newest_weights()
-    if source is None:
-        raise UserError(f"{run.path} has neither final/ nor a checkpoints/step_* folder; train first or pass the "
-                        "run's --out_dir")
-    return run, source
 
 
 def write_card(run_dir: str | Path, output: str | Path | None = None, hub_model_id: str | None = None) -> Path:
@@ -46,8 +28,9 @@ def write_card(run_dir: str | Path, output: str | Path | None = None, hub_model_
     Without `output` they go into the run's `final/` (the run must have finished). With `output`, that
     folder becomes an HF model folder of the weights plus the card, built aside and renamed into place;
     an existing folder is only replaced if it already holds a model (config.json)."""
-    run, source = _run_and_weights(Path(run_dir))
-    what = describe_weights(run, source)
+    weights = run_weights(run_dir)
+    run, source = weights.run, weights.folder
+    what = describe_weights(weights)
     if output is None:
         if source != run.final:
             raise UserError(f"{run.path} has not finished (no final/); pass --output DIR to export {source.name} "
@@ -66,7 +49,7 @@ def write_card(run_dir: str | Path, output: str | Path | None = None, hub_model_
     tmp = fresh_temp_dir(dest)
     shutil.rmtree(tmp)  # build_hf_folder creates it
     try:
-        build_hf_folder(run, source, tmp)
+        build_hf_folder(weights, tmp)
         write_model_card(run.path, tmp, hub_model_id, source=what, local_path=dest)  # named as it will be
         rename_into_place(tmp, dest)
     finally:

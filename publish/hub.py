@@ -23,7 +23,7 @@ from common.atomic import rename_into_place, temp_path
 from common.cli import CliParser
 from common.errors import UserError, run_cli
 from common.run_dir import RunDir
-from model.hf_io import is_repo_id
+from common.weights import Weights, is_repo_id, resolve_weights
 from publish.model_card import write_model_card
 
 STATE_PREFIX = "training_state"
@@ -50,42 +50,51 @@ def _fingerprint(folder: Path) -> list[list[Any]]:
                   for p in folder.rglob("*") if p.is_file())
 
 
-def describe_weights(run: RunDir, source: Path) -> str:
-    """What a card says the weights are: the run's final weights or an unfinished run's checkpoint."""
-    if source == run.final:
+def run_weights(run_dir: str | Path, source: Path | None = None) -> Weights:
+    """The weights of a training run to publish: `source` (one of its checkpoints), else what `run_dir` names
+    (a run folder: `final/` if it finished, else its newest checkpoint; or the run's final/ or a checkpoint)."""
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise UserError(f"run folder {path} does not exist; pass the --out_dir of a training run as --run_dir")
+    weights = resolve_weights(source or path)
+    if weights.run is None:
+        raise UserError(f"{path} is {weights.kind.value}, not a training run; pass the --out_dir of a training run "
+                        "as --run_dir")
+    return weights
+
+
+def describe_weights(weights: Weights) -> str:
+    """What a card says a run's weights are: the run's final weights or an unfinished run's checkpoint."""
+    if weights.folder == weights.run.final:
         return "the final weights of the run"
-    return f"checkpoint {source.name} (the run had not finished)"
+    return f"checkpoint {weights.folder.name} (the run had not finished)"
 
 
 ADAPTER_SUBFOLDER = "adapter"  # a LoRA run's final_adapter/ in the repo: PeftModel.from_pretrained(subfolder=)
 
 
-def build_hf_folder(run: RunDir, source: Path, dest: Path) -> None:
-    """Make `dest` (absent) an HF model folder of `source`: `final/` copied as it is (with a LoRA run's
+def build_hf_folder(weights: Weights, dest: Path) -> None:
+    """Make `dest` (absent) an HF model folder of a run's weights: `final/` copied as it is (with a LoRA run's
     `final_adapter/` as `adapter/`), a checkpoint converted (a LoRA checkpoint: merged)."""
-    if source == run.final:
-        shutil.copytree(source, dest)
+    run = weights.run
+    if weights.folder == run.final:
+        shutil.copytree(run.final, dest)
         if run.final_adapter.is_dir():
             shutil.copytree(run.final_adapter, dest / ADAPTER_SUBFOLDER)
     else:
         from model import GPT
 
-        GPT.from_pretrained(source).save_pretrained(dest)
+        GPT.from_pretrained(weights).save_pretrained(dest)
 
 
 def stage_export(run_dir: str | Path, source: Path | None = None) -> tuple[Path, str]:
-    """Make `<run_dir>/hub_export/model/` hold the HF export of `source` (default: the run's newest weights).
+    """Make `<run>/hub_export/model/` hold the HF export of `source` (default: the run's newest weights).
 
     Reuses the folder when it was made from the same, unchanged source. Returns the folder and a
     description of what it holds (for the card)."""
-    run = RunDir(run_dir)
-    if not run.path.is_dir():
-        raise UserError(f"run folder {run.path} does not exist; pass the --out_dir of a training run as --run_dir")
-    source = source or run.newest_weights()
-    if source is None:
-        raise UserError(f"{run.path} has neither final/ nor a checkpoints/step_* folder; "
-                        "train first or pass the run's --out_dir")
-    what = describe_weights(run, source)
+    weights = run_weights(run_dir, source)
+    run, source = weights.run, weights.folder
+    what = describe_weights(weights)
     export, marker = run.hub_export / "model", run.hub_export / "export.json"
     adapter = run.final_adapter if source == run.final and run.final_adapter.is_dir() else None
     record = {"source": str(source.relative_to(run.path)), "files": _fingerprint(source),
@@ -97,7 +106,7 @@ def stage_export(run_dir: str | Path, source: Path | None = None) -> tuple[Path,
     run.hub_export.mkdir(exist_ok=True)
     tmp = temp_path(export)
     shutil.rmtree(tmp, ignore_errors=True)
-    build_hf_folder(run, source, tmp)
+    build_hf_folder(weights, tmp)
     marker.unlink(missing_ok=True)
     rename_into_place(tmp, export)
     marker.write_text(json.dumps(record))

@@ -17,11 +17,11 @@ import yaml
 
 from common.errors import UserError
 from common.run_dir import RunDir
+from common.weights import GPT2_NAMES, is_repo_id
 from configs import read_run_config
 from data.settings import DataConfig
 from data.source import DataSource, open_source
 from data.tokenizer import get_tokenizer
-from model.hf_io import GPT2_NAMES, is_repo_id
 from training.metrics import read_metrics
 
 LOSS_CURVE = "loss_curve.png"

@@ -1,8 +1,9 @@
 """The rooms of docs/architecture.md and the arrows between them, read from the code's own imports.
 
 Lower layers never import higher ones, so there is no cycle between packages and `model`/`data`
-stay usable as a library without the trainer. Imports inside functions count too (a lazy import is
-still an arrow).
+stay usable as a library without the trainer; inside a package, no module imports another that
+imports it back, however indirectly. Imports inside functions count too (a lazy import is still an
+arrow).
 """
 from __future__ import annotations
 
@@ -45,6 +46,46 @@ def test_packages_import_only_lower_layers():
             for target in project_imports(path) - allowed - {package}:
                 wrong.append(f"{path.relative_to(REPO_ROOT)} imports {target}")
     assert wrong == []
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Every project module (`model.gpt`, `model` for model/__init__.py, `train`) and the project modules it
+    imports anywhere in it: `from model import GPT` is an arrow to `model`, `from model import lora` one
+    to `model.lora`. (Importing `model.gpt` also runs model/__init__.py; that arrow is Python's, not the code's.)"""
+    files = {path: ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts).removesuffix(".__init__")
+             for package in PACKAGES for path in (REPO_ROOT / package).rglob("*.py")}
+    files[REPO_ROOT / "train.py"] = "train"
+    modules = set(files.values())
+    graph = {}
+    for path, name in files.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names if alias.name in modules}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules:
+                targets |= {f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                            for alias in node.names}
+        graph[name] = targets - {name}
+    return graph
+
+
+def test_no_module_imports_itself_back():
+    """No circle of imports between modules, lazy ones included (e.g. model.gpt -> model.pretrained -> model.gpt)."""
+    graph, state, circles = module_graph(), {}, []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                circles.append(" -> ".join(path[path.index(nxt):] + [node, nxt]))
+            elif nxt not in state:
+                visit(nxt, path + [node])
+        state[node] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
+    assert circles == []
 
 
 def test_allowed_arrows_have_no_cycle():

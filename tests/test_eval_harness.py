@@ -16,7 +16,7 @@ from conftest import REPO_ROOT
 from safetensors.torch import save_file
 
 from common.errors import UserError
-from eval.harness import Weights, main, require_lm_eval, resolve_model, run_harness
+from eval.harness import HarnessModel, main, require_lm_eval, resolve_model, run_harness
 from eval.hellaswag import evaluate_hellaswag, item_loglikelihoods, load_items
 from model import GPT, GPTConfig
 
@@ -49,7 +49,7 @@ def test_harness_scores_hellaswag_as_eval_hellaswag_does(tmp_path, at_repo_root)
     ours = evaluate_hellaswag(model, items)
     ours_lls = item_loglikelihoods(model, items)
 
-    output = run_harness(Weights(str(tmp_path / "hf")), ["hellaswag_tiny"], include_path=TASKS, device="cpu",
+    output = run_harness(HarnessModel(str(tmp_path / "hf")), ["hellaswag_tiny"], include_path=TASKS, device="cpu",
                          log_samples=True)
 
     samples = sorted(output["samples"]["hellaswag_tiny"], key=lambda s: s["doc_id"])
@@ -100,6 +100,17 @@ def test_our_folders_resolve_to_hf_folders_and_their_run(tmp_path):
         assert (weights.pretrained, weights.run) == ("openai-community/gpt2", None)
 
 
+def test_a_hub_revision_reaches_the_harness(tmp_path, monkeypatch):
+    import lm_eval
+
+    seen = {}
+    monkeypatch.setattr(lm_eval, "simple_evaluate", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.chdir(tmp_path)
+    with resolve_model("someone/tiny-gpt2", revision="v1") as model:  # nothing downloaded: lm-eval does that
+        run_harness(model, ["hellaswag_tiny"], include_path=TASKS, device="cpu")
+    assert seen["model_args"] == {"pretrained": "someone/tiny-gpt2", "revision": "v1"}
+
+
 def test_unfinished_runs_are_exported_to_a_temporary_folder_that_goes_away(tmp_path):
     model = opinionated_gpt()
     checkpoint = tmp_path / "run" / "checkpoints" / "step_000005"
@@ -120,7 +131,7 @@ def test_unfinished_runs_are_exported_to_a_temporary_folder_that_goes_away(tmp_p
 def test_a_mistyped_local_path_is_not_sent_to_the_hub(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "out").mkdir()
-    with pytest.raises(UserError, match="model folder out/my_rnu does not exist"):
+    with pytest.raises(UserError, match=r"no folder out/my_rnu \(though out/ exists\); check the path"):
         with resolve_model("out/my_rnu"):
             pass
 
@@ -129,13 +140,13 @@ def test_a_mistyped_local_path_is_not_sent_to_the_hub(tmp_path, monkeypatch):
 def test_an_ending_longer_than_the_context_is_one_line(tmp_path, at_repo_root):
     GPT(GPTConfig(block_size=4, n_layer=1, n_head=1, n_embd=8)).save_pretrained(tmp_path / "hf")
     with pytest.raises(UserError, match="longer than the model's context"):
-        run_harness(Weights(str(tmp_path / "hf")), ["hellaswag_tiny"], include_path=TASKS, device="cpu")
+        run_harness(HarnessModel(str(tmp_path / "hf")), ["hellaswag_tiny"], include_path=TASKS, device="cpu")
 
 
 @pytest.mark.slow  # not among the local tasks, so the harness indexes its built-in ones: about 10 s
 def test_unknown_task_is_one_line(tmp_path):
     with pytest.raises(UserError, match="unknown lm-eval task.*no_such_task"):
-        run_harness(Weights("unused"), ["no_such_task"], include_path=TASKS, device="cpu")
+        run_harness(HarnessModel("unused"), ["no_such_task"], include_path=TASKS, device="cpu")
 
 
 def test_missing_lm_eval_is_one_line(monkeypatch):

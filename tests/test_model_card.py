@@ -104,6 +104,17 @@ def test_unfinished_run_needs_an_output_and_gets_an_hf_export_there(tmp_path):
     assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
 
 
+def test_run_dir_must_name_a_runs_weights(tmp_path):
+    run, _ = _run(tmp_path, finished=False)
+    (run / "checkpoints" / "step_000020").mkdir()  # a save that never finished
+    with pytest.raises(UserError, match=r"step_000020 is not a complete checkpoint \(no gpt_config.json\); pick "):
+        write_card(run / "checkpoints" / "step_000020", tmp_path / "export")
+    GPT(CONFIG).save_pretrained(tmp_path / "hf")
+    with pytest.raises(UserError, match=r"hf is a Hugging Face model folder, not a training run; pass the --out_dir"):
+        write_card(tmp_path / "hf")
+    assert write_card(run / "checkpoints" / "step_000010", tmp_path / "export") == tmp_path / "export"
+
+
 def test_the_card_in_final_is_the_card_of_the_hub_export(tmp_path):
     run, _ = _run(tmp_path)
     write_card(run, hub_model_id="alice/tiny")  # what train.py writes with --push_to_hub

@@ -14,7 +14,7 @@ from common.atomic import fresh_temp_dir, rename_into_place
 from common.errors import UserError
 from common.run_dir import RunDir
 from model import GPT, GPTConfig
-from model.hf_io import strip_wrapper_prefixes
+from model.pretrained import strip_wrapper_prefixes
 
 
 def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConfig, run: RunDir) -> None:
