@@ -9,8 +9,8 @@ served in place with its git blob id as ETag. Every answer about a revision carr
 carry the `X-Error-Code` the clients map to exception types (RepoNotFound, RevisionNotFound, EntryNotFound).
 A renamed repo answers every request with a 307 to its new id, with a relative Location (the clients follow it).
 
-Revisions: branches, tags and commit shas; special refs (`refs/convert/parquet`, `refs/pr/1`) are accepted
-both URL-encoded (`refs%2Fconvert%2Fparquet`, as the clients send them) and as plain path segments.
+Revisions: branches, tags, commit shas and special refs (`refs/convert/parquet`, `refs/pr/1`), URL-encoded
+in one path segment as the clients send them (`refs%2Fconvert%2Fparquet`).
 
 Uploads: `create_repo`, `create_branch`, `preupload` and `create_commit` (`upload_folder`): every file is
 declared "regular" at preupload, so the contents arrive base64-encoded inside the NDJSON commit (no LFS/Xet).
@@ -286,8 +286,7 @@ class FakeHub:
             key = prefix + "/".join(rest[:n])
             if key in self.renamed:
                 return self._redirect(req, raw[:len(raw) - len(rest_raw)], rest_raw[n:], self.renamed[key])
-            revision, path = _split_revision(rest[n + 1:])
-            return self._resolve_file(req, key, revision, "/".join(path))
+            return self._resolve_file(req, key, rest[n + 1], "/".join(rest[n + 2:]))
         self.unknown.append(f"{method} {req.path}")
         return _error(404, f"fake hub: no route for {method} {req.path}")
 
@@ -322,8 +321,7 @@ class FakeHub:
         if method == "GET" and op == ["refs"]:
             return self._refs(key)
         if method == "GET" and op[:1] == ["tree"] and len(op) >= 2:
-            revision, path = _split_revision(op[1:])
-            return self._tree(req, key, revision, "/".join(path))
+            return self._tree(req, key, op[1], "/".join(op[2:]))
         if method == "POST" and op[:1] == ["paths-info"] and len(op) >= 2:
             return self._paths_info(req, key, "/".join(op[1:]), body)
         if method == "POST" and op[:1] in (["preupload"], ["commit"], ["branch"]) and len(op) >= 2:
@@ -331,7 +329,7 @@ class FakeHub:
             if op[0] == "branch":
                 return self._create_branch(key, rev, json.loads(body or b"{}"))
             if rev not in self.repos[key]:
-                return _error(404, f"Invalid rev id: {rev}", "RevisionNotFound")
+                return _no_revision(rev)
             if op[0] == "preupload":
                 files = json.loads(body)["files"]
                 return _json(200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
@@ -344,15 +342,14 @@ class FakeHub:
     def _repo_info(self, req: Request, key: str, revision: str) -> _Answer:
         resolved = self._resolve(key, revision)
         if resolved is None:
-            return _error(404, f"Invalid rev id: {revision}", "RevisionNotFound")
+            return _no_revision(revision)
         sha, files = resolved
-        blobs = parse_qs(req.query).get("blobs", ["false"])[0].lower() in ("1", "true")
         repo_id = key.removeprefix("datasets/")
         info: dict[str, Any] = {
             "_id": hashlib.sha1(key.encode()).hexdigest()[:24], "id": repo_id, "author": repo_id.split("/")[0],
             "sha": sha, "lastModified": DATE, "createdAt": DATE, "private": self.private.get(key, False),
             "gated": False, "disabled": False, "downloads": 0, "likes": 0, "tags": [],
-            "siblings": [_sibling(name, data, blobs) for name, data in sorted(files.items())],
+            "siblings": [{"rfilename": name} for name in sorted(files)],
         }
         card = _front_matter(files.get("README.md", b""))
         if key.startswith("datasets/"):
@@ -378,14 +375,13 @@ class FakeHub:
     def _tree(self, req: Request, key: str, revision: str, path: str) -> _Answer:
         resolved = self._resolve(key, revision)
         if resolved is None:
-            return _error(404, f"Invalid rev id: {revision}", "RevisionNotFound")
-        sha, files = resolved
+            return _no_revision(revision)
+        files = resolved[1]
         query = parse_qs(req.query)
         recursive = query.get("recursive", ["false"])[0].lower() in ("1", "true")
-        expand = query.get("expand", ["false"])[0].lower() in ("1", "true")
         if path and path not in _folders(files):
             return _error(404, f"{path} does not exist on \"{revision}\"", "EntryNotFound")
-        entries = [_entry(p, files, sha, expand) for p in sorted(_folders(files) | files.keys())
+        entries = [_entry(p, files) for p in sorted(_folders(files) | files.keys())
                    if p and _is_under(p, path, recursive)]
         cursor = int(query.get("cursor", ["0"])[0])
         page = entries[cursor:cursor + self.tree_page_size]
@@ -399,12 +395,11 @@ class FakeHub:
     def _paths_info(self, req: Request, key: str, revision: str, body: bytes) -> _Answer:
         resolved = self._resolve(key, revision)
         if resolved is None:
-            return _error(404, f"Invalid rev id: {revision}", "RevisionNotFound")
-        sha, files = resolved
-        form = parse_qs(body.decode())
-        expand = form.get("expand", ["false"])[0].lower() in ("1", "true")
+            return _no_revision(revision)
+        files = resolved[1]
         known = _folders(files) | files.keys()
-        return _json(200, [_entry(p, files, sha, expand) for p in form.get("paths", []) if p in known])
+        form = parse_qs(body.decode())
+        return _json(200, [_entry(p, files) for p in form.get("paths", []) if p in known])
 
     def _resolve_file(self, req: Request, key: str, revision: str, path: str) -> _Answer:
         req.repo, req.file = key, path
@@ -412,7 +407,7 @@ class FakeHub:
             return missing
         resolved = self._resolve(key, revision)
         if resolved is None:
-            return _error(404, f"Invalid rev id: {revision}", "RevisionNotFound")
+            return _no_revision(revision)
         sha, files = resolved
         if path not in files:
             answer = _error(404, "Entry not found", "EntryNotFound")
@@ -459,7 +454,7 @@ class FakeHub:
             return _error(409, f"Reference already exists: refs/heads/{branch}")
         resolved = self._resolve(key, payload.get("startingPoint") or "main")
         if resolved is None:
-            return _error(404, f"Invalid rev id: {payload.get('startingPoint')}", "RevisionNotFound")
+            return _no_revision(payload["startingPoint"])
         self.repos[key][branch] = dict(resolved[1])
         return _json(200, {})
 
@@ -495,13 +490,6 @@ def _read_files(files: Mapping[str, FileSource] | os.PathLike) -> dict[str, byte
                    else Path(data).read_bytes()) for name, data in files.items()}
 
 
-def _split_revision(segs: list[str]) -> tuple[str, list[str]]:
-    """The revision at the head of decoded path segments: one segment, or a special ref sent unencoded."""
-    if len(segs) >= 3 and segs[0] == "refs" and segs[1] in ("convert", "pr"):
-        return "/".join(segs[:3]), segs[3:]
-    return segs[0], segs[1:]
-
-
 def _is_lfs(path: str, data: bytes) -> bool:
     return path.endswith(LFS_SUFFIXES) or len(data) > LFS_MIN_SIZE
 
@@ -528,30 +516,14 @@ def _is_under(path: str, folder: str, recursive: bool) -> bool:
     return recursive or "/" not in rest
 
 
-def _lfs_info(data: bytes) -> dict[str, Any]:
-    return {"oid": _sha256(data), "size": len(data), "pointerSize": 134}
-
-
-def _sibling(name: str, data: bytes, blobs: bool) -> dict[str, Any]:
-    if not blobs:
-        return {"rfilename": name}
-    sibling = {"rfilename": name, "size": len(data), "blobId": _git_oid(data)}
-    if _is_lfs(name, data):
-        sibling["lfs"] = {"sha256": _sha256(data), "size": len(data), "pointerSize": 134}
-    return sibling
-
-
-def _entry(path: str, files: dict[str, bytes], sha: str, expand: bool) -> dict[str, Any]:
+def _entry(path: str, files: dict[str, bytes]) -> dict[str, Any]:
     """A tree / paths-info entry, as the Hub lists it."""
-    if path in files:
-        data = files[path]
-        entry: dict[str, Any] = {"type": "file", "oid": _git_oid(data), "size": len(data), "path": path}
-        if _is_lfs(path, data):
-            entry["lfs"] = _lfs_info(data)
-    else:
-        entry = {"type": "directory", "oid": hashlib.sha1(path.encode()).hexdigest(), "size": 0, "path": path}
-    if expand:
-        entry["lastCommit"] = {"id": sha, "title": "fake hub commit", "date": DATE}
+    if path not in files:
+        return {"type": "directory", "oid": hashlib.sha1(path.encode()).hexdigest(), "size": 0, "path": path}
+    data = files[path]
+    entry: dict[str, Any] = {"type": "file", "oid": _git_oid(data), "size": len(data), "path": path}
+    if _is_lfs(path, data):
+        entry["lfs"] = {"oid": _sha256(data), "size": len(data), "pointerSize": 134}
     return entry
 
 
@@ -577,6 +549,10 @@ def _ranged(req: Request, data: bytes) -> _Answer:
     start = max(start, 0)
     headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
     return _Answer(206, headers, data[start:end + 1])
+
+
+def _no_revision(revision: str) -> _Answer:
+    return _error(404, f"Invalid rev id: {revision}", "RevisionNotFound")
 
 
 def _json(status: int, payload: Any, headers: dict[str, str] | None = None) -> _Answer:

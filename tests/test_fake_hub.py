@@ -235,6 +235,8 @@ def test_file_metadata_and_byte_ranges_through_the_client(in_process_client: Fak
         sha, 14, f"{hub.url}/openai-community/gpt2/resolve/main/config.json")
 
     fs = HfFileSystem(endpoint=hub.url)
+    assert fs.info("openai-community/gpt2/config.json", refresh=True)["size"] == 14  # asks paths-info
+    assert [r.method for r in hub.requests if "/paths-info/" in r.path] == ["POST"]
     with fs.open("openai-community/gpt2/model.safetensors", "rb", block_size=4096) as f:
         f.seek(50_000)
         assert f.read(100) == weights[50_000:50_100]
@@ -360,6 +362,8 @@ def test_hellaswag_loads_its_validation_split_with_string_labels(hub: FakeHub, t
     ds = datasets.load_dataset("Rowan/hellaswag", split="validation")
     report(rows=len(ds), labels=list(ds["label"]), label_feature=repr(ds.features["label"]), endings=ds[0]["endings"])
     report(renamed=error(lambda: datasets.load_dataset("hellaswag", split="validation")))
+    from huggingface_hub import HfApi
+    report(canonical=HfApi().dataset_info("hellaswag").id)
     '''
     got = run_client(hub, tmp_path / "hf_home", program)
 
@@ -370,8 +374,10 @@ def test_hellaswag_loads_its_validation_split_with_string_labels(hub: FakeHub, t
         name = f"data/{split}-00000-of-00001.parquet"
         assert [(r.range, r.bytes_sent) for r in hub.served(HELLASWAG, name, repo_type="dataset")
                 if r.status == 200] == [(None, len(data))]
-    # A renamed 1-segment dataset id passes the first redirects, then HfFileSystem refuses it.
+    # A renamed 1-segment dataset id passes the first redirects, then HfFileSystem refuses it; the repo info
+    # (through the same redirect) names the current id.
     assert got["renamed"]["type"] == "HfUriError" and "must be 'namespace/name'" in got["renamed"]["message"]
+    assert got["canonical"] == HELLASWAG
 
 
 # --- errors ----------------------------------------------------------------------------------------------------
@@ -379,6 +385,7 @@ def test_hellaswag_loads_its_validation_split_with_string_labels(hub: FakeHub, t
 @pytest.mark.slow  # two client processes
 def test_what_the_clients_raise_for_unknown_repos_revisions_configs_and_offline(hub: FakeHub, tmp_path: Path):
     hub.add_model("openai-community/gpt2", {"config.json": "{}", "model.safetensors": b"\0" * 64})
+    hub.add_model("alice/private", {"config.json": "{}"}, private=True)
     hub.add_dataset(FINEWEB, {"README.md": FINEWEB_CARD, "sample/10BT/000_00000.parquet": docs_parquet(0, 5),
                               "data/CC-MAIN-2024-10/train-00000-of-00001.parquet": docs_parquet(5, 5)})
     online = '''
@@ -387,6 +394,7 @@ def test_what_the_clients_raise_for_unknown_repos_revisions_configs_and_offline(
     def stream(path, **kwargs):
         return datasets.load_dataset(path, split=kwargs.pop("split", "train"), streaming=True, **kwargs)
     report(model_repo=error(lambda: snapshot_download("nobody/nothing")),
+           model_private=error(lambda: snapshot_download("alice/private")),
            model_revision=error(lambda: snapshot_download("openai-community/gpt2", revision="v9")),
            model_file=error(lambda: hf_hub_download("openai-community/gpt2", "nope.json")),
            listing_revision=error(lambda: HfApi().list_repo_files("openai-community/gpt2", revision="v9")),
@@ -401,6 +409,7 @@ def test_what_the_clients_raise_for_unknown_repos_revisions_configs_and_offline(
     kinds = {case: (e["type"], e["chain"][1] if len(e["chain"]) > 1 else None) for case, e in got.items()}
     assert kinds == {
         "model_repo": ("RepositoryNotFoundError", "HTTPStatusError"),  # a 401 without a token, 404 with one
+        "model_private": ("RepositoryNotFoundError", "HTTPStatusError"),  # no token: as if it did not exist
         "model_revision": ("RevisionNotFoundError", "HTTPStatusError"),
         "model_file": ("RemoteEntryNotFoundError", "HTTPStatusError"),
         "listing_revision": ("RevisionNotFoundError", "HTTPStatusError"),
