@@ -55,8 +55,7 @@ def main() -> None:
             uploads = HubUploads(cfg.hub, run, cfg.run.save_every, accelerator.is_main_process)  # token checked now
             set_seed(cfg.training.seed)  # identical initial weights on every rank
             model = build_model(cfg.model, resume)
-            if cfg.model.lora_rank:
-                use_adapter_checkpoints(accelerator)  # checkpoints hold the adapters, not the frozen base
+            use_adapter_checkpoints(accelerator, cfg.model)  # a LoRA run's checkpoints: adapters, not the frozen base
             # Data: every rank reads its own rows of the same global batches; validation is one fixed token set.
             source = open_source(cfg.data)  # --dataset, parsed once
             loader = source.train_loader(block_size=geometry.block_size, micro_batch_size=geometry.micro_batch_size,
@@ -79,8 +78,7 @@ def main() -> None:
         accelerator.print(run_header(accelerator, model, n_params, geometry, plan, lora_summary(cfg.model),
                                      source.describe()))
 
-        # The loop: one optimizer step, then whatever is due after it (log, evals, checkpoint, a signal). Each log
-        # step and evaluation is a plain line; the live bar is drawn only on a terminal.
+        # The loop: one optimizer step, then what is due after it (log line, evals, checkpoint, a signal's stop).
         model.train()
         preempted = PreemptionFlag()
         with TerminalBar(total=max_steps, initial=progress.step, show=accelerator.is_main_process, unit="step",
@@ -107,9 +105,8 @@ def main() -> None:
                     accelerator.print(preempted.stopped_at(progress.step))
                     break
 
-        # Shutdown: the final export, then an orderly end (two gloo processes that exit with live tensors and an
-        # open group abort now and then), then the final push, after the process group is gone so that no rank
-        # sits in a collective timeout during the upload.
+        # Shutdown: final/, an orderly end (gloo processes exiting with live tensors and an open group abort now and
+        # then), then the final push once the group is gone (no rank waits in a collective during the upload).
         finished = progress.step == max_steps
         if finished:
             export_final(accelerator, model, arch, run)

@@ -75,8 +75,11 @@ def check_resume(cfg: ModelConfig, checkpoint: Path) -> None:
                         "flags to resume")
 
 
-def use_adapter_checkpoints(accelerator: Accelerator) -> None:
-    """Make `save_state`/`load_state` save and load a model with adapters as its adapter only (no base weights)."""
+def use_adapter_checkpoints(accelerator: Accelerator, cfg: ModelConfig) -> None:
+    """For a LoRA run, make `save_state`/`load_state` save and load a model with adapters as its adapter only (no
+    base weights); nothing for any other run."""
+    if not cfg.lora_rank:
+        return
     if accelerator.distributed_type == DistributedType.FSDP:
         raise UserError("--lora_rank is not supported with FSDP (its checkpoints would gather and shard the frozen "
                         "base); use a DDP or single-process accelerate config")
