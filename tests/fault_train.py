@@ -109,6 +109,7 @@ elif kind == "nan_at_step":
     GPT.forward = forward_with_nan
 
 if os.environ.get("FAKE_HUB_PARQUET"):
+    import data.source as source
     import data.streaming as streaming
 
     open_hub_stream = streaming.open_hub_stream
@@ -116,6 +117,6 @@ if os.environ.get("FAKE_HUB_PARQUET"):
     def open_local_parquet(name, config, split="train", data_files=None):
         return open_hub_stream("parquet", None, "train", data_files=os.environ["FAKE_HUB_PARQUET"].split(","))
 
-    streaming.open_hub_stream = open_local_parquet
+    streaming.open_hub_stream = source.open_hub_stream = open_local_parquet  # where it is defined and where it is used
 
 train.run_cli(train.main)
