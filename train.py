@@ -46,7 +46,7 @@ def main() -> None:
         with computed_alike_on_every_rank():
             cfg = parse_config()
             run, max_steps = RunDir(cfg.run.out_dir), cfg.training.max_steps
-            plan = plan_optimizers(cfg.optim, from_scratch=cfg.model.from_scratch)  # what trains with what, which LR
+            plan = plan_optimizers(cfg.optim, cfg.model)  # what trains with what, at which learning rate
             geometry = BatchGeometry.of_launch(cfg.training, cfg.model.block_size)  # of the batch, in tokens
         accelerator = start_accelerator(geometry.accumulation, trackers_for(cfg.log.report_to), run)
         with shared_across_ranks(accelerator):

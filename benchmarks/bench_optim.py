@@ -68,7 +68,7 @@ def train_one(run: str, cfg: TrainConfig, accelerator: Accelerator, val_tokens, 
     """Train `--max_steps` steps from `--seed`; the validation curve and the CPU/wall seconds."""
     adamw_only = run == "adamw"
     optim = replace(cfg.optim, optimizer="adamw", lr=adamw_lr) if adamw_only else replace(cfg.optim, optimizer="muon")
-    plan, arch, steps = plan_optimizers(optim, from_scratch=True), cfg.model, cfg.training.max_steps
+    plan, arch, steps = plan_optimizers(optim, cfg.model), cfg.model, cfg.training.max_steps
     set_seed(cfg.training.seed)
     model = GPT(GPTConfig(n_layer=arch.n_layer, n_head=arch.n_head, n_embd=arch.n_embd, block_size=arch.block_size))
     if run == "muon-qkv-split":

@@ -29,7 +29,7 @@ import torch
 from accelerate import Accelerator
 
 from common.errors import UserError, run_cli
-from configs import OptimConfig, TrainingConfig
+from configs import ModelConfig, OptimConfig, TrainingConfig
 from model import GPT, GPTConfig
 from training.mfu import estimate_mfu, peak_flops
 from training.optim import build_optimizer, plan_optimizers
@@ -103,7 +103,7 @@ def main() -> None:
     # The optimizer comes from the same config group and plan as in train.py, so both sides build it alike.
     optim = OptimConfig(warmup_steps=max(1, (args.warmup + args.steps) // 10),
                         **({} if args.optimizer is None else {"optimizer": args.optimizer}))
-    plan = plan_optimizers(optim, from_scratch=True)
+    plan = plan_optimizers(optim, ModelConfig())  # from scratch
     schedule = LRSchedule(optim.warmup_steps, args.warmup + args.steps, optim.min_lr_ratio)
 
     torch.manual_seed(1337)

@@ -186,6 +186,12 @@ class TrainingConfig:
             raise UserError(f"--seed must be in [0, {MAX_SEED}], got {self.seed}")
 
 
+# AdamW's peak learning rate when --lr is not given, by what trains (measured: docs/benchmarks.md). From scratch
+# with Muon, AdamW trains only the embeddings/output layer, biases and LayerNorms (Muon has --muon_lr).
+DEFAULT_LRS = {"from scratch with Muon": 1e-2, "from scratch with AdamW": 1e-3, "full fine-tuning": 3e-5,
+               "LoRA": 1e-3}
+
+
 @dataclass
 class OptimConfig:
     """The optimizers and the learning-rate schedule (training.optim)."""
@@ -193,9 +199,9 @@ class OptimConfig:
     _argument_group_name = "optimizer and schedule"
 
     # Linear warmup, then cosine decay to lr * min_lr_ratio
-    lr: float = _field(1e-2, "peak learning rate of AdamW (with Muon: of the embeddings/output layer, biases and "
-                             "LayerNorms), reached after --warmup_steps; AdamW alone from scratch: ~1e-3; "
-                             "fine-tuning: e.g. 6e-5")
+    lr: float | None = _field(None, "peak learning rate of AdamW (with Muon: of the embeddings/output layer, biases "
+                                    "and LayerNorms), reached after --warmup_steps; default: by what trains, "
+                                    + ", ".join(f"{lr:g} {job}" for job, lr in DEFAULT_LRS.items()))
     min_lr_ratio: float = _field(0.1, "the cosine decay ends at lr x min_lr_ratio, at --max_steps")
     warmup_steps: int = _field(10, "steps of linear warmup from lr / warmup_steps to lr")
     weight_decay: float = _field(0.1, "AdamW weight decay, on weights of 2 or more dimensions (matrices, embeddings)")
@@ -211,8 +217,9 @@ class OptimConfig:
     def __post_init__(self) -> None:
         _non_negative(self, "warmup_steps")
         _finite(self)
-        if not self.lr > 0:
-            raise UserError(f"--lr must be positive, got {self.lr}; use e.g. 6e-4")
+        if self.lr is not None and not self.lr > 0:
+            raise UserError(f"--lr must be positive, got {self.lr}; use e.g. 6e-4, or leave it out for the default "
+                            "of what trains")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise UserError(f"--min_lr_ratio must be in [0, 1] (the final LR is lr * min_lr_ratio), "
                             f"got {self.min_lr_ratio}; use e.g. 0.1")

@@ -13,13 +13,13 @@ import pytest
 import torch
 from test_train import TINY, assert_same_weights, launch, read_metrics, run_in_process
 
-from configs import OptimConfig
+from configs import ModelConfig, OptimConfig
 from model import GPT, GPTConfig
 from training.optim import build_optimizer, muon_parameter_names, plan_optimizers
 
 SMALL = GPTConfig(vocab_size=100, n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=0.0)
-MUON = plan_optimizers(OptimConfig(optimizer="muon", lr=1e-3, muon_lr=0.02), from_scratch=True)
-ADAMW = plan_optimizers(OptimConfig(optimizer="adamw"), from_scratch=True)
+MUON = plan_optimizers(OptimConfig(optimizer="muon", lr=1e-3, muon_lr=0.02), ModelConfig())
+ADAMW = plan_optimizers(OptimConfig(optimizer="adamw"), ModelConfig())
 
 
 def test_muon_trains_the_blocks_matrices_and_adamw_everything_else():

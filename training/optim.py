@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from common.errors import UserError
-from configs import OptimConfig
+from configs import ModelConfig, OptimConfig
+from configs.schema import DEFAULT_LRS
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,9 @@ class OptimizerPlan:
     """The run's optimizers, resolved from `--optimizer` and the job: what trains with what, at which peak LR."""
 
     kind: str  # "adamw" (every parameter) or "muon" (Muon on the blocks' matrices, AdamW on the rest)
-    lr: float  # AdamW's peak learning rate
+    job: str  # what trains: a key of configs.schema.DEFAULT_LRS ("LoRA", "full fine-tuning", ...)
+    lr: float  # AdamW's peak learning rate: --lr, else the job's default
+    lr_is_default: bool  # no --lr was given
     muon_lr: float  # Muon's peak learning rate (kind "muon" only)
     weight_decay: float
     betas: tuple[float, float]
@@ -47,11 +50,17 @@ class OptimizerPlan:
         return [self.lr * factor] + ([self.muon_lr * factor] if self.kind == "muon" else [])
 
 
-def plan_optimizers(cfg: OptimConfig, from_scratch: bool) -> OptimizerPlan:
-    """`--optimizer` resolved: `auto` is Muon to train from scratch and AdamW to fine-tune (or for LoRA)."""
-    kind = cfg.optimizer if cfg.optimizer != "auto" else ("muon" if from_scratch else "adamw")
-    return OptimizerPlan(kind=kind, lr=cfg.lr, muon_lr=cfg.muon_lr, weight_decay=cfg.weight_decay,
-                         betas=(cfg.beta1, cfg.beta2), muon_momentum=cfg.muon_momentum,
+def plan_optimizers(cfg: OptimConfig, model: ModelConfig) -> OptimizerPlan:
+    """`--optimizer` resolved for what trains (`auto`: Muon to train from scratch, AdamW to fine-tune or for LoRA),
+    and AdamW's learning rate: `--lr`, else the default of the job (configs.schema.DEFAULT_LRS)."""
+    kind = cfg.optimizer if cfg.optimizer != "auto" else ("muon" if model.from_scratch else "adamw")
+    if model.from_scratch:
+        job = f"from scratch with {'Muon' if kind == 'muon' else 'AdamW'}"
+    else:
+        job = "LoRA" if model.lora_rank else "full fine-tuning"
+    lr = cfg.lr if cfg.lr is not None else DEFAULT_LRS[job]
+    return OptimizerPlan(kind=kind, job=job, lr=lr, lr_is_default=cfg.lr is None, muon_lr=cfg.muon_lr,
+                         weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), muon_momentum=cfg.muon_momentum,
                          muon_weight_decay=cfg.muon_weight_decay)
 
 
@@ -92,9 +101,10 @@ def refuse_unsupported(plan: OptimizerPlan, sharded: bool) -> None:
 def describe_optimizers(model: torch.nn.Module, plan: OptimizerPlan) -> str:
     """Which optimizer trains which parameters, for the run's header."""
     total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    lr = f"lr {plan.lr:g}" + (f", the default for {plan.job}" if plan.lr_is_default else "")
     if plan.kind == "adamw":
-        return f"optimizer: AdamW on all {total / 1e6:.2f}M trainable params"
+        return f"optimizer: AdamW ({lr}) on all {total / 1e6:.2f}M trainable params"
     named = dict(model.named_parameters())
     muon = sum(named[name].numel() for name in muon_parameter_names(model))
     return (f"optimizer: Muon (lr {plan.muon_lr:g}) on the blocks' 2-D weights ({muon / 1e6:.2f}M params), "
-            f"AdamW (lr {plan.lr:g}) on embeddings/output layer, biases, LayerNorms ({(total - muon) / 1e6:.2f}M)")
+            f"AdamW ({lr}) on embeddings/output layer, biases, LayerNorms ({(total - muon) / 1e6:.2f}M)")
