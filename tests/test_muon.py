@@ -1,9 +1,8 @@
-"""`--optimizer muon`: which parameters Muon trains, accumulation, DDP, exact resume, export, FSDP.
+"""`--optimizer muon`: which parameters Muon trains, its Newton-Schulz dtype, accumulation, DDP, exact resume,
+export, FSDP.
 
-References: one big batch for accumulation, one process for DDP, an uninterrupted run for resume,
-transformers' own GPT-2 for the export. torch's Muon orthogonalises in bfloat16, so a gradient that
-differs in its last fp32 bits (another summation order) may move a weight by ~1e-5: those comparisons
-use a tolerance well under one Muon update (~3e-3 per element here), the resume comparison none.
+References: torch.optim.Muon for our subclass's step, one big batch for accumulation, one process for DDP, an
+uninterrupted run for resume, transformers' own GPT-2 for the export. XXX
 """
 from __future__ import annotations
 
@@ -15,7 +14,15 @@ from test_train import TINY, assert_same_weights, launch, read_metrics, run_in_p
 
 from configs import ModelConfig, OptimConfig
 from model import GPT, GPTConfig
-from training.optim import build_optimizer, muon_parameter_names, plan_optimizers
+from training.optim import (
+    Muon,
+    build_optimizer,
+    describe_optimizers,
+    muon_parameter_names,
+    newton_schulz_dtype,
+    orthogonalise,
+    plan_optimizers,
+)
 
 SMALL = GPTConfig(vocab_size=100, n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=0.0)
 MUON = plan_optimizers(OptimConfig(optimizer="muon", lr=1e-3, muon_lr=0.02), ModelConfig())
@@ -38,6 +45,72 @@ def test_muon_trains_the_blocks_matrices_and_adamw_everything_else():
     assert {names[id(p)] for p in in_adamw if p.dim() == 2} == {"transformer.wte.weight", "transformer.wpe.weight"}
     assert MUON.lrs_at(0.5) == [5e-4, pytest.approx(0.01)]  # half of each peak
     assert len(build_optimizer(model, ADAMW, "cpu")) == 1
+
+
+def _matrices_and_gradients(seed: int = 0) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """A tall, a wide and a square matrix (the shapes of c_attn, mlp.c_proj and attn.c_proj) and 3 steps of
+    gradients for each."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(96, 32), (32, 128), (32, 32)]
+    params = [torch.randn(s, generator=g) * 0.02 for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
+    return params, grads
+
+
+def _train(optimizer_class, params: list[torch.Tensor], grads: list[list[torch.Tensor]], **kwargs):
+    params = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = optimizer_class(params, **kwargs)
+    for step_grads in grads:
+        for p, grad in zip(params, step_grads):
+            p.grad = grad.clone()
+        opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_our_muon_in_bfloat16_is_torchs_muon_bit_for_bit(nesterov):
+    """With torch's dtype, our step is torch's: the same weights and momentum buffers after 3 steps (momentum,
+    Nesterov or not, weight decay, the LR scaled for a tall matrix), and the state dicts load into each other."""
+    params, grads = _matrices_and_gradients()
+    kwargs = {"lr": 0.02, "momentum": 0.95, "nesterov": nesterov, "weight_decay": 0.1}
+    theirs, torch_opt = _train(torch.optim.Muon, params, grads, **kwargs)
+    ours, our_opt = _train(Muon, params, grads, ns_dtype=torch.bfloat16, **kwargs)
+    for a, b in zip(theirs, ours):
+        assert torch.equal(a, b)
+        assert torch.equal(torch_opt.state[a]["momentum_buffer"], our_opt.state[b]["momentum_buffer"])
+    our_opt.load_state_dict(torch_opt.state_dict())  # a checkpoint written by either loads into the other
+    torch_opt.load_state_dict(our_opt.state_dict())
+    assert our_opt.ns_dtype == torch.bfloat16  # the dtype is the machine's, not the checkpoint's
+
+
+def test_float32_newton_schulz_agrees_with_torchs_bfloat16_to_its_rounding():
+    """One step from zero momentum moves each weight by the orthogonalised gradient (x the LR): ours in float32
+    lies within bf16's rounding of torch's bf16 one, and is closer to the float64 iteration than torch's is."""
+    params, grads = _matrices_and_gradients(seed=1)
+    kwargs = {"lr": 1.0, "momentum": 0.0, "weight_decay": 0.0}
+    theirs, _ = _train(torch.optim.Muon, params, grads[:1], **kwargs)
+    ours, _ = _train(Muon, params, grads[:1], ns_dtype=torch.float32, **kwargs)
+    for p, a, b, grad in zip(params, theirs, ours, grads[0]):
+        bf16_update, fp32_update = (p - a).detach(), (p - b).detach()
+        exact = orthogonalise(grad.double(), (3.4445, -4.7750, 2.0315), 5, 1e-7, torch.float64)
+        exact *= max(1, p.size(0) / p.size(1)) ** 0.5
+        size = exact.norm()
+        assert (fp32_update - bf16_update).norm() < 3e-2 * size  # bf16's 8-bit mantissa, through 5 iterations
+        assert (fp32_update - exact).norm() < 1e-5 * size < (bf16_update - exact).norm()
+
+
+def test_newton_schulz_dtype_is_bfloat16_where_the_device_multiplies_it_natively(monkeypatch):
+    assert newton_schulz_dtype("cuda") == torch.bfloat16
+    for capabilities, dtype in [({"avx2": True}, torch.float32), ({"avx512_bf16": True}, torch.bfloat16),
+                                ({"amx_bf16": True}, torch.bfloat16), ({"bf16": True}, torch.float32)]:  # ARM: fp32
+        monkeypatch.setattr(torch.cpu, "get_capabilities", lambda capabilities=capabilities: capabilities)
+        assert newton_schulz_dtype("cpu") == dtype, capabilities
+    monkeypatch.undo()
+    # This machine kind (AVX2 EPYC, no bf16 units): float32 in the optimizer and in the run's header.
+    if not torch.cpu.get_capabilities().get("avx512_bf16") and not torch.cpu.get_capabilities().get("amx_bf16"):
+        model = GPT(SMALL)
+        assert build_optimizer(model, MUON, "cpu")[1].ns_dtype == torch.float32
+        assert "Muon (lr 0.02, Newton-Schulz in float32) on the blocks' 2-D weights" in describe_optimizers(model, MUON)
 
 
 def test_muon_with_accumulation_applies_the_big_batch_update():
@@ -108,7 +181,7 @@ def muon_run(tmp_path_factory) -> tuple[Path, str]:
 @pytest.mark.slow
 def test_muon_run_says_what_trains_what_and_saves_both_optimizers(muon_run):
     out, output = muon_run
-    assert "optimizer: Muon (lr 0.02) on the blocks' 2-D weights" in output
+    assert "optimizer: Muon (lr 0.02, Newton-Schulz in " in output
     checkpoint = out / "checkpoints" / "step_000004"
     assert (checkpoint / "optimizer.bin").is_file() and (checkpoint / "optimizer_1.bin").is_file()
     manifest = (checkpoint / "manifest.json").read_text()
