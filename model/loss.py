@@ -49,20 +49,30 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad_x = torch.empty_like(x) if need_x else None
         grad_w = torch.zeros_like(weight) if need_w else None
         loss = torch.zeros((), device=x.device, dtype=torch.float32)
+        # One fp32 logits buffer for every chunk, and no other (rows x V) tensor: each one is a fresh
+        # allocation, which on a CPU costs zero-filling its pages again (100 MB a chunk for GPT-2).
+        buffer = torch.empty(min(x.size(0), LOSS_CHUNK_ROWS), weight.size(0), device=x.device, dtype=torch.float32)
         for start in range(0, x.size(0), LOSS_CHUNK_ROWS):
             xc, tc = x[start:start + LOSS_CHUNK_ROWS], targets[start:start + LOSS_CHUNK_ROWS]
-            logits = F.linear(xc, weight).float()  # (rows, V) in fp32, as F.cross_entropy would upcast them
+            logits = buffer[:xc.size(0)]  # (rows, V) in fp32, as F.cross_entropy would upcast them
+            if autocast:
+                logits.copy_(F.linear(xc, weight))
+            else:
+                torch.mm(xc, weight.t(), out=logits)
             if n_valid < logits.size(1):
                 logits[:, n_valid:] = float("-inf")
             valid = tc != IGNORE
             safe_tc = tc.clamp(min=0).unsqueeze(1)  # an index for every row; ignored rows are masked below
-            lse = torch.logsumexp(logits, dim=1)
-            loss += torch.where(valid, lse - logits.gather(1, safe_tc).squeeze(1), 0.0).sum()
+            target_logit = logits.gather(1, safe_tc).squeeze(1)
+            # logsumexp and the softmax in place: exp(logits - max), its row sums, then / sum.
+            row_max = logits.amax(dim=1, keepdim=True)
+            sums = logits.sub_(row_max).exp_().sum(dim=1, keepdim=True)
+            lse = (row_max + sums.log()).squeeze(1)
+            loss += torch.where(valid, lse - target_logit, 0.0).sum()
             if not (need_x or need_w):
                 continue
-            # d loss / d logits = softmax - one_hot(target), computed in place; an ignored row's "lse" of
-            # +inf turns its whole row into exp(-inf) = 0, so it contributes no gradient.
-            logits.sub_(torch.where(valid, lse, float("inf")).unsqueeze(1)).exp_()
+            # d loss / d logits = softmax - one_hot(target); an ignored row contributes no gradient (x 0).
+            logits.mul_(torch.where(valid.unsqueeze(1), sums.reciprocal(), 0.0))
             logits.scatter_add_(1, safe_tc, -valid.unsqueeze(1).to(logits.dtype))
             if need_x:
                 grad_x[start:start + LOSS_CHUNK_ROWS] = logits @ weight
