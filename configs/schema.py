@@ -188,8 +188,8 @@ class TrainingConfig:
 
 # AdamW's peak learning rate when --lr is not given, by what trains (measured: docs/benchmarks.md). From scratch
 # with Muon, AdamW trains only the embeddings/output layer, biases and LayerNorms (Muon has --muon_lr).
-DEFAULT_LRS = {"from scratch with Muon": 1e-2, "from scratch with AdamW": 1e-3, "full fine-tuning": 3e-5,
-               "LoRA": 1e-3}
+DEFAULT_LRS = {"from scratch with Muon": 1e-2, "from scratch with AdamW": 1e-3, "full fine-tuning": 1e-4,
+               "LoRA": 3e-4}
 
 
 @dataclass
