@@ -54,7 +54,7 @@ def main() -> None:
             resume = find_resume_point(cfg.run.resume, run.path)  # never over another run's files
             uploads = HubUploads(cfg.hub, run, cfg.run.save_every, accelerator.is_main_process)  # token checked now
             set_seed(cfg.training.seed)  # identical initial weights on every rank
-            model = build_model(cfg.model, resume)
+            model, init_weights = build_model(cfg.model, resume)  # and what --init_from resolved to
             use_adapter_checkpoints(accelerator, cfg.model)  # a LoRA run's checkpoints: adapters, not the frozen base
             # Data: every rank reads its own rows of the same global batches; validation is one fixed token set.
             source = open_source(cfg.data)  # --dataset, parsed once
@@ -69,8 +69,8 @@ def main() -> None:
         model, *optimizers = accelerator.prepare(model, *optimizers)  # no scheduler: the LR is computed from the step
         torch.manual_seed(cfg.training.seed + accelerator.process_index)  # each rank its own dropout masks from here
         progress = restore(accelerator, resume, cfg.run, arch, plan.names, loader)  # weights, optimizers, RNGs, data
-        metrics = open_run_folder(accelerator, run, resume, progress, recorded_config(cfg, arch, plan),
-                                  cfg.log.wandb_project, cfg.log.run_name)
+        record = recorded_config(cfg, arch, plan, source.pinned, init_weights)  # Hub data and weights at their commits
+        metrics = open_run_folder(accelerator, run, resume, progress, record, cfg.log.wandb_project, cfg.log.run_name)
         checkpoints = Checkpointer(accelerator, run, arch, plan.names, cfg.run.keep_last, healthy=evals.finite_loss)
         nan_policy = NonFinitePolicy(cfg.training.on_nan, cfg.training.max_nan_skips, run, accelerator)
         schedule = LRSchedule(cfg.optim.warmup_steps, max_steps, cfg.optim.min_lr_ratio)

@@ -30,12 +30,15 @@ STATE_VERSION = 1
 MAX_EMPTY_RUN = 10_000  # consecutive empty documents tolerated before a rank counts as having no data
 
 
-def open_hub_stream(name: str, config: str | None, split: str = "train", data_files: Any = None):
-    """`load_dataset(..., streaming=True)`; UserError (offline, unknown id or config) with the fix."""
+def open_hub_stream(name: str, config: str | None, split: str = "train", data_files: Any = None,
+                    revision: str | None = None):
+    """`load_dataset(..., streaming=True)`; UserError (offline, unknown id or config) with the fix. For a Hub id,
+    `data.hub.locate_hub_dataset` has checked id, revision and config first and names what to pass here."""
     import datasets
 
     try:
-        return datasets.load_dataset(name, name=config, split=split, data_files=data_files, streaming=True)
+        return datasets.load_dataset(name, name=config, split=split, data_files=data_files, revision=revision,
+                                     streaming=True)
     except Exception as err:  # datasets raises many types (ConnectionError, DatasetNotFoundError, ValueError)
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(
@@ -80,9 +83,9 @@ def val_documents(ds, text_column: str, n_docs: int = VAL_DOCS) -> list[str]:
     return docs
 
 
-def hub_val_tokens(name: str, config: str | None, *, max_tokens: int, text_column: str = "text") -> np.ndarray:
-    """The first `max_tokens` tokens of the held-out documents of a Hub dataset."""
-    docs = val_documents(open_hub_stream(name, config, "train"), text_column, VAL_DOCS)
+def hub_val_tokens(ds, *, max_tokens: int, text_column: str = "text") -> np.ndarray:
+    """The first `max_tokens` tokens of the held-out documents of a (streaming) dataset's train split `ds`."""
+    docs = val_documents(ds, text_column, VAL_DOCS)
     return encode_documents(docs)[:max_tokens].copy()
 
 
@@ -107,6 +110,7 @@ class StreamingLoader:
         world_size: int,
         text_column: str = "text",
         source: str = "",
+        commit: str | None = None,
         val_docs: int = VAL_DOCS,
         docs_per_batch: int = DOCS_PER_BATCH,
     ) -> None:
@@ -114,7 +118,7 @@ class StreamingLoader:
 
         _check_column(ds, text_column)
         self.block_size, self.micro_batch_size = block_size, micro_batch_size
-        self.rank, self.world_size, self.source = rank, world_size, source
+        self.rank, self.world_size, self.source, self.commit = rank, world_size, source, commit
         self.text_column, self.docs_per_batch = text_column, docs_per_batch
         self.val_hashes = {_doc_hash(d) for d in val_documents(ds, text_column, val_docs)}
         self.ds = split_dataset_by_node(ds.select_columns([text_column]), rank=rank, world_size=world_size).repeat(None)
@@ -176,6 +180,7 @@ class StreamingLoader:
             "version": STATE_VERSION,
             "kind": "streaming",
             "source": self.source,
+            "commit": self.commit,
             "rank": self.rank,
             "world_size": self.world_size,
             "block_size": self.block_size,
@@ -197,6 +202,10 @@ class StreamingLoader:
                 f"the streaming data position was saved with world size {state['world_size']}, now {self.world_size}; "
                 "resume with the same number of processes or pre-tokenize with python -m data.prepare"
             )
+        saved = state.get("commit")
+        if saved and self.commit and saved != self.commit:  # the revision moved since: other documents
+            raise UserError(f"the streaming data position was saved reading commit {saved} of the dataset, which "
+                            f"now reads commit {self.commit}; resume with --dataset pinned to it (id[:config]@{saved})")
         if state["rank"] != self.rank or state["block_size"] != self.block_size:
             raise UserError(
                 f"the streaming data position is for rank {state['rank']}, block_size {state['block_size']}; "
