@@ -25,6 +25,7 @@ from data.source import open_source
 from publish.card import write_card
 from publish.uploads import HubUploads
 from training.checkpoint import Checkpointer, restore
+from training.draw import data_unavailable, draw_step
 from training.evaluation import TrainingEvals
 from training.export import export_final
 from training.lora import lora_summary, use_adapter_checkpoints
@@ -86,7 +87,12 @@ def main() -> None:
             while progress.step < max_steps:
                 with report.timing():
                     lrs = plan.lrs_at(schedule.factor(progress.step))
-                    loss_sum, grad_norm = train_step(accelerator, model, optimizers, loader.next_batch,
+                    before = loader.state_dict()  # what a save after a failed draw records: the step not begun
+                    batches = draw_step(accelerator, loader.next_batch, geometry.accumulation)
+                    if batches is None:  # some rank's data could not be read: every rank stops after the last step
+                        raise data_unavailable(progress, checkpoints.save(model, progress, before)
+                                               if progress.step else None)
+                    loss_sum, grad_norm = train_step(accelerator, model, optimizers, iter(batches).__next__,
                                                      geometry.accumulation, lrs, cfg.training.grad_clip,
                                                      masked_targets=loader.masked_targets)
                 nan_policy.after_step(progress.step + 1, grad_norm)

@@ -193,3 +193,74 @@ def test_hellaswag_from_the_hub_on_two_processes_and_sampling_gpt2(hub: FakeHub,
                                                                        "--max_new_tokens", "5", "--seed", "0"])
     assert sampled.stdout.startswith("Hello") and weights_served(hub) - before == len(
         hub.files(GPT2)["model.safetensors"])
+
+
+# --- network faults during a long stream -------------------------------------------------------------------------
+
+FAULTY = "faults/stream"
+# 14 steps of 128 tokens; the first document batch (256 short documents after the 1,000 validation ones, in file
+# 000) lasts about 10 steps, then file 001 is read, where the faults are: never by the setup's validation read.
+FAULT_RUN = [*TINY, "--max_steps", "14", "--micro_batch_size", "2", "--total_batch_size", "128", "--save_every", "4",
+             "--log_every", "1", "--dataset", f"{FAULTY}:sample-10BT"]
+
+
+def text_parquet(texts: list[str]) -> bytes:
+    import pyarrow as pa
+
+    buffer = io.BytesIO()
+    pq.write_table(pa.table({"text": texts}), buffer, row_group_size=100)
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def fault_ref(hub: FakeHub, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The faulty repo (FineWeb-Edu's layout) and its uninterrupted run: the reference of the fault tests."""
+    def texts(first: int, count: int) -> list[str]:
+        return pq.read_table(io.BytesIO(docs_parquet(first, count))).column("text").to_pylist()
+
+    hub.add_dataset(FAULTY, {"README.md": FINEWEB_CARD,
+                             "sample/10BT/000_00000.parquet": text_parquet(texts(0, 1000) + [f"Doc {i}." for i in
+                                                                                             range(256)]),
+                             "sample/10BT/001_00000.parquet": text_parquet(texts(2000, 300)),
+                             "data/CC-MAIN-2024-10/train-00000-of-00001.parquet": text_parquet(texts(90_000, 10))})
+    ref = tmp_path_factory.mktemp("fault_ref") / "run"
+    launch([*FAULT_RUN, "--out_dir", str(ref)], extra_env=env(hub, ref.parent / "hf"))
+    assert hub.bytes_served(FAULTY, "sample/10BT/001_00000.parquet", repo_type="dataset") > 0  # the run got there
+    return ref
+
+
+def faults_served(hub: FakeHub) -> int:
+    return sum(r.fault is not None for r in hub.served(FAULTY, repo_type="dataset"))
+
+
+@pytest.mark.slow
+def test_5xx_and_a_dropped_connection_mid_stream_do_not_end_the_run(hub: FakeHub, fault_ref: Path, tmp_path: Path):
+    # Eight 500s: six outlast huggingface_hub's retries and end datasets' iteration; the batch is read again.
+    hub.fail_next(8, 500, repo=f"datasets/{FAULTY}", file="sample/10BT/001_*")
+    hub.drop_next(1, repo=f"datasets/{FAULTY}", file="sample/10BT/001_*")
+    before = faults_served(hub)
+    out = tmp_path / "run"
+    launch([*FAULT_RUN, "--out_dir", str(out)], extra_env={**env(hub, tmp_path / "hf"), "NO_RETRY_WAIT": "1"})
+    hub.clear_faults()
+    assert faults_served(hub) - before == 9
+    assert_same_weights(fault_ref, out)
+
+
+@pytest.mark.slow
+def test_a_hub_that_stays_down_ends_the_run_with_a_checkpoint_to_resume(hub: FakeHub, fault_ref: Path,
+                                                                      tmp_path: Path):
+    hub.fail_next(10**6, 503, repo=f"datasets/{FAULTY}", file="sample/10BT/001_*")
+    out = tmp_path / "run"
+    down = launch([*FAULT_RUN, "--out_dir", str(out)], check=False,
+                  extra_env={**env(hub, tmp_path / "hf"), "NO_RETRY_WAIT": "1"})
+    hub.clear_faults()
+    saved = sorted((out / "checkpoints").glob("step_*"))[-1]
+    step = int(saved.name.removeprefix("step_"))
+    assert down.returncode == 2 and step % 4 and not (out / "final").exists()  # saved for the failure (not every 4)
+    assert down.stderr.strip().splitlines()[-1] == (
+        f"error: the training data could not be read (see the line above); step {step} is saved in {saved}: "
+        "continue with --resume latest when the Hub answers again")
+    assert f"rank 0: reading {FAULTY}:sample-10BT failed 6 times" in down.stdout
+    launch([*FAULT_RUN, "--out_dir", str(out), "--resume", "latest"], extra_env=env(hub, tmp_path / "hf"))
+    assert_same_weights(fault_ref, out)
+    assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, 15))
