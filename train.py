@@ -25,6 +25,7 @@ from data.source import open_source
 from publish.card import write_card
 from publish.uploads import HubUploads
 from training.checkpoint import Checkpointer, restore
+from training.draw import data_unavailable, draw_step
 from training.evaluation import TrainingEvals
 from training.export import export_final
 from training.lora import lora_summary, use_adapter_checkpoints
@@ -54,7 +55,7 @@ def main() -> None:
             resume = find_resume_point(cfg.run.resume, run.path)  # never over another run's files
             uploads = HubUploads(cfg.hub, run, cfg.run.save_every, accelerator.is_main_process)  # token checked now
             set_seed(cfg.training.seed)  # identical initial weights on every rank
-            model = build_model(cfg.model, resume)
+            model, init_weights = build_model(cfg.model, resume)  # and what --init_from resolved to
             use_adapter_checkpoints(accelerator, cfg.model)  # a LoRA run's checkpoints: adapters, not the frozen base
             # Data: every rank reads its own rows of the same global batches; validation is one fixed token set.
             source = open_source(cfg.data)  # --dataset, parsed once
@@ -69,8 +70,8 @@ def main() -> None:
         model, *optimizers = accelerator.prepare(model, *optimizers)  # no scheduler: the LR is computed from the step
         torch.manual_seed(cfg.training.seed + accelerator.process_index)  # each rank its own dropout masks from here
         progress = restore(accelerator, resume, cfg.run, arch, plan.names, loader)  # weights, optimizers, RNGs, data
-        metrics = open_run_folder(accelerator, run, resume, progress, recorded_config(cfg, arch, plan),
-                                  cfg.log.wandb_project, cfg.log.run_name)
+        record = recorded_config(cfg, arch, plan, source.pinned, init_weights)  # Hub data and weights at their commits
+        metrics = open_run_folder(accelerator, run, resume, progress, record, cfg.log.wandb_project, cfg.log.run_name)
         checkpoints = Checkpointer(accelerator, run, arch, plan.names, cfg.run.keep_last, healthy=evals.finite_loss)
         nan_policy = NonFinitePolicy(cfg.training.on_nan, cfg.training.max_nan_skips, run, accelerator)
         schedule = LRSchedule(cfg.optim.warmup_steps, max_steps, cfg.optim.min_lr_ratio)
@@ -86,7 +87,12 @@ def main() -> None:
             while progress.step < max_steps:
                 with report.timing():
                     lrs = plan.lrs_at(schedule.factor(progress.step))
-                    loss_sum, grad_norm = train_step(accelerator, model, optimizers, loader.next_batch,
+                    before = loader.state_dict()  # what a save after a failed draw records: the step not begun
+                    batches = draw_step(accelerator, loader.next_batch, geometry.accumulation)
+                    if batches is None:  # some rank's data could not be read: every rank stops after the last step
+                        raise data_unavailable(progress, checkpoints.save(model, progress, before)
+                                               if progress.step else None)
+                    loss_sum, grad_norm = train_step(accelerator, model, optimizers, iter(batches).__next__,
                                                      geometry.accumulation, lrs, cfg.training.grad_clip,
                                                      masked_targets=loader.masked_targets)
                 nan_policy.after_step(progress.step + 1, grad_norm)

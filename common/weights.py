@@ -9,8 +9,9 @@ evaluations and publishing act on that answer and never look at the path again. 
   - a Hugging Face model folder (`config.json`), our `final/` export among them: `HF_FOLDER`;
   - one of our run folders: its newest weights (`final/` if it finished, else its newest complete
     checkpoint; `common.run_dir.RunDir.newest_weights`);
-  - anything else that is not a local path: a Hub repo id, downloaded (config and safetensors only: a
-    pickle can run code when loaded) to a snapshot folder in the Hub cache: `HUB`.
+  - anything else that is not a local path: a Hub repo id, `id@revision` to pin a branch, tag or commit
+    (`common.hub_ids`), downloaded (config and safetensors only: a pickle can run code when loaded) to a
+    snapshot folder in the Hub cache, named after the commit it holds: `HUB`.
 
 Every way a spec can name no weights is one `UserError` line here, and only here (what can be wrong inside
 the files is the loader's: `model/pretrained.py`). Imports nothing above `common/`.
@@ -30,6 +31,7 @@ from huggingface_hub.constants import (
 )
 
 from common.errors import UserError
+from common.hub_ids import is_repo_id, split_revision
 from common.run_dir import ADAPTER_CONFIG, GPT_CONFIG, RunDir, checkpoint_step
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # the released GPT-2 weights' Hub names
@@ -53,7 +55,7 @@ class Weights:
     Invariants: `folder` holds the files of `kind` (for `HUB`, the downloaded snapshot; None only when
     resolved with `download=False`); `run` is set exactly when `folder` is a run's `final/` or one of its
     `checkpoints/step_N`; `base` is set exactly for a `LORA_CHECKPOINT` (whose `folder` is its adapter);
-    `revision` is only ever set for `HUB`."""
+    `revision` is only ever set for `HUB`, whose `spec` is the repo id without it."""
 
     kind: Kind
     spec: str  # as the user wrote it (a run folder stays the run folder here; `folder` is what it resolved to)
@@ -70,6 +72,16 @@ class Weights:
         return str(self.folder)
 
     @property
+    def commit(self) -> str | None:
+        """The commit sha a Hub download holds (its snapshot folder's name), None for anything else."""
+        return self.folder.name if self.kind is Kind.HUB and self.folder is not None else None
+
+    @property
+    def pinned(self) -> str:
+        """The spec that names exactly these weights again: a Hub id at its commit, else the spec as given."""
+        return f"{self.spec}@{self.commit}" if self.commit else self.spec
+
+    @property
     def adapter(self) -> Path | None:
         """A LoRA checkpoint's adapter folder (adapter_config.json + adapter_model.safetensors)."""
         return self.folder if self.kind is Kind.LORA_CHECKPOINT else None
@@ -80,23 +92,12 @@ class Weights:
         return checkpoint_step(self.folder) if self.run is not None else None
 
 
-def is_repo_id(name: str) -> bool:
-    """True for a syntactically valid Hub repo id (`name` or `namespace/name`), by huggingface_hub's rules."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return True
-
-
 def resolve_weights(spec: str | Path, revision: str | None = None, *, download: bool = True) -> Weights:
     """The weights `spec` names (see the module docstring); a one-line `UserError` when it names none.
 
-    `revision` (a branch, tag or commit) applies to a Hub id only. `download=False` checks a Hub id but
-    fetches nothing (`folder` None), for a consumer that downloads the repo itself (lm-eval)."""
+    `revision` (a branch, tag or commit) applies to a Hub id only, as does `id@revision` in `spec` (one of the
+    two). `download=False` checks a Hub id but fetches nothing (`folder` None), for a consumer that downloads
+    the repo itself (lm-eval)."""
     spec = str(spec)
     path = Path(spec).expanduser()
     if path.is_dir():
@@ -109,10 +110,14 @@ def resolve_weights(spec: str | Path, revision: str | None = None, *, download: 
     parent = Path(path.parts[0]) if len(path.parts) > 1 and not path.is_absolute() else None
     if parent is not None and parent.is_dir():  # `out/my_rnu` while out/ exists: a typo, not a Hub id
         raise UserError(f"no folder {path} (though {parent}/ exists); check the path, or pass a Hub id such as gpt2")
-    if not is_repo_id(spec):
+    repo_id, at = split_revision(spec, "model")
+    if at is not None and revision is not None and at != revision:
+        raise UserError(f"{spec!r} names revision {at!r} and the revision {revision!r} is given too; pass one")
+    revision = revision or at
+    if not is_repo_id(repo_id):
         raise UserError(f"{spec!r} is not an existing folder nor a valid Hub model id; {_KNOWN}")
-    folder = _download(spec, revision) if download else None
-    return Weights(Kind.HUB, spec, folder, revision=revision)
+    folder = _download(repo_id, revision) if download else None
+    return Weights(Kind.HUB, repo_id, folder, revision=revision)
 
 
 def _local(path: Path, spec: str) -> Weights:

@@ -98,6 +98,8 @@ def prepare(
     if val_split and not isinstance(source, HubStream):
         raise UserError("--val_split applies to Hub datasets only; local files get the first --val_tokens tokens as "
                         "validation")
+    if isinstance(source, HubStream) and (note := source.location().note()):
+        print(note, flush=True)  # a script-only repo: its parquet conversion is what gets prepared
     out = Path(out).expanduser()
     threads = num_threads or default_threads()
     settings = dict(dataset=dataset, config=dataset_config, split=split, val_split=val_split, text_column=text_column,

@@ -8,7 +8,7 @@ here, to tell prompt/completion data from text):
   a folder holding manifest.json                            TokenShards        its val_000000.bin shard
   local .jsonl whose first record is prompt/completion      PromptCompletion   the last 10% of its examples (>= 1)
   any other local .txt/.jsonl/.parquet file, glob, folder   TextFiles          the last 10% of its tokens
-  anything else: a Hub id, optionally id:config             HubStream          its first 1,000 documents
+  anything else: a Hub id, id[:config][@revision]          HubStream          its first 1,000 documents
 
 A source builds this rank's train loader, gives the validation set (the same on every rank and world size),
 says whether targets are masked, and describes itself (the run header, the model card). Each rank builds its
@@ -21,13 +21,14 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Iterator, Protocol
+from urllib.parse import quote
 
 import numpy as np
 import torch
-from huggingface_hub.errors import HFValidationError
-from huggingface_hub.utils import validate_repo_id
 
 from common.errors import UserError
+from common.hub_ids import is_repo_id, split_revision
+from data.hub import HubData, locate_hub_dataset
 from data.local import VAL_FRACTION, iter_document_batches, local_tokens, looks_local, resolve_files
 from data.pairs import PairExamples, PairsLoader, cap_tokens, is_pairs_dataset, read_pairs, split_pairs
 from data.settings import SHAKESPEARE, DataConfig, require_a_window
@@ -53,17 +54,16 @@ class TrainLoader(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def parse_hub_id(dataset: str, dataset_config: str | None) -> tuple[str, str | None]:
-    """`id[:config]` split into (id, config), an explicit `dataset_config` winning. UserError when the id is not
-    one the Hub could hold (huggingface_hub's own rule): what a mistyped local path usually is."""
-    name, _, config = dataset.partition(":")
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
+def parse_hub_id(dataset: str, dataset_config: str | None) -> tuple[str, str | None, str | None]:
+    """`id[:config][@revision]` split into (id, config, revision), an explicit `dataset_config` winning. UserError
+    when the id is not one the Hub could hold (huggingface_hub's own rule): what a mistyped local path usually is."""
+    head, revision = split_revision(dataset, "--dataset")
+    name, _, config = head.partition(":")
+    if not is_repo_id(name):
         raise UserError(f"--dataset {dataset!r} is neither an existing local path nor a Hub dataset id; pass "
                         "'shakespeare', a .txt/.jsonl/.parquet file, glob or folder, a folder made by `python -m "
                         "data.prepare`, or a Hub id such as HuggingFaceFW/fineweb-edu:sample-10BT") from None
-    return name, dataset_config or config or None
+    return name, dataset_config or config or None, revision
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,11 @@ class DataSource(ABC):
     def hub_id(self) -> str | None:
         """The Hub dataset repo that holds the data (the model card's metadata), or None."""
         return None
+
+    @property
+    def pinned(self) -> str:
+        """`--dataset` naming exactly this data again (a Hub dataset at its commit), as config.yaml records it."""
+        return self.dataset
 
     def describe(self) -> str:
         """The data's line in the run header."""
@@ -211,11 +216,14 @@ class TokenShards(TokenSource):
 @dataclass(frozen=True)
 class HubStream(TokenSource):
     """A Hub dataset streamed with `datasets` (`data.streaming`): nothing downloaded in full. Read in order: a
-    shuffle buffer would make resumption inexact, so the seed does not apply."""
+    shuffle buffer would make resumption inexact, so the seed does not apply. Every read is made at the commit
+    `revision` (main when None) pointed at when first located (`data.hub`), through the parquet conversion of a
+    repo that holds only a loading script."""
 
     name: str
     config: str | None
     text_column: str
+    revision: str | None = None
 
     held_out: ClassVar[str] = f"its first {VAL_DOCS:,} documents"
 
@@ -223,18 +231,43 @@ class HubStream(TokenSource):
     def hub_id(self) -> str:
         return self.name
 
+    def card_text(self) -> str:
+        """A link to the dataset's page at the revision read, and the config and revision (no Hub call)."""
+        tree = f"/tree/{quote(self.revision, safe='')}" if self.revision else ""
+        extra = ", ".join(f"{k} `{v}`" for k, v in (("config", self.config), ("revision", self.revision)) if v)
+        return f"[{self.name}](https://huggingface.co/datasets/{self.name}{tree})" + (f" ({extra})" if extra else "")
+
+    def location(self) -> HubData:
+        """Where the documents are (asks the Hub once per process)."""
+        return locate_hub_dataset(self.name, self.config, self.revision)
+
+    @property
+    def pinned(self) -> str:
+        return self.location().spec()
+
     def what(self) -> str:
-        config = f", config {self.config}" if self.config else ""
-        return f"Hub dataset {self.name}{config}, column {self.text_column!r}, streamed"
+        where = self.location()
+        config = f", config {where.config}" if where.config else ""
+        at = f"revision {self.revision}, " if self.revision and self.revision != where.commit else ""
+        note = f"; {where.note()}" if where.converted else ""
+        return f"Hub dataset {where.repo_id}{config} ({at}commit {where.commit[:12]}), column " \
+               f"{self.text_column!r}, streamed{note}"
+
+    def stream(self, split: str):
+        """The `datasets` stream of `split`, at the located commit."""
+        where = self.location()
+        where.check_split(split)
+        return open_hub_stream(where.repo_id, None if where.converted else where.config, split,
+                               data_files=where.data_files, revision=where.commit)
 
     def train_loader(self, *, block_size: int, micro_batch_size: int, rank: int, world_size: int,
                      seed: int) -> StreamingLoader:
-        return StreamingLoader(open_hub_stream(self.name, self.config, split="train"), block_size=block_size,
-                               micro_batch_size=micro_batch_size, rank=rank, world_size=world_size,
-                               text_column=self.text_column, source=self.dataset)
+        return StreamingLoader(self.stream("train"), block_size=block_size, micro_batch_size=micro_batch_size,
+                               rank=rank, world_size=world_size, text_column=self.text_column, source=self.dataset,
+                               commit=self.location().commit)
 
     def held_out_tokens(self, max_tokens: int) -> np.ndarray:
-        return hub_val_tokens(self.name, self.config, max_tokens=max_tokens, text_column=self.text_column)
+        return hub_val_tokens(self.stream("train"), max_tokens=max_tokens, text_column=self.text_column)
 
     def enlarge(self, block_size: int) -> str:
         return "pre-tokenize it with `python -m data.prepare --val_tokens N` and train on that folder"
@@ -242,7 +275,7 @@ class HubStream(TokenSource):
     def document_batches(self, split: str, batch_docs: int) -> Iterator[list[str]]:
         """Batches of non-empty documents of `split`, in the stream's order (`python -m data.prepare`). Lazy: the
         stream is opened when the first batch is asked for."""
-        yield from text_batches(open_hub_stream(self.name, self.config, split), self.text_column, batch_docs)
+        yield from text_batches(self.stream(split), self.text_column, batch_docs)
 
 
 @dataclass(frozen=True)
@@ -277,6 +310,14 @@ class PromptCompletion(DataSource):
         return examples
 
 
+def _pinned_hub_id(dataset: str) -> bool:
+    """`id[:config]@revision` that names no local path: a revision may hold `/` (`refs/convert/parquet`), which
+    would otherwise make it look like a path. (No glob character can be in a git ref.)"""
+    head, at, _ = dataset.partition("@")
+    return bool(at) and is_repo_id(head.partition(":")[0]) and not Path(dataset).expanduser().exists() \
+        and not any(c in dataset for c in "*?[")
+
+
 def open_source(settings: DataConfig) -> DataSource:
     """Parse `settings.dataset` into its source (module docstring). `settings` is a `DataConfig` or any object
     with its six attributes (`configs.DataConfig`, a run's config). Reads nothing but, for local .jsonl data,
@@ -286,11 +327,11 @@ def open_source(settings: DataConfig) -> DataSource:
         return Shakespeare(dataset, s.val_tokens, text_column=s.text_column)
     if (Path(dataset).expanduser() / MANIFEST).is_file():
         return TokenShards(dataset, s.val_tokens)
-    if looks_local(dataset):
+    if looks_local(dataset) and not _pinned_hub_id(dataset):
         if is_pairs_dataset(dataset, text_column=s.text_column, prompt_field=s.prompt_field,
                             completion_field=s.completion_field):
             return PromptCompletion(dataset, s.val_tokens, prompt_field=s.prompt_field,
                                     completion_field=s.completion_field)
         return TextFiles(dataset, s.val_tokens, text_column=s.text_column)
-    name, config = parse_hub_id(dataset, s.dataset_config)
-    return HubStream(dataset, s.val_tokens, name=name, config=config, text_column=s.text_column)
+    name, config, revision = parse_hub_id(dataset, s.dataset_config)
+    return HubStream(dataset, s.val_tokens, name=name, config=config, text_column=s.text_column, revision=revision)

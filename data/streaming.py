@@ -11,11 +11,18 @@ neighbours sharing one token. Resumption is exact: the state is datasets' own `s
 at the start of the current document batch, the few tokens carried over from the batch before, and
 the position in the buffer. The order of documents depends on the world size, so a state refuses to
 load under another world size (pre-tokenize with `python -m data.prepare` for that).
+
+Network faults: huggingface_hub retries a ranged read 5 times (1-8 s apart) and datasets retries a dropped
+connection or a 504 again, but a 500/502/503 that outlasts the first 23 s ends the iteration
+(docs/hub_reads.md). A document batch that fails so is read again from the state at its start, up to
+`READ_RETRIES` times, `RETRY_WAIT` x 2^k s apart (about 5 minutes in all); then `DataUnavailable`, which the
+trainer turns into a checkpoint of the last completed step (`training.draw`).
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import time
 from typing import Any, Iterator
 
 import numpy as np
@@ -28,14 +35,51 @@ VAL_DOCS = 1000
 DOCS_PER_BATCH = 256
 STATE_VERSION = 1
 MAX_EMPTY_RUN = 10_000  # consecutive empty documents tolerated before a rank counts as having no data
+READ_RETRIES = 5  # reads again of a document batch whose stream failed
+RETRY_WAIT = 10.0  # seconds before the first of them, doubling: 10 + 20 + 40 + 80 + 160 s
 
 
-def open_hub_stream(name: str, config: str | None, split: str = "train", data_files: Any = None):
-    """`load_dataset(..., streaming=True)`; UserError (offline, unknown id or config) with the fix."""
+class DataUnavailable(UserError):
+    """The stream kept failing through every retry (the Hub unreachable, or answering 5xx)."""
+
+
+def transient(err: BaseException) -> bool:
+    """A failure that reading again may cure: a 5xx or 429 answer, a network error. Not a 4xx or a missing file."""
+    status = getattr(getattr(err, "response", None), "status_code", None)
+    if status is not None:
+        return status >= 500 or status == 429
+    if isinstance(err, (FileNotFoundError, PermissionError)):
+        return False
+    return isinstance(err, OSError) or any(c.__name__ == "TransportError" for c in type(err).__mro__)  # httpx's
+
+
+def read_with_retries(read, restart, what: str):
+    """`read()`, and after a transient failure `restart()` then `read()` again, `READ_RETRIES` times with growing
+    waits; DataUnavailable (one line) when the last try fails too. Other errors go through."""
+    for attempt in range(READ_RETRIES + 1):
+        try:
+            return read()
+        except Exception as err:  # noqa: BLE001 (sorted by `transient`)
+            if not transient(err):
+                raise
+            if attempt == READ_RETRIES:
+                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise DataUnavailable(f"reading {what} failed {READ_RETRIES + 1} times over "
+                                      f"{RETRY_WAIT * (2 ** READ_RETRIES - 1):.0f} s ({type(err).__name__}: {first})"
+                                      ) from None
+            time.sleep(RETRY_WAIT * 2 ** attempt)
+            restart()
+
+
+def open_hub_stream(name: str, config: str | None, split: str = "train", data_files: Any = None,
+                    revision: str | None = None):
+    """`load_dataset(..., streaming=True)`; UserError (offline, unknown id or config) with the fix. For a Hub id,
+    `data.hub.locate_hub_dataset` has checked id, revision and config first and names what to pass here."""
     import datasets
 
     try:
-        return datasets.load_dataset(name, name=config, split=split, data_files=data_files, streaming=True)
+        return datasets.load_dataset(name, name=config, split=split, data_files=data_files, revision=revision,
+                                     streaming=True)
     except Exception as err:  # datasets raises many types (ConnectionError, DatasetNotFoundError, ValueError)
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(
@@ -80,9 +124,9 @@ def val_documents(ds, text_column: str, n_docs: int = VAL_DOCS) -> list[str]:
     return docs
 
 
-def hub_val_tokens(name: str, config: str | None, *, max_tokens: int, text_column: str = "text") -> np.ndarray:
-    """The first `max_tokens` tokens of the held-out documents of a Hub dataset."""
-    docs = val_documents(open_hub_stream(name, config, "train"), text_column, VAL_DOCS)
+def hub_val_tokens(ds, *, max_tokens: int, text_column: str = "text") -> np.ndarray:
+    """The first `max_tokens` tokens of the held-out documents of a (streaming) dataset's train split `ds`."""
+    docs = val_documents(ds, text_column, VAL_DOCS)
     return encode_documents(docs)[:max_tokens].copy()
 
 
@@ -107,6 +151,7 @@ class StreamingLoader:
         world_size: int,
         text_column: str = "text",
         source: str = "",
+        commit: str | None = None,
         val_docs: int = VAL_DOCS,
         docs_per_batch: int = DOCS_PER_BATCH,
     ) -> None:
@@ -114,9 +159,11 @@ class StreamingLoader:
 
         _check_column(ds, text_column)
         self.block_size, self.micro_batch_size = block_size, micro_batch_size
-        self.rank, self.world_size, self.source = rank, world_size, source
+        self.rank, self.world_size, self.source, self.commit = rank, world_size, source, commit
         self.text_column, self.docs_per_batch = text_column, docs_per_batch
-        self.val_hashes = {_doc_hash(d) for d in val_documents(ds, text_column, val_docs)}
+        what = f"the validation documents of {source or 'the dataset'}"
+        self.val_hashes = {_doc_hash(d) for d in read_with_retries(
+            lambda: val_documents(ds, text_column, val_docs), lambda: None, what)}  # each try reads from the start
         self.ds = split_dataset_by_node(ds.select_columns([text_column]), rank=rank, world_size=world_size).repeat(None)
         self._iter: Iterator[dict] | None = None
         self._anchor: dict | None = None  # datasets state at the start of the buffer's document batch
@@ -124,7 +171,21 @@ class StreamingLoader:
         self._buffer = np.zeros(0, dtype=TOKEN_DTYPE)
         self._pos = 0  # next row starts at buffer[pos]
 
-    def _next_documents(self) -> list[str]:
+    def _next_documents(self, anchor: dict | None) -> list[str]:
+        """The next batch of training documents, read again from `anchor` (the datasets state at the batch's start;
+        None: the stream's start) after a network failure."""
+
+        def restart() -> None:
+            close = getattr(self._iter, "close", None)
+            if close is not None:
+                close()  # an abandoned half-read stream can hang the interpreter at exit (docs/hub_reads.md)
+            if anchor is not None:
+                self.ds.load_state_dict(anchor)
+            self._iter = iter(self.ds)
+
+        return read_with_retries(self._read_documents, restart, self.source or "the dataset")
+
+    def _read_documents(self) -> list[str]:
         if self._iter is None:
             self._iter = iter(self.ds)
         docs: list[str] = []
@@ -153,7 +214,7 @@ class StreamingLoader:
         """Keep the unread tail, then append the next document batch (re-anchoring the state)."""
         tail = self._buffer[self._pos :]
         self._anchor = self.ds.state_dict() if self._iter is not None else None
-        tokens = encode_documents(self._next_documents(), _threads_per_rank())
+        tokens = encode_documents(self._next_documents(self._anchor), _threads_per_rank())
         self._carry = tail.tolist()
         self._buffer = np.concatenate([tail, tokens])
         self._pos = 0
@@ -176,6 +237,7 @@ class StreamingLoader:
             "version": STATE_VERSION,
             "kind": "streaming",
             "source": self.source,
+            "commit": self.commit,
             "rank": self.rank,
             "world_size": self.world_size,
             "block_size": self.block_size,
@@ -197,6 +259,10 @@ class StreamingLoader:
                 f"the streaming data position was saved with world size {state['world_size']}, now {self.world_size}; "
                 "resume with the same number of processes or pre-tokenize with python -m data.prepare"
             )
+        saved = state.get("commit")
+        if saved and self.commit and saved != self.commit:  # the revision moved since: other documents
+            raise UserError(f"the streaming data position was saved reading commit {saved} of the dataset, which "
+                            f"now reads commit {self.commit}; resume with --dataset pinned to it (id[:config]@{saved})")
         if state["rank"] != self.rank or state["block_size"] != self.block_size:
             raise UserError(
                 f"the streaming data position is for rank {state['rank']}, block_size {state['block_size']}; "
@@ -212,7 +278,7 @@ class StreamingLoader:
             self.ds.load_state_dict(state["datasets_state"])
         self._iter = iter(self.ds)
         self._anchor = state["datasets_state"]
-        tokens = encode_documents(self._next_documents(), _threads_per_rank())
+        tokens = encode_documents(self._next_documents(self._anchor), _threads_per_rank())
         self._carry = list(state["carry"])
         self._buffer = np.concatenate([np.array(self._carry, dtype=TOKEN_DTYPE), tokens])
         self._pos = int(state["pos"])

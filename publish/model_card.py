@@ -16,8 +16,9 @@ from typing import Any, Sequence
 import yaml
 
 from common.errors import UserError
+from common.hub_ids import is_repo_id, split_revision
 from common.run_dir import RunDir
-from common.weights import GPT2_NAMES, is_repo_id
+from common.weights import GPT2_NAMES
 from configs import read_run_config
 from data.settings import DataConfig
 from data.source import DataSource, open_source
@@ -116,11 +117,17 @@ def recorded_source(config: dict[str, Any]) -> DataSource | None:
         return None
 
 
-def _base_model(config: dict[str, Any]) -> str | None:
+def _base_model(config: dict[str, Any]) -> tuple[str | None, str | None]:
+    """The Hub repo the run started from and its revision (a commit, as config.yaml records it), or Nones."""
     init = _lookup(config, "init_from", "base_model")
-    if isinstance(init, str) and init in _KNOWN_MODELS:
-        return _KNOWN_MODELS[init]
-    return init if isinstance(init, str) and "/" in init and is_repo_id(init) and not Path(init).exists() else None
+    if not isinstance(init, str) or Path(init).exists():
+        return None, None
+    try:
+        name, revision = split_revision(init, "init_from")
+    except UserError:
+        return None, None
+    name = _KNOWN_MODELS.get(name, name)
+    return (name, revision) if "/" in name and is_repo_id(name) else (None, None)
 
 
 def _architecture(export_dir: Path) -> dict[str, Any]:
@@ -178,7 +185,7 @@ def render_card(
     from huggingface_hub import ModelCardData
 
     dataset, data_source = _lookup(config, "dataset"), recorded_source(config)
-    base = _base_model(config)
+    base, base_revision = _base_model(config)
     data = ModelCardData(
         license=str(config.get("license") or "mit"),
         datasets=[data_source.hub_id] if data_source and data_source.hub_id else None,
@@ -191,7 +198,9 @@ def render_card(
     size = f"{arch['params'] / 1e6:.1f}M-parameter " if arch.get("params") else ""
     shape = ", ".join(f"{k}={arch[k]}" for k in ("n_layer", "n_head", "n_embd", "n_positions") if arch.get(k))
     trained_on = data_source.card_text() if data_source else f"`{dataset}`" if dataset else "its training data"
-    how = f"fine-tuned from [{base}](https://huggingface.co/{base})" if base else "trained from scratch"
+    at = f" at revision `{base_revision}`" if base_revision else ""
+    tree = f"/tree/{base_revision}" if base_revision else ""
+    how = f"fine-tuned from [{base}](https://huggingface.co/{base}{tree}){at}" if base else "trained from scratch"
     rev_arg = f', revision="{revision}"' if revision else ""
     prompt, new_tokens = usage_prompt(arch.get("n_positions"))
     lines = [

@@ -11,6 +11,9 @@ FAULT (environment) picks the fault; without it this is plain train.py:
 - `kill_in_export`     SIGKILL while final/ is written (its files in the temp folder, not yet renamed into place)
 - `nan_at_step:N`      the loss of optimizer step N (1-based) is NaN
 
+NO_RETRY_WAIT (environment): no sleeping between the retries of huggingface_hub, datasets and data.streaming (the
+number of attempts is unchanged), for the tests that exhaust them.
+
 FAKE_HUB_PARQUET (environment, comma-separated files): any Hub dataset id streams these local parquet files
 instead (the streaming path of train.py, offline).
 """
@@ -108,15 +111,30 @@ elif kind == "nan_at_step":
 
     GPT.forward = forward_with_nan
 
+if os.environ.get("NO_RETRY_WAIT"):
+    import time
+    import types
+
+    import datasets
+    import huggingface_hub.utils._http as hub_http
+
+    import data.streaming as streaming
+
+    hub_http.time = types.SimpleNamespace(sleep=lambda seconds: None, time=time.time)
+    datasets.config.STREAMING_READ_RETRY_INTERVAL = datasets.config.STREAMING_READ_SERVER_UNAVAILABLE_RETRY_INTERVAL = 0
+    streaming.RETRY_WAIT = 0.0
+
 if os.environ.get("FAKE_HUB_PARQUET"):
     import data.source as source
     import data.streaming as streaming
+    from data.hub import HubData
 
     open_hub_stream = streaming.open_hub_stream
 
-    def open_local_parquet(name, config, split="train", data_files=None):
+    def open_local_parquet(name, config, split="train", data_files=None, revision=None):
         return open_hub_stream("parquet", None, "train", data_files=os.environ["FAKE_HUB_PARQUET"].split(","))
 
     streaming.open_hub_stream = source.open_hub_stream = open_local_parquet  # where it is defined and where it is used
+    source.locate_hub_dataset = lambda name, config, revision: HubData(name, "0" * 40, config)  # no Hub to ask
 
 train.run_cli(train.main)

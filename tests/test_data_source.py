@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 import data.prepare as prep
+import data.source as source_module
 from common.errors import UserError
+from data.hub import HubData
 from data.settings import DataConfig, check_val_tokens, count_windows, require_a_window
 from data.source import (
     HubStream,
@@ -61,7 +63,11 @@ def test_each_other_kind(tmp_path, shards):
     assert (type(hub), hub.name, hub.config, hub.text_column) == (HubStream, "HuggingFaceFW/fineweb-edu", "sample-10BT",
                                                                   "body")
     owt = source("Skylion007/openwebtext")
-    assert (owt.name, owt.config) == ("Skylion007/openwebtext", None)
+    assert (owt.name, owt.config, owt.revision) == ("Skylion007/openwebtext", None, None)
+    pinned = source("HuggingFaceFW/fineweb-edu:sample-10BT@refs/convert/parquet")
+    assert (pinned.name, pinned.config, pinned.revision) == ("HuggingFaceFW/fineweb-edu", "sample-10BT",
+                                                             "refs/convert/parquet")
+    assert source("a/b@" + "f" * 40, dataset_config="y").revision == "f" * 40
     assert source("a/b:x", dataset_config="y").config == "y"  # an explicit --dataset_config wins
     assert source("a/b:", dataset_config=None).config is None
 
@@ -76,16 +82,16 @@ def test_the_loader_matches_the_kind(tmp_path, shards):
 
 
 def test_a_hub_source_streams_its_id_and_config(monkeypatch):
-    from data import source as source_module
     from data.streaming import open_hub_stream
 
     asked = []
 
-    def local_stream(name, config, split="train"):
+    def local_stream(name, config, split="train", data_files=None, revision=None):
         asked.append((name, config, split))
         return open_hub_stream("parquet", None, "train", data_files=str(PARQUET))
 
     monkeypatch.setattr(source_module, "open_hub_stream", local_stream)
+    monkeypatch.setattr(source_module, "locate_hub_dataset", located)
     loader = source("someone/corpus:en").train_loader(block_size=8, micro_batch_size=1, rank=0, world_size=1, seed=0)
     assert asked == [("someone/corpus", "en", "train")] and loader.source == "someone/corpus:en"
     list(source("someone/corpus", dataset_config="de").document_batches("validation", 8))
@@ -93,6 +99,13 @@ def test_a_hub_source_streams_its_id_and_config(monkeypatch):
 
 
 # ---- refusals: one line each -----------------------------------------------------------------------------
+
+def test_an_empty_revision_is_refused_when_parsed():
+    for dataset in ("a/b@", "a/b:c@", "@main"):
+        with pytest.raises(UserError, match=r"^--dataset .*: write a Hub revision as id@revision") as err:
+            source(dataset)
+        assert "\n" not in str(err.value)
+
 
 @pytest.mark.parametrize("dataset", ["my corpus", ":sample-10BT", "bad..name", "-x/y"])
 def test_neither_a_path_nor_a_hub_id_is_refused_when_parsed(dataset):
@@ -142,7 +155,13 @@ def test_the_first_record_is_read_once(tmp_path, monkeypatch):
 
 # ---- what a source says about itself ---------------------------------------------------------------------
 
-def test_describe(tmp_path, shards):
+def located(name, config, revision):
+    """`data.source.locate_hub_dataset` without a Hub: every id is found, at one commit."""
+    return HubData(name, "c0ffee" + "0" * 34, config)
+
+
+def test_describe(tmp_path, shards, monkeypatch):
+    monkeypatch.setattr(source_module, "locate_hub_dataset", located)
     pairs = write_pairs(tmp_path / "p.jsonl")
     expected = {
         "shakespeare": "data: shakespeare (Tiny Shakespeare, shipped in data/) | validation: the last 10% of its "
@@ -154,10 +173,11 @@ def test_describe(tmp_path, shards):
         str(shards): f"data: {shards} (token shards made by data.prepare) | validation: its val_000000.bin shard, at "
                      "most 8,192 tokens",
         "HuggingFaceFW/fineweb-edu:sample-10BT": "data: HuggingFaceFW/fineweb-edu:sample-10BT (Hub dataset "
-            "HuggingFaceFW/fineweb-edu, config sample-10BT, column 'body', streamed) | validation: its first 1,000 "
-            "documents, at most 8,192 tokens",
-        "Skylion007/openwebtext": "data: Skylion007/openwebtext (Hub dataset Skylion007/openwebtext, column 'body', "
-                                  "streamed) | validation: its first 1,000 documents, at most 8,192 tokens",
+            "HuggingFaceFW/fineweb-edu, config sample-10BT (commit c0ffee000000), column 'body', streamed) | "
+            "validation: its first 1,000 documents, at most 8,192 tokens",
+        "Skylion007/openwebtext": "data: Skylion007/openwebtext (Hub dataset Skylion007/openwebtext (commit "
+                                  "c0ffee000000), column 'body', streamed) | validation: its first 1,000 "
+                                  "documents, at most 8,192 tokens",
     }
     for dataset, line in expected.items():
         assert source(dataset, text_column="body").describe() == line
@@ -165,8 +185,10 @@ def test_describe(tmp_path, shards):
 
 
 def test_card_names_the_data(tmp_path):
-    fw = "[HuggingFaceFW/fineweb-edu](https://huggingface.co/datasets/HuggingFaceFW/fineweb-edu)"
-    assert source("HuggingFaceFW/fineweb-edu:sample-10BT").card_text() == fw
+    fw = "[HuggingFaceFW/fineweb-edu](https://huggingface.co/datasets/HuggingFaceFW/fineweb-edu"
+    assert source("HuggingFaceFW/fineweb-edu:sample-10BT").card_text() == fw + ") (config `sample-10BT`)"
+    assert source("HuggingFaceFW/fineweb-edu:sample-10BT@v1.0.0").card_text() == \
+        fw + "/tree/v1.0.0) (config `sample-10BT`, revision `v1.0.0`)"
     assert source("shakespeare").hub_id == "karpathy/tiny_shakespeare"
     for local in ("data/corpus.txt", "shards/*.parquet", str(write_pairs(tmp_path / "p.jsonl"))):
         assert source(local).hub_id is None and source(local).card_text() == f"`{local}`"

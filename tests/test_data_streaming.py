@@ -8,8 +8,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+import data.source as source_module
 from common.errors import UserError
 from data import EOT_ID, get_tokenizer
+from data.hub import HubData
 from data.settings import DataConfig
 from data.source import DataSource, open_source
 from data.streaming import StreamingLoader, open_hub_stream
@@ -76,9 +78,11 @@ def test_val_tokens_are_the_held_out_documents(monkeypatch):
     enc = get_tokenizer()
     import data.streaming as streaming
 
-    monkeypatch.setattr(streaming, "VAL_DOCS", VAL_DOCS)
-    monkeypatch.setattr(streaming, "open_hub_stream",
+    monkeypatch.setattr(streaming, "VAL_DOCS", VAL_DOCS)  # read by val_documents, at call time
+    monkeypatch.setattr(source_module, "open_hub_stream",
                         lambda *a, **k: open_hub_stream("parquet", None, "train", data_files=str(PARQUET)))
+    monkeypatch.setattr(source_module, "locate_hub_dataset",
+                        lambda name, config, revision: HubData(name, "0" * 40, config))
     val = source("some/hub-dataset", val_tokens=10**6).val_set(block_size=32)
     assert val.dtype == np.uint16
     assert val.tolist() == [t for d in DOCS[:VAL_DOCS] for t in enc.encode_ordinary(d) + [EOT_ID]]

@@ -23,21 +23,22 @@ from accelerate.utils import DistributedType
 
 from common.errors import UserError
 from common.run_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from common.weights import Kind, Weights
 from configs import ModelConfig
 from model import GPT
 
 
-def base_name(init_from: str) -> str:
+def base_name(weights: Weights) -> str:
     """How the adapter config names its base weights: an absolute path for a local folder (a resume or a loader
-    from another working directory finds the same folder), the Hub id as given otherwise."""
-    path = Path(init_from).expanduser()
-    return str(path.resolve()) if path.exists() else init_from
+    from another working directory finds the same folder), the Hub id otherwise (its revision goes beside it)."""
+    return weights.spec if weights.kind is Kind.HUB else str(Path(weights.spec).expanduser().resolve())
 
 
-def _config(cfg: ModelConfig):
+def _config(cfg: ModelConfig, weights: Weights):
     from model.lora import lora_config
 
-    return lora_config(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_list, base_name(cfg.init_from))
+    return lora_config(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_list, base_name(weights),
+                       weights.revision)
 
 
 def lora_summary(cfg: ModelConfig) -> str | None:
@@ -45,14 +46,14 @@ def lora_summary(cfg: ModelConfig) -> str | None:
     return f"LoRA r={cfg.lora_rank} on {cfg.lora_targets}" if cfg.lora_rank else None
 
 
-def add_run_adapters(model: GPT, cfg: ModelConfig) -> GPT:
-    """`model` with the run's adapters injected (in place); only they require gradients."""
+def add_run_adapters(model: GPT, cfg: ModelConfig, weights: Weights) -> GPT:
+    """`model` (loaded from `weights`) with the run's adapters injected (in place); only they require gradients."""
     from model.lora import add_adapters
 
-    return add_adapters(model, _config(cfg))
+    return add_adapters(model, _config(cfg, weights))
 
 
-def check_resume(cfg: ModelConfig, checkpoint: Path) -> None:
+def check_resume(cfg: ModelConfig, weights: Weights | None, checkpoint: Path) -> None:
     """Refuse to resume a LoRA checkpoint as a full run or the reverse, or with other LoRA settings or base."""
     saved_lora = (checkpoint / ADAPTER_CONFIG).is_file()
     if cfg.lora_rank and not saved_lora:
@@ -65,7 +66,7 @@ def check_resume(cfg: ModelConfig, checkpoint: Path) -> None:
         return
     from model.lora import read_adapter_config
 
-    saved, now = read_adapter_config(checkpoint), _config(cfg)
+    saved, now = read_adapter_config(checkpoint), _config(cfg, weights)
     fields = {"lora_rank": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
               "lora_targets": "target_modules", "init_from": "base_model_name_or_path"}
     diffs = [f"{flag}: checkpoint {getattr(saved, attr)!r} vs now {getattr(now, attr)!r}"

@@ -7,25 +7,29 @@ records it (`training.run_folder.recorded_config`), the parsed flags are never c
 from __future__ import annotations
 
 from common.errors import UserError
+from common.weights import Weights, resolve_weights
 from configs import ModelConfig
 from model import GPT, GPTConfig
 from training.lora import add_run_adapters, check_resume
 from training.resume import ResumePoint
 
 
-def build_model(cfg: ModelConfig, resume: ResumePoint | None) -> GPT:
+def build_model(cfg: ModelConfig, resume: ResumePoint | None) -> tuple[GPT, Weights | None]:
     """The network: from the flags (`init_from scratch`), from `init_from` weights, or, for a fine-tune being
     resumed, the checkpoint's architecture (its weights replace init_from's when loaded). With `--lora_rank`,
-    the network gets adapters and only they train (see `training.lora`)."""
+    the network gets adapters and only they train (see `training.lora`). Also what `--init_from` resolved to
+    (None from scratch; not downloaded for a full fine-tune being resumed, whose checkpoint holds every weight)."""
+    download = resume is None or bool(cfg.lora_rank)
+    weights = None if cfg.from_scratch else resolve_weights(cfg.init_from, download=download)
     if resume is not None:
-        check_resume(cfg, resume.path)  # a LoRA checkpoint only into the same LoRA run, a full one only into a full run
-    model = _network(cfg, resume)
+        check_resume(cfg, weights, resume.path)  # a LoRA checkpoint only into the same LoRA run, a full one into a full
+    model = _network(cfg, weights, resume)
     if cfg.lora_rank:
-        model = add_run_adapters(model, cfg)
-    return model
+        model = add_run_adapters(model, cfg, weights)
+    return model, weights
 
 
-def _network(cfg: ModelConfig, resume: ResumePoint | None) -> GPT:
+def _network(cfg: ModelConfig, weights: Weights | None, resume: ResumePoint | None) -> GPT:
     if cfg.from_scratch:
         return GPT(GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size,
                              dropout=cfg.dropout, bias=cfg.bias))
@@ -36,4 +40,4 @@ def _network(cfg: ModelConfig, resume: ResumePoint | None) -> GPT:
             raise UserError(f"the model config in {resume.path} is damaged ({err}); resume from another "
                             "checkpoint") from None
         return GPT(arch)
-    return GPT.from_pretrained(cfg.init_from, block_size=cfg.block_size, dropout=cfg.dropout)
+    return GPT.from_pretrained(weights, block_size=cfg.block_size, dropout=cfg.dropout)

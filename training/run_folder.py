@@ -15,6 +15,7 @@ from filelock import FileLock, Timeout
 
 from common.errors import UserError
 from common.run_dir import RunDir
+from common.weights import Weights
 from configs import RunConfig, TrainConfig, write_run_config
 from model import GPTConfig
 from training.manifest import verify_checkpoint
@@ -78,11 +79,17 @@ def claim_run_folder(accelerator: Accelerator, cfg: RunConfig, resume: ResumePoi
     return lock
 
 
-def recorded_config(cfg: TrainConfig, arch: GPTConfig, plan: OptimizerPlan) -> dict[str, Any]:
+def recorded_config(cfg: TrainConfig, arch: GPTConfig, plan: OptimizerPlan, dataset: str,
+                    init_weights: Weights | None) -> dict[str, Any]:
     """What the run ran with, one key per flag (`config.yaml`, the trackers' config): the flags, except that the
-    architecture is the model's (with `--init_from`, the loaded weights', not the unused flags') and
-    `--optimizer auto` is the optimizer it chose."""
+    architecture is the model's (with `--init_from`, the loaded weights', not the unused flags'), `--optimizer
+    auto` is the optimizer it chose, and a Hub dataset or Hub weights are pinned to the commit read
+    (`id@sha`: `dataset`, the source's `pinned`; `init_weights`, what --init_from resolved to), so that the
+    same command reads the same data and weights again."""
     values = cfg.flat()
+    values["dataset"] = dataset
+    if init_weights is not None and init_weights.commit:
+        values["init_from"] = init_weights.pinned
     values.update(n_layer=arch.n_layer, n_head=arch.n_head, n_embd=arch.n_embd, bias=arch.bias,
                   block_size=arch.block_size, optimizer=plan.kind, lr=plan.lr, muon_lr=plan.muon_lr)
     return values
