@@ -5,7 +5,7 @@
     python -m publish.card --run_dir out/my_run/checkpoints/step_000500 --output export/
 
 Writes README.md and loss_curve.png (train/val loss, HellaSwag when measured, learning rate), the same
-files a Hub push uploads (`publish.model_card`), into a finished run's `final/`; or exports an unfinished
+files a Hub push uploads (`publish.card_content`), into a finished run's `final/`; or exports an unfinished
 run's newest checkpoint, or a given checkpoint, as an HF model folder with its card into `--output`.
 The trainer calls `write_card` at the end of every finished run. Offline: with no `--hub_model_id` the
 card is named after the run and its usage example loads the folder from disk.
@@ -18,8 +18,8 @@ from pathlib import Path
 
 from common.atomic import fresh_temp_dir, rename_into_place
 from common.errors import UserError, run_cli
+from publish.card_content import write_model_card
 from publish.hub import build_hf_folder, describe_weights, run_weights
-from publish.model_card import write_model_card
 
 
 def write_card(run_dir: str | Path, output: str | Path | None = None, hub_model_id: str | None = None) -> Path:

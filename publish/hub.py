@@ -24,7 +24,7 @@ from common.cli import CliParser
 from common.errors import UserError, run_cli
 from common.run_dir import RunDir
 from common.weights import Weights, is_repo_id, resolve_weights
-from publish.model_card import write_model_card
+from publish.card_content import write_model_card
 
 STATE_PREFIX = "training_state"
 

@@ -23,9 +23,9 @@ from safetensors.torch import save_file
 from common.errors import UserError
 from common.run_dir import RunDir
 from model import GPT, GPTConfig
+from publish.card_content import recorded_source, render_card
 from publish.hub import main as hub_cli
 from publish.hub import push_to_hub
-from publish.model_card import recorded_source, render_card
 
 SECRET = "hf_TestSecretToken_3e9b71c2d4"
 REPO = "alice/tiny-shakespeare-gpt"

@@ -17,8 +17,8 @@ from common.errors import UserError
 from model import GPT, GPTConfig
 from publish.card import main as card_cli
 from publish.card import write_card
+from publish.card_content import plot_curves, write_model_card
 from publish.hub import stage_export
-from publish.model_card import plot_curves, write_model_card
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32)
 

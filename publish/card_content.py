@@ -5,6 +5,9 @@ Everything here is read from the run folder the trainer wrote: `config.yaml` (th
 `metrics.jsonl` (one JSON object per logged step) and the export's own `config.json` /
 `model.safetensors`. No secret ever reaches the card: config keys that look like credentials are
 masked, and the card is scrubbed of the current Hub token as a last line of defence.
+
+The card's text is `card_template.md`, a Jinja template that huggingface_hub's `ModelCard.from_template`
+fills with the metadata block and the values `render_card` computes here.
 """
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ from data.tokenizer import get_tokenizer
 from training.metrics import read_metrics
 
 LOSS_CURVE = "loss_curve.png"
+CARD_TEMPLATE = Path(__file__).with_name("card_template.md")  # the card's text, a Jinja template
+LICENSE = "mit"  # the project's (pyproject.toml); the weights a run trains are offered under it
 _SECRET_KEY = re.compile(r"(^|_)token$|secret|password|passwd|api_?key|credential", re.IGNORECASE)
 # Short names the model package accepts, and the Hub repos they stand for.
 _KNOWN_MODELS = {name: f"openai-community/{name}" for name in GPT2_NAMES}
@@ -96,30 +101,21 @@ def redact(value: Any) -> Any:
     return value
 
 
-def _lookup(config: dict[str, Any], *keys: str) -> Any:
-    """A key from the top level of the config or one level down (e.g. `data: {dataset: ...}`)."""
-    for scope in [config, *(v for v in config.values() if isinstance(v, dict))]:
-        for key in keys:
-            if scope.get(key) not in (None, ""):
-                return scope[key]
-    return None
-
-
 def recorded_source(config: dict[str, Any]) -> DataSource | None:
     """The data source a run's config records, parsed as training parsed it; None when it records no dataset or
     one that does not parse (a hand-edited config), which the card then names as written."""
-    dataset = _lookup(config, "dataset")
+    dataset = config.get("dataset")
     if not isinstance(dataset, str):
         return None
     try:
-        return open_source(DataConfig(dataset=dataset, dataset_config=_lookup(config, "dataset_config")))
+        return open_source(DataConfig(dataset=dataset, dataset_config=config.get("dataset_config")))
     except UserError:
         return None
 
 
 def _base_model(config: dict[str, Any]) -> tuple[str | None, str | None]:
     """The Hub repo the run started from and its revision (a commit, as config.yaml records it), or Nones."""
-    init = _lookup(config, "init_from", "base_model")
+    init = config.get("init_from")
     if not isinstance(init, str) or Path(init).exists():
         return None, None
     try:
@@ -182,73 +178,40 @@ def render_card(
 
     `model_id`: what `pipeline(model=...)` loads, the Hub repo id or, for a card kept on disk, the folder's
     path; `name` the title (default: the repo name). `curves`: the panels of loss_curve.png, if drawn."""
-    from huggingface_hub import ModelCardData
+    from huggingface_hub import ModelCard, ModelCardData
 
-    dataset, data_source = _lookup(config, "dataset"), recorded_source(config)
+    dataset, data_source = config.get("dataset"), recorded_source(config)
     base, base_revision = _base_model(config)
     data = ModelCardData(
-        license=str(config.get("license") or "mit"),
+        license=LICENSE,
         datasets=[data_source.hub_id] if data_source and data_source.hub_id else None,
         base_model=base,
         library_name="transformers",
         pipeline_tag="text-generation",
         tags=["gpt2", "causal-lm", "gpt2-accelerate", "accelerate"],
     )
-    name = name or model_id.split("/")[-1]
-    size = f"{arch['params'] / 1e6:.1f}M-parameter " if arch.get("params") else ""
-    shape = ", ".join(f"{k}={arch[k]}" for k in ("n_layer", "n_head", "n_embd", "n_positions") if arch.get(k))
-    trained_on = data_source.card_text() if data_source else f"`{dataset}`" if dataset else "its training data"
     at = f" at revision `{base_revision}`" if base_revision else ""
     tree = f"/tree/{base_revision}" if base_revision else ""
-    how = f"fine-tuned from [{base}](https://huggingface.co/{base}{tree}){at}" if base else "trained from scratch"
-    rev_arg = f', revision="{revision}"' if revision else ""
     prompt, new_tokens = usage_prompt(arch.get("n_positions"))
-    lines = [
-        "---", data.to_yaml().strip(), "---", "",
-        f"# {name}", "",
-        f"A {size}GPT-2-architecture causal language model ({shape}), {how} on {trained_on} with "
-        "gpt2-accelerate (PyTorch + Hugging Face Accelerate). The weights are a standard "
-        "`GPT2LMHeadModel` in safetensors with the GPT-2 tokenizer, so 🤗 Transformers loads them directly.",
-        "",
-        f"These weights: {source}.", "",
-        "## Usage", "",
-        "```python",
-        "from transformers import pipeline",
-        "",
-        f'generator = pipeline("text-generation", model="{model_id}"{rev_arg})',
-        f'print(generator({prompt!r}, max_new_tokens={new_tokens})[0]["generated_text"])',
-        "```", "",
-        "## Results", "",
-    ]
     labels = {"tokens": "tokens seen", "loss": "train loss", "val_loss": "validation loss",
               "hellaswag_acc": "HellaSwag acc", "hellaswag_acc_norm": "HellaSwag acc_norm"}
-    rows = [f"| {label} | {_fmt(summary[key])} | {_fmt(summary[key + '_step'])} |"
-            for key, label in labels.items() if key in summary]  # metrics the run never logged are left out
-    if rows:
-        lines += ["| metric | value | at step |", "| --- | --- | --- |", *rows, "",
-                  "Losses are mean next-token cross-entropy in nats; HellaSwag is zero-shot, scored by completion "
-                  "likelihood (acc_norm: per-character normalised).", ""]
-    else:
-        lines += ["No metrics were logged (the run has no metrics.jsonl).", ""]
-    if curves:
-        lines += [f"![Training curves: {', '.join(curves)}]({LOSS_CURVE})", ""]
-    if state_step:
-        lines += [
-            "## Training state", "",
-            f"`training_state/` holds the raw Accelerate checkpoint `{state_step}` (model, optimizer, RNG and "
-            "data-loader state), so the run can be resumed: download it with "
-            f"`huggingface_hub.snapshot_download(\"{model_id}\"{', revision=' + repr(revision) if revision else ''}, "
-            "allow_patterns=\"training_state/*\")` and point the trainer's resume option at that folder.", "",
-        ]
-    if config:
-        lines += ["## Training config", "", "```yaml", yaml.safe_dump(redact(config), sort_keys=False).strip(),
-                  "```", ""]
-    lines += [
-        "## Limitations", "",
-        "A small language model trained for research and learning: its text can be wrong, incoherent or "
-        "offensive, and it has had no instruction tuning or safety training.", "",
-    ]
-    return "\n".join(lines)
+    card = ModelCard.from_template(
+        data, template_path=str(CARD_TEMPLATE),
+        name=name or model_id.split("/")[-1],
+        size=f"{arch['params'] / 1e6:.1f}M-parameter " if arch.get("params") else "",
+        shape=", ".join(f"{k}={arch[k]}" for k in ("n_layer", "n_head", "n_embd", "n_positions") if arch.get(k)),
+        how=f"fine-tuned from [{base}](https://huggingface.co/{base}{tree}){at}" if base else "trained from scratch",
+        trained_on=data_source.card_text() if data_source else f"`{dataset}`" if dataset else "its training data",
+        source=source, model_id=model_id, prompt=repr(prompt), new_tokens=new_tokens,
+        revision_arg=f', revision="{revision}"' if revision else "",
+        revision_kwarg=f", revision={revision!r}" if revision else "",
+        # metrics the run never logged are left out
+        results=[(label, _fmt(summary[key]), _fmt(summary[key + "_step"])) for key, label in labels.items()
+                 if key in summary],
+        curves=", ".join(curves), curve_file=LOSS_CURVE, state_step=state_step,
+        config=yaml.safe_dump(redact(config), sort_keys=False).strip() if config else "",
+    )
+    return str(card).rstrip("\n") + "\n"
 
 
 def write_model_card(
