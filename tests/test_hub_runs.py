@@ -264,3 +264,26 @@ def test_a_hub_that_stays_down_ends_the_run_with_a_checkpoint_to_resume(hub: Fak
     launch([*FAULT_RUN, "--out_dir", str(out), "--resume", "latest"], extra_env=env(hub, tmp_path / "hf"))
     assert_same_weights(fault_ref, out)
     assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, 15))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_on_two_processes_one_ranks_unreadable_file_stops_both_in_one_line(hub: FakeHub, fault_ref: Path,
+                                                                          tmp_path: Path):
+    """Two ranks split the two files: only the rank that reads file 001 fails. The other must not wait for it in a
+    collective: both stop at the same step, the run ends in one line (exit 2), and --resume latest finishes it."""
+    hub.fail_next(10**6, 503, repo=f"datasets/{FAULTY}", file="sample/10BT/001_*")
+    out = tmp_path / "run"
+    down = launch([*FAULT_RUN, "--out_dir", str(out)], nproc=2, check=False,
+                  extra_env={**env(hub, tmp_path / "hf"), "NO_RETRY_WAIT": "1"})
+    hub.clear_faults()
+    assert down.returncode != 0  # the launcher's own code; each rank exits 2 (below)
+    assert "exitcode  : 2" in down.stderr, down.stderr[-3000:]
+    lines = [line for line in down.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and lines[0].startswith("error: the training data could not be read"), lines
+    failed = {rank for rank in (0, 1) if f"rank {rank}: reading {FAULTY}:sample-10BT failed" in down.stdout}
+    assert len(failed) == 1  # one rank's data failed; the other stopped because they agreed
+    assert not (out / "final").exists()
+    launch([*FAULT_RUN, "--out_dir", str(out), "--resume", "latest"], nproc=2, extra_env=env(hub, tmp_path / "hf"))
+    assert (out / "final" / "model.safetensors").is_file()
+    assert sorted({r["step"] for r in read_metrics(out) if "loss" in r}) == list(range(1, 15))
