@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 from contextlib import ExitStack
+from functools import partial
 
 import torch
 from accelerate.utils import DistributedType, set_seed
@@ -25,7 +26,7 @@ from data.source import open_source
 from publish.card import write_card
 from publish.uploads import HubUploads
 from training.checkpoint import Checkpointer, restore
-from training.draw import data_unavailable, draw_step
+from training.draw import draw_step
 from training.evaluation import TrainingEvals
 from training.export import export_final
 from training.lora import lora_summary, use_adapter_checkpoints
@@ -87,11 +88,8 @@ def main() -> None:
             while progress.step < max_steps:
                 with report.timing():
                     lrs = plan.lrs_at(schedule.factor(progress.step))
-                    before = loader.state_dict()  # what a save after a failed draw records: the step not begun
-                    batches = draw_step(accelerator, loader.next_batch, geometry.accumulation)
-                    if batches is None:  # some rank's data could not be read: every rank stops after the last step
-                        raise data_unavailable(progress, checkpoints.save(model, progress, before)
-                                               if progress.step else None)
+                    batches = draw_step(accelerator, loader, geometry.accumulation, progress,  # all ranks stop if
+                                        save=partial(checkpoints.save, model, progress))  # one cannot read its data
                     loss_sum, grad_norm = train_step(accelerator, model, optimizers, iter(batches).__next__,
                                                      geometry.accumulation, lrs, cfg.training.grad_clip,
                                                      masked_targets=loader.masked_targets)
@@ -102,8 +100,7 @@ def main() -> None:
                 record = report.of_step(progress.step, last, loss_sum / geometry.accumulation, lrs[0], grad_norm,
                                         progress.tokens, write=bar.write)
                 record.update(evals.run_due(model, progress.step, last, write=bar.write))
-                if record:
-                    metrics.log(progress.step, record)
+                metrics.log(progress.step, record)  # the step's line, evaluations (nothing on a step with neither)
                 stop = preempted.any_rank(accelerator)
                 if progress.step % cfg.run.save_every == 0 or last or stop:
                     uploads.checkpoint_saved(progress.step, checkpoints.save(model, progress, loader.state_dict()))
@@ -113,8 +110,7 @@ def main() -> None:
 
         # Shutdown: final/, an orderly end (gloo processes exiting with live tensors and an open group abort now and
         # then), then the final push once the group is gone (no rank waits in a collective during the upload).
-        finished = progress.step == max_steps
-        if finished:
+        if finished := progress.step == max_steps:
             export_final(accelerator, model, arch, run)
             if accelerator.is_main_process:  # final/ gets the card and curves the Hub push would upload
                 write_card(run.path, hub_model_id=cfg.hub.hub_model_id if cfg.hub.push_to_hub else None)

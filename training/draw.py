@@ -8,7 +8,7 @@ in the gradient all-reduce. Drawn first, it is known before any collective of th
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from accelerate import Accelerator
@@ -20,15 +20,27 @@ from training.resume import Progress
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def draw_step(accelerator: Accelerator, next_batch: Callable[[], Batch], n: int) -> list[Batch] | None:
-    """The step's `n` micro-batches of this rank, or None on every rank when any rank's data could not be read."""
+class Loader(Protocol):
+    def next_batch(self) -> Batch: ...
+
+    def state_dict(self) -> dict: ...
+
+
+def draw_step(accelerator: Accelerator, loader: Loader, n: int, progress: Progress,
+              save: Callable[[dict], Path]) -> list[Batch]:
+    """The step's `n` micro-batches of this rank. When any rank's data could not be read, every rank saves the
+    last completed step (`save(data_state)`, the loader's state before this step: the step not begun) and raises
+    the one line that ends the run."""
+    before = loader.state_dict()
     batches: list[Batch] = []
     try:
-        batches = [next_batch() for _ in range(n)]
+        batches = [loader.next_batch() for _ in range(n)]
     except DataUnavailable as err:
         print(f"rank {accelerator.process_index}: {err}", flush=True)
     failed = torch.tensor([0.0 if len(batches) == n else 1.0], device=accelerator.device)
-    return None if accelerator.reduce(failed, reduction="sum").item() > 0 else batches
+    if accelerator.reduce(failed, reduction="sum").item() > 0:
+        raise data_unavailable(progress, save(before) if progress.step else None)
+    return batches
 
 
 def data_unavailable(progress: Progress, saved: Path | None) -> UserError:

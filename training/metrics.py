@@ -62,8 +62,9 @@ class MetricsLog:
             self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
 
     def log(self, step: int, values: dict[str, Any]) -> None:
-        """Record `values` for `step`; NaN/inf become null in the JSON (which has no NaN)."""
-        if not self.accelerator.is_main_process:
+        """Record `values` for `step` (nothing when there are none); NaN/inf become null in the JSON (which has no
+        NaN)."""
+        if not self.accelerator.is_main_process or not values:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()}
         with open(self.path, "a") as f:
