@@ -54,7 +54,11 @@ def fail(message: str, *, quiet: bool = False) -> NoReturn:
 
 
 def run_cli(main: Callable[[], object]) -> None:
-    """Run an entry point, turning a `UserError` into a one-line message and exit status 2."""
+    """Run an entry point, turning a `UserError` into a one-line message and exit status 2. Into a log (stderr not
+    a terminal), the libraries' own progress bars (transformers' "Writing model shards", huggingface_hub's
+    downloads) are turned off: their `\r` redraws would fill it."""
+    if not sys.stderr.isatty():
+        _no_library_progress_bars()
     try:
         main()
     except UserError as err:
@@ -64,3 +68,13 @@ def run_cli(main: Callable[[], object]) -> None:
         fail(f"(rank {rank}) {err}")
     except KeyboardInterrupt:
         fail("interrupted")
+
+
+def _no_library_progress_bars() -> None:
+    import huggingface_hub.utils
+
+    huggingface_hub.utils.disable_progress_bars()
+    if "transformers" in sys.modules:  # imported by the CLIs that save models through it (2 s to import otherwise)
+        import transformers.utils.logging
+
+        transformers.utils.logging.disable_progress_bar()

@@ -3,7 +3,9 @@
 The source (a Hub dataset streamed with `datasets`, or local .txt/.jsonl/.parquet files) is read
 in batches of documents, tokenized by parallel threads (tiktoken releases the GIL), and written as
 `val_000000.bin` (the first `--val_tokens` tokens, or the dataset's own `--val_split`) and `train_NNNNNN.bin`
-shards of `--shard_tokens` tokens; a document may continue into the next shard, no token is lost.
+shards of `--shard_tokens` tokens; a document may continue into the next shard, no token is lost. Without
+`--val_tokens`, validation is a tenth of the data, at most 10M tokens (the first 100M tokens are read before
+the size is decided, so a small file gets a split that fits it).
 
 Crash safety: shards are written to a temporary name, fsynced and renamed; the manifest is replaced
 atomically after each shard and records where the next shard starts (document index, token
@@ -12,6 +14,7 @@ offset). Re-running the same command continues from there; the loader refuses an
 from __future__ import annotations
 
 import itertools
+import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -62,6 +65,23 @@ def _position(first: int, ends: np.ndarray, pos: int) -> dict[str, int]:
     return {"doc": first + doc, "offset": pos - (int(ends[doc - 1]) if doc else 0)}
 
 
+# Without --val_tokens: validation is VAL_FRACTION of the data, at most MAX_VAL_TOKENS tokens.
+MAX_VAL_TOKENS, VAL_FRACTION = 10_000_000, 0.1
+
+
+def _adaptive_val_tokens(stream: Iterator[tuple[int, np.ndarray, np.ndarray]]) -> tuple[int, Iterator]:
+    """The validation size for a stream whose length is unknown: VAL_FRACTION of it, at most MAX_VAL_TOKENS. Reads
+    (and keeps) batches until that is decided (MAX_VAL_TOKENS / VAL_FRACTION tokens, or the end); returns the size
+    and the stream again, from its start."""
+    head, total = [], 0
+    for batch in stream:
+        head.append(batch)
+        total += len(batch[1])
+        if total >= MAX_VAL_TOKENS / VAL_FRACTION:
+            break
+    return min(MAX_VAL_TOKENS, max(1, int(total * VAL_FRACTION))), itertools.chain(head, stream)
+
+
 def _write_val(batches: Iterator[tuple[int, np.ndarray, np.ndarray]], out: Path,
                val_tokens: int) -> tuple[dict[str, Any], tuple | None]:
     """Write the first `val_tokens` tokens; return the manifest entry and the unwritten rest of the batch."""
@@ -85,15 +105,15 @@ def prepare(
     val_split: str | None = None,
     text_column: str = DataConfig.text_column,
     shard_tokens: int = 100_000_000,
-    val_tokens: int = 10_000_000,
+    val_tokens: int | None = None,
     max_tokens: int | None = None,
     num_threads: int | None = None,
     batch_docs: int = DOCS_PER_BATCH,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Write (or finish) the shards of `dataset` in `out`; return the final manifest."""
-    from tqdm import tqdm
-
+    """Write (or finish) the shards of `dataset` in `out`; return the final manifest. `val_tokens` None: a tenth of
+    the data, at most MAX_VAL_TOKENS (of `val_split` when given: its first MAX_VAL_TOKENS). A prepare refused before
+    it completes removes the folder it created, so that the advised rerun (other settings) is not blocked."""
     source = text_source(dataset, dataset_config, text_column)  # refused before anything is written
     if val_split and not isinstance(source, HubStream):
         raise UserError("--val_split applies to Hub datasets only; local files get the first --val_tokens tokens as "
@@ -114,7 +134,30 @@ def prepare(
     elif out.exists() and any(out.iterdir()):
         raise UserError(f"{out} exists and is not a shard folder; pass an empty or new --out")
     else:
+        manifest, fresh = None, not out.exists()
         out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _write_shards(source, out, settings, manifest, split=split, val_split=val_split,
+                             shard_tokens=shard_tokens, val_tokens=val_tokens, max_tokens=max_tokens, threads=threads,
+                             batch_docs=batch_docs, progress=progress)
+    except UserError:
+        if manifest is None:  # begun by this call: a refusal leaves nothing that blocks the rerun it advises
+            for entry in out.iterdir():
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+            if fresh:
+                out.rmdir()
+        raise
+
+
+def _write_shards(source: TextFiles | HubStream, out: Path, settings: dict[str, Any], manifest: dict[str, Any] | None,
+                  *, split: str, val_split: str | None, shard_tokens: int, val_tokens: int | None,
+                  max_tokens: int | None, threads: int, batch_docs: int, progress: bool) -> dict[str, Any]:
+    """Write the validation shard (unless `manifest`, of an unfinished prepare, has it) and the training shards from
+    `manifest["resume"]` on."""
+    from tqdm import tqdm
+
+    dataset = settings["dataset"]
+    if manifest is None:
         manifest = {"format": FORMAT, "version": FORMAT_VERSION, "complete": False, "source": settings,
                     "tokenizer": "gpt2", "eot_id": EOT_ID, "dtype": "uint16",
                     "val": None, "train": [], "resume": {"doc": 0, "offset": 0}}
@@ -127,9 +170,11 @@ def prepare(
     train = ((f, p, e, start["offset"] if f == start["doc"] else 0) for f, p, e in batches(split, start["doc"]))
     if manifest["val"] is None:
         if val_split:
-            manifest["val"], _ = _write_val(batches(val_split), out, val_tokens)
+            manifest["val"], _ = _write_val(batches(val_split), out, val_tokens or MAX_VAL_TOKENS)
         else:  # the first val_tokens tokens; training continues from the same pass
             stream = batches(split)
+            if val_tokens is None:
+                val_tokens, stream = _adaptive_val_tokens(stream)
             manifest["val"], rest = _write_val(stream, out, val_tokens)
             train = itertools.chain([rest] if rest else [], ((f, p, e, 0) for f, p, e in stream))
             manifest["resume"] = _position(rest[0], rest[2], rest[3]) if rest else {"doc": 0, "offset": 0}
@@ -138,7 +183,7 @@ def prepare(
     done = sum(entry["tokens"] for entry in manifest["train"])
     limit = max_tokens if max_tokens is not None else float("inf")
     bar = tqdm(total=max_tokens, initial=done, unit="tok", unit_scale=True, desc=f"prepare {dataset}",
-               disable=not progress)
+               disable=None if progress else True)  # None: drawn on a terminal only, no \r in a log
     writer = ShardWriter(out, f"train_{len(manifest['train']):06d}.bin")
     for first, packed, ends, pos in train:  # pos > 0: the batch's start is already written
         while pos < len(packed) and done < limit:
@@ -178,12 +223,13 @@ def main() -> None:
                         help="the dataset's own validation split (default: the first --val_tokens tokens)")
     parser.add_argument("--text_column", default=DataConfig.text_column, help="the column holding the text")
     parser.add_argument("--shard_tokens", type=int, default=100_000_000, help="tokens per shard file")
-    parser.add_argument("--val_tokens", type=int, default=10_000_000, help="tokens of the validation shard")
+    parser.add_argument("--val_tokens", type=int, default=None,
+                        help=f"validation shard tokens (default: a tenth of the data, at most {MAX_VAL_TOKENS:,})")
     parser.add_argument("--max_tokens", type=int, default=None,
                         help="stop after this many training tokens; default: the whole dataset")
     parser.add_argument("--num_proc", type=int, default=None, help="tokenizer threads (default: all cores)")
     args = parser.parse_args()
-    if args.shard_tokens < 1 or args.val_tokens < 1:
+    if args.shard_tokens < 1 or (args.val_tokens is not None and args.val_tokens < 1):
         raise UserError("--shard_tokens and --val_tokens must be positive")
     m = prepare(args.dataset, args.out, dataset_config=args.dataset_config, split=args.split, val_split=args.val_split,
                 text_column=args.text_column, shard_tokens=args.shard_tokens, val_tokens=args.val_tokens,

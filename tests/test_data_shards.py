@@ -198,3 +198,39 @@ def test_resume_on_other_shards_of_the_same_length_is_refused(prepared, tmp_path
     fresh = source(str(other)).train_loader(block_size=16, micro_batch_size=2, rank=0, world_size=1, seed=0)
     with pytest.raises(UserError, match="resume with the same --dataset"):
         fresh.load_state_dict(state)
+
+
+def test_a_small_file_gets_a_tenth_as_validation_by_default(tmp_path, reference_tokens):
+    """Without --val_tokens: a tenth of the data (the fixture: far below the 10M cap), the rest trains, no token
+    lost; the CLI does the same and writes no progress bar into redirected stderr."""
+    m = prep.prepare(str(PARQUET), tmp_path / "small", shard_tokens=3000, batch_docs=2, progress=False)
+    total = len(reference_tokens)
+    assert m["total_val_tokens"] == int(total * prep.VAL_FRACTION)
+    assert m["total_val_tokens"] + m["total_train_tokens"] == total
+    out = tmp_path / "cli"
+    done = subprocess.run([sys.executable, "-m", "data.prepare", "--dataset", str(PARQUET), "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((out / "manifest.json").read_text())["total_val_tokens"] == m["total_val_tokens"]
+    assert "\r" not in done.stderr and "prepare" not in done.stderr  # tqdm draws on a terminal only
+
+
+def test_adaptive_validation_is_capped(monkeypatch):
+    monkeypatch.setattr(prep, "MAX_VAL_TOKENS", 100)
+    batches = [(i, np.zeros(300, dtype=np.uint16), np.array([300])) for i in range(10)]
+    size, stream = prep._adaptive_val_tokens(iter(batches))
+    assert size == 100 and [b[0] for b in stream] == list(range(10))  # decided after 1,000 tokens; nothing lost
+
+
+def test_a_refused_prepare_leaves_nothing_that_blocks_the_advised_retry(tmp_path):
+    out = tmp_path / "shards"
+    with pytest.raises(UserError, match="smaller --val_tokens"):
+        prep.prepare(str(PARQUET), out, shard_tokens=3000, val_tokens=10_000_000, batch_docs=2, progress=False)
+    assert not out.exists()  # begun by the refused call: removed
+    m = prep.prepare(str(PARQUET), out, shard_tokens=3000, val_tokens=1000, batch_docs=2, progress=False)
+    assert m["complete"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(UserError, match="smaller --val_tokens"):
+        prep.prepare(str(PARQUET), empty, shard_tokens=3000, val_tokens=10_000_000, batch_docs=2, progress=False)
+    assert empty.is_dir() and not any(empty.iterdir())  # the user's own empty folder stays, emptied again

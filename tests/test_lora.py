@@ -51,6 +51,7 @@ def reference(base, tmp_path_factory):
         pushed = hub.files("alice/lora")
         assert hub.unknown == []
     assert "(LoRA r=4 on c_attn,c_proj,c_fc: 4,096 trainable" in proc.stdout  # 2 layers x (4x32 + 96x4 + ...)
+    assert "\r" not in proc.stderr and "Writing model shards" not in proc.stderr  # no library bars in a log
     return out, pushed
 
 
