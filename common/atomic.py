@@ -72,3 +72,19 @@ def write_json_atomic(path: Path, obj: Any, indent: int = 1) -> None:
     with tmp.open("w", encoding="utf-8") as f:
         json.dump(obj, f, indent=indent)
     rename_into_place(tmp, path)
+
+
+def write_failure(err: BaseException) -> str | None:
+    """Why a file could not be written, in a few words, when `err` is a failed write; None for anything else (a
+    bug: let it raise). A full disk (or a file-size limit, an unwritable folder) surfaces as an OSError, as
+    safetensors' SafetensorError ("Error while serializing: I/O error: ..."), or as torch's serializer RuntimeError,
+    which carries no errno ("[enforce fail at inline_container.cc:...] . unexpected pos ...", "PytorchStreamWriter
+    failed writing file ...")."""
+    if isinstance(err, OSError):
+        return err.strerror or str(err)
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    if type(err).__name__ == "SafetensorError" and "I/O error: " in first:
+        return first.split("I/O error: ", 1)[1]
+    if isinstance(err, RuntimeError) and ("inline_container.cc" in first or "PytorchStreamWriter failed" in first):
+        return f"torch's writer failed, most often on a full disk: {first[:120]}"
+    return None

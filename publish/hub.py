@@ -19,7 +19,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from common.atomic import rename_into_place, temp_path
+from safetensors import SafetensorError
+
+from common.atomic import rename_into_place, temp_path, write_failure
 from common.cli import CliParser
 from common.errors import UserError, run_cli
 from common.run_dir import RunDir
@@ -106,10 +108,17 @@ def stage_export(run_dir: str | Path, source: Path | None = None) -> tuple[Path,
     run.hub_export.mkdir(exist_ok=True)
     tmp = temp_path(export)
     shutil.rmtree(tmp, ignore_errors=True)
-    build_hf_folder(weights, tmp)
-    marker.unlink(missing_ok=True)
-    rename_into_place(tmp, export)
-    marker.write_text(json.dumps(record))
+    try:
+        build_hf_folder(weights, tmp)
+        marker.unlink(missing_ok=True)
+        rename_into_place(tmp, export)
+        marker.write_text(json.dumps(record))
+    except (OSError, RuntimeError, SafetensorError) as err:  # a full disk, as each writer reports it
+        if (reason := write_failure(err)) is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"could not write the Hub export in {run.hub_export} ({reason}); free disk space and push "
+                        "again (the run's own files are intact)") from None
     return export, what
 
 

@@ -23,7 +23,7 @@ import torch
 from accelerate import Accelerator
 from safetensors import SafetensorError
 
-from common.atomic import fresh_temp_dir, rename_into_place, temp_path
+from common.atomic import fresh_temp_dir, rename_into_place, temp_path, write_failure
 from common.errors import UserError
 from common.run_dir import GPT_CONFIG, RUN_STATE, RunDir, checkpoint_step, data_state_file
 from configs import RunConfig
@@ -85,9 +85,10 @@ def _disk_errors_as_user_errors(tmp: Path, final: Path) -> Iterator[None]:
     Under several processes only the rank that failed knows; the others stop at their next collective."""
     try:
         yield
-    except (OSError, SafetensorError) as err:
+    except (OSError, SafetensorError, RuntimeError) as err:
+        if (reason := write_failure(err)) is None:
+            raise
         shutil.rmtree(tmp, ignore_errors=True)
-        reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
         raise UserError(f"could not write checkpoint {final.name} in {final.parent} ({reason}); the earlier "
                         "checkpoints are intact: free disk space (or fix the folder) and continue with --resume "
                         "latest") from None

@@ -10,15 +10,17 @@ import torch
 from accelerate import Accelerator
 from safetensors import SafetensorError
 
-from common.atomic import fresh_temp_dir, rename_into_place
+from common.atomic import fresh_temp_dir, rename_into_place, write_failure
 from common.errors import UserError
 from common.run_dir import RunDir
 from model import GPT, GPTConfig
 from model.pretrained import strip_wrapper_prefixes
 
 
-def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConfig, run: RunDir) -> None:
-    """Write `final/` from the trained weights (gathered from every rank under FSDP), atomically; call on every rank."""
+def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConfig, run: RunDir,
+                 last_val: tuple[int, float] | None = None) -> None:
+    """Write `final/` from the trained weights (gathered from every rank under FSDP), atomically; call on every rank.
+    Then say where it is, the run's last validation loss (`last_val`: step, loss) and what to run next."""
     module = accelerator.unwrap_model(model, keep_torch_compile=False)
     if hasattr(module, "peft_config"):  # a LoRA run (never FSDP): the adapter first, final/ last marks the end
         if accelerator.is_main_process:
@@ -43,8 +45,9 @@ def _write(run: RunDir, folder: Path, write: Callable[[Path], None]) -> None:
     try:
         write(tmp)
         rename_into_place(tmp, folder)
-    except (OSError, SafetensorError) as err:
+    except (OSError, SafetensorError, RuntimeError) as err:
+        if (reason := write_failure(err)) is None:
+            raise
         shutil.rmtree(tmp, ignore_errors=True)
-        reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
         raise UserError(f"could not write {folder} ({reason}); the last checkpoint is intact: free disk space "
                         "and run again with --resume latest, which only writes final/") from None
