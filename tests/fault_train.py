@@ -10,6 +10,9 @@ FAULT (environment) picks the fault; without it this is plain train.py:
 - `kill_in_rotation:N` SIGKILL while the save of step N deletes older checkpoints (gpt_config.json of the oldest gone)
 - `kill_in_export`     SIGKILL while final/ is written (its files in the temp folder, not yet renamed into place)
 - `nan_at_step:N`      the loss of optimizer step N (1-based) is NaN
+- `ctrl_c_in_step:N`   Ctrl-C as a terminal gives it (SIGINT to the launcher under `accelerate launch`, else to this
+                       process) as optimizer step N (1-based) begins, from rank 0
+- `ctrl_c_twice_in_step:N`  the same, twice in a row
 
 NO_RETRY_WAIT (environment): no sleeping between the retries of huggingface_hub, datasets and data.streaming (the
 number of attempts is unchanged), for the tests that exhaust them.
@@ -45,6 +48,20 @@ if kind == "kill_after_step":
         return factor(self, step)
 
     LRSchedule.factor = factor_then_die
+elif kind in ("ctrl_c_in_step", "ctrl_c_twice_in_step"):
+    from training.step import LRSchedule
+
+    factor = LRSchedule.factor
+    # Under accelerate launch the terminal's Ctrl-C reaches the launcher (this process's parent), which forwards it.
+    target = os.getppid() if "LOCAL_RANK" in os.environ else os.getpid()
+
+    def factor_then_ctrl_c(self, step):  # called as step `step + 1` begins
+        if step + 1 == at and os.environ.get("RANK", "0") == "0":
+            for _ in range(2 if kind == "ctrl_c_twice_in_step" else 1):
+                os.kill(target, signal.SIGINT)
+        return factor(self, step)
+
+    LRSchedule.factor = factor_then_ctrl_c
 elif kind == "kill_in_save":
     import training.checkpoint as checkpoint
 

@@ -30,6 +30,7 @@ def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConf
             _write(run, run.final, lambda tmp: merged(module).save_pretrained(tmp, overwrite=True))
             accelerator.print(f"final model (adapter merged) written to {run.final}, the adapter to "
                               f"{run.final_adapter}")
+            accelerator.print(_next_steps(run, last_val))
         return
     state_dict = strip_wrapper_prefixes(accelerator.get_state_dict(model))  # full weights on the main process
     if accelerator.is_main_process:
@@ -37,6 +38,13 @@ def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConf
         export.load_state_dict(state_dict)
         _write(run, run.final, lambda tmp: export.save_pretrained(tmp, overwrite=True))
         accelerator.print(f"final model written to {run.final}")
+        accelerator.print(_next_steps(run, last_val))
+
+
+def _next_steps(run: RunDir, last_val: tuple[int, float] | None) -> str:
+    result = f"validation loss {last_val[1]:.4f} at step {last_val[0]}; " if last_val else ""
+    return (f"{result}next: python -m model.sample --model {run.path} --prompt \"...\", python -m eval.hellaswag "
+            f"--model {run.path}, python -m publish.hub --run_dir {run.path} --hub_model_id <user>/<name>")
 
 
 def _write(run: RunDir, folder: Path, write: Callable[[Path], None]) -> None:

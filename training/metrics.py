@@ -52,6 +52,7 @@ class MetricsLog:
     def __init__(self, accelerator: Accelerator, out_dir: str | Path, resume_step: int | None) -> None:
         self.accelerator = accelerator
         self.path = RunDir(out_dir).metrics_file
+        self.last_val: tuple[int, float] | None = None  # (step, validation loss) last logged, for the run's end
         if accelerator.is_main_process:
             self._truncate_after(resume_step or 0)
 
@@ -67,6 +68,8 @@ class MetricsLog:
         if not self.accelerator.is_main_process or not values:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()}
+        if "val_loss" in values:
+            self.last_val = (step, values["val_loss"])
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **clean}) + "\n")
         numeric = {k: v for k, v in clean.items() if isinstance(v, (int, float))}
@@ -154,7 +157,8 @@ def _clock(seconds: float) -> str:
 
 def run_header(accelerator: Accelerator, model: torch.nn.Module, n_params: int, geometry: BatchGeometry,
                plan: OptimizerPlan, lora: str | None, data: str) -> str:
-    """The run's header: model size (and what LoRA trains), batch geometry, distribution, precision,
+    """The run's header: model size (`n_params`: every parameter, tied ones once, as the optimizer line counts
+    them; and what LoRA trains), batch geometry, distribution, precision,
     compilation, device; which optimizer trains which parameters; `data`, the data source's own line.
     `model`: as prepared."""
     # accelerate wraps the prepared model in torch.compile's OptimizedModule when a dynamo backend is set.

@@ -1,5 +1,11 @@
-"""Cluster preemption: SIGTERM / SIGUSR1 become a flag the loop checks after each step, so every rank
-checkpoints at the same step and the run exits cleanly, ready for `--resume latest`.
+"""Stopping a run without losing it: SIGTERM / SIGUSR1 (a cluster's preemption) and the first Ctrl-C (SIGINT)
+become a flag the loop checks after each step, so every rank checkpoints at the same step and the run exits
+cleanly, ready for `--resume latest`. A second Ctrl-C stops at once (KeyboardInterrupt): what was saved stays,
+a save it interrupts was never published (checkpoints are renamed into place whole).
+
+Under `accelerate launch` a terminal's Ctrl-C reaches the launcher only (torch's elastic agent starts the
+workers in sessions of their own); the agent forwards it to every worker once, and kills them 30 s later if
+they are still running: the step and the checkpoint must fit in that time, or the run resumes from the one before.
 
 A scheduler signals the whole job, so whatever reads our output (`| tee log`, a log shipper) usually
 dies with us, before us: after a signal, output that can no longer be written is dropped instead of
@@ -17,14 +23,16 @@ from accelerate import Accelerator
 
 
 class PreemptionFlag:
-    """Records SIGTERM/SIGUSR1 from the moment it is created (handlers are installed then, not at import).
+    """Records SIGTERM/SIGUSR1/SIGINT from the moment it is created (handlers are installed then, not at import).
+    `announce`: say on stderr, at the first Ctrl-C, what happens next (one process of a launch says it).
 
     It also puts `sys.stdout`/`sys.stderr` behind `_DropAfterSignal`; create it before anything that keeps
     a reference to them (a tqdm bar does)."""
 
-    def __init__(self) -> None:
+    def __init__(self, announce: bool = True) -> None:
         self.signal: int | None = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        self.announce = announce
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._handle)
         if sys.stdout is not None and not isinstance(sys.stdout, _DropAfterSignal):
             sys.stdout = _DropAfterSignal(sys.stdout, self)
@@ -32,15 +40,22 @@ class PreemptionFlag:
             sys.stderr = _DropAfterSignal(sys.stderr, self)
 
     def _handle(self, signum: int, frame: object) -> None:
+        if signum == signal.SIGINT:
+            if self.signal == signal.SIGINT:  # the second Ctrl-C: stop now, as Python's own handler would
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                raise KeyboardInterrupt
+            if self.announce:
+                print("\nCtrl-C: the run stops after this step and saves it (Ctrl-C again stops at once, keeping the "
+                      "last saved checkpoint)", file=sys.stderr, flush=True)
         self.signal = signum
 
     def received(self) -> bool:
         return self.signal is not None
 
-    @staticmethod
-    def stopped_at(step: int) -> str:
+    def stopped_at(self, step: int) -> str:
         """What the run says when it stops on a signal, after saving the checkpoint of `step`."""
-        return f"signal received: checkpoint saved at step {step}; continue with --resume latest"
+        what = "interrupted (Ctrl-C)" if self.signal == signal.SIGINT else "signal received"
+        return f"{what}: checkpoint saved at step {step}; continue with --resume latest"
 
     def any_rank(self, accelerator: Accelerator) -> bool:
         """True on every rank if a signal reached any rank (so all ranks stop at the same step)."""

@@ -1,0 +1,64 @@
+"""Ctrl-C keeps the work: the first one finishes the step, saves it, says how to resume and exits; a second one
+stops at once, keeping what was saved. Each resumed run ends with the weights of an uninterrupted one.
+
+The Ctrl-C comes from tests/fault_train.py (`ctrl_c_in_step:N`) as step N begins, so the step it lands in is
+known: SIGINT to the process, or, under `accelerate launch`, to the launcher, which is where a terminal sends it
+(torch's elastic agent runs the workers in sessions of their own and forwards the signal to them).
+"""
+from __future__ import annotations
+
+import pytest
+from test_train import (  # noqa: F401  (fixtures)
+    DDP_ARGS,
+    RESUME_ARGS,
+    assert_same_weights,
+    ddp_run,
+    launch,
+    read_metrics,
+    uninterrupted,
+)
+
+
+def saved_steps(out) -> list[int]:
+    return sorted(int(p.name.removeprefix("step_")) for p in (out / "checkpoints").glob("step_*"))
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_the_step_and_the_resume_is_bit_exact(uninterrupted, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    stopped = launch(RESUME_ARGS + ["--out_dir", str(out)], fault="ctrl_c_in_step:3", check=False)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert "Ctrl-C: the run stops after this step and saves it" in stopped.stderr
+    assert "interrupted (Ctrl-C): checkpoint saved at step 3; continue with --resume latest" in stopped.stdout
+    assert saved_steps(out) == [2, 3] and not (out / "final").exists()
+    resumed = launch(RESUME_ARGS + ["--out_dir", str(out), "--resume", "latest"])
+    assert_same_weights(uninterrupted, out)
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
+    val = read_metrics(out)[-1]["val_loss"]  # the end of a run: its last validation loss and what to run next
+    assert f"validation loss {val:.4f} at step 6; next: python -m model.sample --model {out}" in resumed.stdout
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_stops_at_once_keeping_the_last_checkpoint(uninterrupted, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    stopped = launch(RESUME_ARGS + ["--out_dir", str(out)], fault="ctrl_c_twice_in_step:4", check=False)
+    assert stopped.returncode == 2, stopped.stderr[-3000:]
+    assert stopped.stderr.strip().splitlines()[-1] == "error: interrupted" and "Traceback" not in stopped.stderr
+    assert saved_steps(out) == [2]  # step 4 never ran: nothing after the last checkpoint was kept or half-written
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+    launch(RESUME_ARGS + ["--out_dir", str(out), "--resume", "latest"])
+    assert_same_weights(uninterrupted, out)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ctrl_c_to_accelerate_launch_on_two_processes_saves_and_resumes_bit_exact(ddp_run, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    stopped = launch(DDP_ARGS + ["--out_dir", str(out)], nproc=2, fault="ctrl_c_in_step:2", check=False)
+    # The launcher re-raises the signal as its own error (status 1) after the workers saved and exited 0.
+    assert "continue with --resume latest" in stopped.stdout, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    assert "exitcode  : 2" not in stopped.stderr
+    last = saved_steps(out)[-1]
+    assert 2 <= last < 4 and not (out / "final").exists()  # both ranks stopped after the same step
+    launch(DDP_ARGS + ["--out_dir", str(out), "--resume", "latest"], nproc=2)
+    assert_same_weights(ddp_run, out)
