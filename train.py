@@ -64,7 +64,7 @@ def main() -> None:
                                          rank=accelerator.process_index, world_size=geometry.world_size,
                                          seed=cfg.training.seed)
             evals = TrainingEvals(cfg.eval, source, geometry.block_size, cfg.training.seed, accelerator)
-            arch, n_params, flops_per_token = model.config, model.num_params(), model.flops_per_token()
+            arch, n_params, flops_per_token = model.config, model.num_params(False), model.flops_per_token()  # all
             on_exit.enter_context(claim_run_folder(accelerator, cfg.run, resume, max_steps,
                                                    checkpoint_bytes(n_params)))  # one run per folder, locked
         optimizers = build_optimizer(model, plan, accelerator.device.type)  # [AdamW] or [AdamW, Muon]

@@ -139,10 +139,16 @@ def _preset_first(argv: list[str]) -> list[str]:
         return argv
     if not argv[0].endswith((".yaml", ".yml")):
         raise UserError(f"unexpected argument {argv[0]!r}: a preset given first must be a .yaml file "
-                        "(python train.py configs/shakespeare.yaml), and every other value follows its --flag")
+                        "(python train.py configs/shakespeare.yaml), and every other value follows its flag "
+                        "(--max_steps 1000)")
     if any(a == "--config" or a.startswith("--config=") for a in argv[1:]):
         raise UserError(f"two presets: {argv[0]} and --config; pass one")
     return ["--config", *argv]
+
+
+# `accelerate launch` options people pass to train.py itself: the launch, not the script, decides them.
+LAUNCH_FLAGS = {"mixed_precision", "num_processes", "dynamo_backend", "multi_gpu", "num_machines", "gpu_ids", "cpu",
+                "fp16", "bf16", "use_fsdp", "main_process_port"}
 
 
 def parse_config(argv: list[str] | None = None) -> TrainConfig:
@@ -154,6 +160,12 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
     if preset_args.config:
         parser.set_defaults(**_load_preset(preset_args.config))
     *groups, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    launcher = [flag for flag in unknown if flag.split("=")[0].removeprefix("--").replace("-", "_") in LAUNCH_FLAGS]
+    if launcher:
+        raise UserError(f"{launcher[0].split('=')[0]} is accelerate's, not train.py's: precision, compile and the "
+                        "number of processes come from the launch, e.g. `accelerate launch --mixed_precision bf16 "
+                        "--num_processes 2 train.py ...` or `accelerate launch --config_file accelerate_configs/"
+                        "single_gpu.yaml train.py ...`")
     if unknown:
         parser.error(unknown_arguments_message(unknown, parser.option_names(), FIELD_ALIASES))
     return TrainConfig(**dict(zip(GROUPS, groups)))

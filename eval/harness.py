@@ -47,6 +47,7 @@ class HarnessModel:
     run: RunDir | None = None  # the run whose harness.jsonl gets the results
     source: Path | None = None  # our folder: final/ or checkpoints/step_N inside `run`, or any HF folder or checkpoint
     revision: str | None = None  # of a Hub id
+    tokenizer: str | None = None  # a folder of GPT-2 tokenizer files, for an HF folder saved without them
 
 
 @contextmanager
@@ -60,7 +61,16 @@ def resolve_model(spec: str, revision: str | None = None) -> Iterator[HarnessMod
     if weights.kind is Kind.HUB:
         yield HarnessModel(weights.spec, revision=weights.revision)
     elif weights.kind is Kind.HF_FOLDER:
-        yield HarnessModel(str(weights.folder), weights.run, weights.folder)
+        if any((weights.folder / name).is_file() for name in ("tokenizer.json", "vocab.json")):
+            yield HarnessModel(str(weights.folder), weights.run, weights.folder)
+            return
+        # A plain `save_pretrained` of a model has no tokenizer files; GPT-2's, as eval.hellaswag uses them.
+        from data.hf_tokenizer import save_tokenizer
+
+        with tempfile.TemporaryDirectory(prefix="harness-tokenizer-") as tokenizer:
+            save_tokenizer(tokenizer, model_max_length=json.loads((weights.folder / "config.json").read_text())
+                           .get("n_positions", 1024))
+            yield HarnessModel(str(weights.folder), weights.run, weights.folder, tokenizer=tokenizer)
     else:
         from model import GPT
 
@@ -119,7 +129,8 @@ def run_harness(
         raise UserError(f"unknown lm-eval task(s) {', '.join(unknown)}; check the names with `lm_eval ls tasks`, "
                         "or pass --include_path with the folder of their YAML files")
     try:
-        model_args = {"pretrained": weights.pretrained, **({"revision": weights.revision} if weights.revision else {})}
+        model_args = {"pretrained": weights.pretrained, **({"revision": weights.revision} if weights.revision else {}),
+                      **({"tokenizer": weights.tokenizer} if weights.tokenizer else {})}
         return simple_evaluate(model="hf", model_args=model_args, tasks=list(tasks),
                                task_manager=task_manager, batch_size=batch_size, device=device, limit=limit,
                                num_fewshot=num_fewshot, log_samples=log_samples)

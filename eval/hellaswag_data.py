@@ -88,34 +88,35 @@ def _read_jsonl(path: Path) -> list[Any]:
     return rows
 
 
-def _load_hub() -> list[Any]:
+def _load_hub(flag: str) -> list[Any]:
     try:
         import datasets
     except ImportError as err:
         raise UserError("the `datasets` package is needed to fetch HellaSwag from the Hub; "
-                        "install it or pass a local jsonl with --data") from err
+                        f"install it or pass a local jsonl with {flag}") from err
     try:
         return list(datasets.load_dataset(HUB_DATASET, split="validation"))
     except Exception as err:  # offline, gated, renamed: all end in the same advice
         raise UserError(f"cannot load {HUB_DATASET} from the Hub ({type(err).__name__}: "
                         f"{str(err).splitlines()[0] if str(err) else ''}); "
-                        "pass a local HellaSwag jsonl with --data") from err
+                        f"pass a local HellaSwag jsonl with {flag}") from err
 
 
-def load_items(path: str | Path | None = None, limit: int | None = None) -> list[dict[str, Any]]:
+def load_items(path: str | Path | None = None, limit: int | None = None, flag: str = "--data") -> list[dict[str, Any]]:
     """HellaSwag validation items from a local .jsonl/.jsonl.gz, or from the Hub when path is None.
+    `flag`: the caller's option that passes `path`, named in the advice (train.py's is --hellaswag_data).
 
     Every item is checked (fields, four endings, label 0-3); `limit` keeps the first N items.
     """
     if limit is not None and limit < 1:
         raise UserError(f"limit must be at least 1, got {limit}; drop it to use every item")
     if path is None:
-        rows, source = _load_hub(), HUB_DATASET
+        rows, source = _load_hub(flag), HUB_DATASET
     else:
         file = Path(path)
         if not file.is_file():
             raise UserError(f"HellaSwag file {file} does not exist; pass a jsonl or jsonl.gz file "
-                            "(or leave out --data to use the Hub copy)")
+                            f"(or leave out {flag} to use the Hub copy)")
         rows, source = _read_jsonl(file), str(file)
     if not rows:
         raise UserError(f"{source} holds no items; pass a non-empty HellaSwag jsonl")

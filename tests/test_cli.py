@@ -54,6 +54,26 @@ def test_unknown_flags_suggest_the_field(argv, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("argv", [["--mixed_precision", "bf16"], ["--num-processes=2"], ["--bf16"]])
+def test_accelerate_options_given_to_train_py_say_where_they_belong(argv):
+    with pytest.raises(UserError) as err:
+        parse_config(argv)
+    assert f"{argv[0].split('=')[0]} is accelerate's, not train.py's" in str(err.value)
+    assert "accelerate launch --mixed_precision bf16" in str(err.value)
+
+
+def test_architecture_flags_that_the_weights_overrule_are_named():
+    from configs import ModelConfig
+    from model import GPTConfig
+    from training.network import ignored_shape_flags
+
+    gpt2 = GPTConfig(n_layer=12, n_head=12, n_embd=768)
+    assert ignored_shape_flags(ModelConfig(init_from="gpt2", n_layer=6), gpt2) == ["--n_layer 6"]
+    assert ignored_shape_flags(ModelConfig(init_from="gpt2"), gpt2) == []  # the defaults: nothing was asked
+    assert ignored_shape_flags(ModelConfig(init_from="gpt2", n_layer=12), gpt2) == []  # what the weights have
+    assert ignored_shape_flags(ModelConfig(n_layer=6), gpt2) == []  # from scratch the flags are the shape
+
+
 def test_dashed_spellings_are_the_same_flags():
     assert parse_config(["--max-steps", "7", "--micro-batch-size", "4"]) == \
         parse_config(["--max_steps", "7", "--micro_batch_size", "4"])

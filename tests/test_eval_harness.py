@@ -5,6 +5,7 @@ are one-line errors."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -155,3 +156,21 @@ def test_missing_lm_eval_is_one_line(monkeypatch):
         require_lm_eval()
     with pytest.raises(UserError, match=r"pip install lm-eval"):
         main(["--model", "gpt2", "--tasks", "hellaswag"])
+
+
+@pytest.mark.slow  # two harness runs on the tiny task
+def test_an_hf_folder_without_tokenizer_files_is_scored_with_gpt2s(tmp_path, at_repo_root):
+    """A plain `save_pretrained` of a model has no tokenizer files: the bridge lends it GPT-2's (as eval.hellaswag
+    does) and scores it as the same folder with them."""
+    opinionated_gpt().save_pretrained(tmp_path / "with")
+    bare = tmp_path / "bare"
+    shutil.copytree(tmp_path / "with", bare)
+    for name in ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (bare / name).unlink(missing_ok=True)
+    scores = []
+    for folder in (tmp_path / "with", bare):
+        with resolve_model(str(folder)) as weights:
+            assert (weights.tokenizer is None) == (folder.name == "with")
+            results = run_harness(weights, ["hellaswag_tiny"], include_path=TASKS, device="cpu")["results"]
+        scores.append(results["hellaswag_tiny"]["acc_norm,none"])
+    assert scores[0] == scores[1]

@@ -269,3 +269,20 @@ def test_a_full_disk_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path, mon
     monkeypatch.undo()
     launch(args + ["--resume", "latest"])
     assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_a_refused_resume_leaves_no_lock_file_it_did_not_find(tmp_path, monkeypatch, capsys):
+    """A run folder without .lock (copied, downloaded), resumed with another model config: refused in one line,
+    and the folder is as it was (byte for byte, no .lock). A .lock that was there stays."""
+    out = tmp_path / "run"
+    args = TINY + ["--out_dir", str(out), "--max_steps", "2", "--micro_batch_size", "2", "--total_batch_size", "64",
+                   "--save_every", "1", "--max_steps", "1"]
+    launch(args)
+    (out / ".lock").unlink()
+    before = tree_digest(out)
+    err = run_in_process(monkeypatch, capsys, args + ["--resume", "latest", "--max_steps", "2", "--n_layer", "3"])
+    assert "was trained with another model config" in err
+    assert tree_digest(out) == before and not (out / ".lock").exists()
+    (out / ".lock").write_text("")
+    run_in_process(monkeypatch, capsys, args + ["--resume", "latest", "--max_steps", "2", "--n_layer", "3"])
+    assert (out / ".lock").exists()

@@ -47,7 +47,7 @@ class TrainingEvals:
 
             require_metric_packages()
 
-            self.hellaswag_items = load_items(cfg.hellaswag_data, cfg.hellaswag_limit)
+            self.hellaswag_items = load_items(cfg.hellaswag_data, cfg.hellaswag_limit, flag="--hellaswag_data")
 
     def run_due(self, model: torch.nn.Module, step: int, last: bool, write: Callable[[str], None]) -> dict[str, Any]:
         """The evaluations due after `step` (all of them at the last step), printed and returned as metrics."""

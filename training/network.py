@@ -6,7 +6,9 @@ records it (`training.run_folder.recorded_config`), the parsed flags are never c
 """
 from __future__ import annotations
 
-from common.errors import UserError
+import sys
+
+from common.errors import UserError, launch_rank
 from common.weights import Weights, resolve_weights
 from configs import ModelConfig
 from model import GPT, GPTConfig
@@ -24,9 +26,22 @@ def build_model(cfg: ModelConfig, resume: ResumePoint | None) -> tuple[GPT, Weig
     if resume is not None:
         check_resume(cfg, weights, resume.path)  # a LoRA checkpoint only into the same LoRA run, a full one into a full
     model = _network(cfg, weights, resume)
+    if (ignored := ignored_shape_flags(cfg, model.config)) and launch_rank() == 0:
+        print(f"warning: {', '.join(ignored)} ignored: with --init_from {cfg.init_from} the architecture comes from "
+              "the weights (the run header shows it)", file=sys.stderr, flush=True)
     if cfg.lora_rank:
         model = add_run_adapters(model, cfg, weights)
     return model, weights
+
+
+def ignored_shape_flags(cfg: ModelConfig, arch: GPTConfig) -> list[str]:
+    """The architecture flags set (away from their defaults) to values the weights do not have: with --init_from
+    the weights decide, and a user who asked for another shape should hear that it was not built."""
+    if cfg.from_scratch:
+        return []
+    defaults = ModelConfig()
+    return [f"--{name} {getattr(cfg, name)}" for name in ("n_layer", "n_head", "n_embd", "bias")
+            if getattr(cfg, name) not in (getattr(arch, name), getattr(defaults, name))]
 
 
 def _network(cfg: ModelConfig, weights: Weights | None, resume: ResumePoint | None) -> GPT:

@@ -32,8 +32,10 @@ class RunLock:
     def __init__(self, run: RunDir) -> None:
         self.path = run.lock_file
         self.lock = FileLock(self.path)
+        self.created = False
 
     def acquire(self) -> RunLock:
+        self.created = not self.path.exists()
         try:
             self.lock.acquire(timeout=0)
         except Timeout:
@@ -44,7 +46,11 @@ class RunLock:
     def __enter__(self) -> RunLock:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None = None, *exc: object) -> None:
+        # A run refused or stopped by an error leaves the folder as it found it: no .lock it did not find there
+        # (removed while still held; a run starting at that instant fails to lock and is told to retry).
+        if exc_type is not None and self.created:
+            self.path.unlink(missing_ok=True)
         self.lock.release()
 
 
@@ -72,8 +78,8 @@ def claim_run_folder(accelerator: Accelerator, cfg: RunConfig, resume: ResumePoi
             raise UserError(f"another run changed {run.path} while this one was starting; start this one again")
         if resume is not None:
             verify_checkpoint(resume)
-    except UserError:
-        lock.__exit__()
+    except UserError as err:
+        lock.__exit__(type(err))
         raise
     warn_if_low_disk(run.path, checkpoint_size, cfg.keep_last)
     return lock
