@@ -56,7 +56,7 @@ def main() -> None:
             resume = find_resume_point(cfg.run.resume, run.path)  # never over another run's files
             uploads = HubUploads(cfg.hub, run, cfg.run.save_every, accelerator.is_main_process)  # token checked now
             set_seed(cfg.training.seed)  # identical initial weights on every rank
-            model, init_weights = build_model(cfg.model, resume)  # and what --init_from resolved to
+            model, init_weights = build_model(cfg.model, resume, cfg.training.activation_checkpointing)
             use_adapter_checkpoints(accelerator, cfg.model)  # a LoRA run's checkpoints: adapters, not the frozen base
             # Data: every rank reads its own rows of the same global batches; validation is one fixed token set.
             source = open_source(cfg.data)  # --dataset, parsed once

@@ -173,6 +173,8 @@ class TrainingConfig:
     on_nan: str = _field("stop", "'stop' (keep the last good checkpoint) or 'skip' the step")
     max_nan_skips: int = _field(10, "with --on_nan skip: stop after this many skipped steps in a row")
     seed: int = _field(1337, "seed of the initial weights, data order, dropout and samples")
+    activation_checkpointing: bool = _field(False, "recompute each transformer block's activations in the backward "
+                                                   "pass: far less activation memory for about a third more compute")
 
     def __post_init__(self) -> None:
         _positive(self, "total_batch_size", "micro_batch_size", "max_steps", "max_nan_skips")

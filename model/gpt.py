@@ -14,6 +14,7 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from common.weights import Weights
 from data.tokenizer import EOT_ID, IGNORE
@@ -94,6 +95,9 @@ class GPT(nn.Module):
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, V, bias=False)
+        # Recompute each block's activations in the backward pass (in training only). A setting of the run, not of
+        # the architecture: no GPTConfig field, so it never reaches a checkpoint or an export.
+        self.activation_checkpointing = False
         # Tied input/output embeddings, as in GPT-2: one matrix, saved once.
         self.lm_head.weight = self.transformer.wte.weight
         self.apply(self._init_weights)
@@ -150,7 +154,14 @@ class GPT(nn.Module):
             )
         pos = torch.arange(past, past + T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        # Activation checkpointing: a block keeps only its input; the rest is recomputed in the backward pass.
+        # Non-reentrant, so the recomputation restores the forward's RNG state (the same dropout masks), works
+        # under torch.compile, DDP and FSDP2, and with inputs that need no gradient (LoRA's frozen embeddings).
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled() and kv_cache is None
         for i, block in enumerate(self.transformer.h):
+            if recompute:
+                x, _ = checkpoint(block, x, use_reentrant=False)
+                continue
             x, kv = block(x, kv_cache[i] if past else None)
             if kv_cache is not None:
                 if past:

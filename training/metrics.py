@@ -159,11 +159,15 @@ def run_header(accelerator: Accelerator, model: torch.nn.Module, n_params: int, 
                plan: OptimizerPlan, lora: str | None, data: str) -> str:
     """The run's header: model size (`n_params`: every parameter, tied ones once, as the optimizer line counts
     them; and what LoRA trains), batch geometry, distribution, precision,
-    compilation, device; which optimizer trains which parameters; `data`, the data source's own line.
+    compilation, activation checkpointing (when on), device; which optimizer trains which parameters; `data`, the
+    data source's own line.
     `model`: as prepared."""
     # accelerate wraps the prepared model in torch.compile's OptimizedModule when a dynamo backend is set.
     compiled = f"torch.compile ({accelerator.state.dynamo_plugin.backend.value.lower()})" \
         if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else "eager"
+    network = accelerator.unwrap_model(model, keep_torch_compile=False)
+    if getattr(network, "activation_checkpointing", False):  # a LoRA model is our GPT with peft's layers inside
+        compiled += " | activation checkpointing"
     adapters = ""
     if lora:
         params = list(model.parameters())
@@ -174,4 +178,4 @@ def run_header(accelerator: Accelerator, model: torch.nn.Module, n_params: int, 
             f"accumulation x {g.micro_batch_size} x {g.block_size} = {g.tokens_per_step:,} tokens per step | "
             f"distributed: {accelerator.distributed_type.value} | precision: {accelerator.mixed_precision} | "
             f"{compiled} | {accelerator.device}\n"
-            f"{describe_optimizers(accelerator.unwrap_model(model, keep_torch_compile=False), plan)}\n{data}")
+            f"{describe_optimizers(network, plan)}\n{data}")
