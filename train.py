@@ -35,7 +35,13 @@ from training.network import build_model
 from training.optim import build_optimizer, plan_optimizers, refuse_unsupported
 from training.preemption import PreemptionFlag
 from training.preflight import checkpoint_bytes
-from training.processes import BatchGeometry, close_process_group, shared_across_ranks, start_accelerator
+from training.processes import (
+    BatchGeometry,
+    close_process_group,
+    refuse_double_checkpointing,
+    shared_across_ranks,
+    start_accelerator,
+)
 from training.resume import find_resume_point
 from training.run_folder import claim_run_folder, open_run_folder, recorded_config
 from training.step import LRSchedule, NonFinitePolicy, train_step
@@ -53,6 +59,7 @@ def main() -> None:
         accelerator = start_accelerator(geometry.accumulation, trackers_for(cfg.log.report_to), run)
         with shared_across_ranks(accelerator):
             refuse_unsupported(plan, sharded=accelerator.distributed_type == DistributedType.FSDP)
+            refuse_double_checkpointing(accelerator, cfg.training.activation_checkpointing)  # ours or accelerate's
             resume = find_resume_point(cfg.run.resume, run.path)  # never over another run's files
             uploads = HubUploads(cfg.hub, run, cfg.run.save_every, accelerator.is_main_process)  # token checked now
             set_seed(cfg.training.seed)  # identical initial weights on every rank
@@ -79,7 +86,6 @@ def main() -> None:
         report = StepReport(cfg.log, accelerator, max_steps, progress.step, geometry.tokens_per_step, flops_per_token)
         accelerator.print(run_header(accelerator, model, n_params, geometry, plan, lora_summary(cfg.model),
                                      source.describe()))
-
         # The loop: one optimizer step, then what is due after it (log line, evals, checkpoint, a signal's stop).
         model.train()
         preempted = PreemptionFlag(announce=accelerator.is_main_process)  # SIGTERM, SIGUSR1, the first Ctrl-C

@@ -1,15 +1,19 @@
-"""Peak memory of one training step with the chunked loss and with the plain one (full logits).
+"""Peak memory and time of one training step: chunked loss or plain (full logits), activation checkpointing on or off.
 
-    python -m benchmarks.bench_memory                       # GPT-2 124M, micro-batch 8 x 1024, CPU
+    python -m benchmarks.bench_memory                       # GPT-2 124M, micro-batch 8 x 1024, CPU, all four
+    python -m benchmarks.bench_memory --loss chunked --repeats 2   # activation checkpointing off/on, paired, twice
     python -m benchmarks.bench_memory --model tiny --micro_batch_size 4
 
-Each measurement runs in its own subprocess (`--loss chunked|plain`), so that its peak RSS (ru_maxrss)
-is the step's alone and not the high-water mark of an earlier one. The step: forward and backward in
-training mode, fp32, then an AdamW step (its two state tensors count too). "plain" swaps the chunked loss
-for F.cross_entropy over the full padded logits, which is what `GPT.forward` computed before it.
+Each measurement runs in its own subprocess (one `--loss chunked|plain` and `--activation_checkpointing on|off`),
+so that its peak RSS (ru_maxrss) is the step's alone and not the high-water mark of an earlier one. The step:
+forward and backward in training mode, fp32, then an AdamW step (its two state tensors count too). "plain" swaps
+the chunked loss for F.cross_entropy over the full padded logits, which is what `GPT.forward` computed before it.
+"on" sets `GPT.activation_checkpointing` (what `--activation_checkpointing` does in train.py). With `--repeats N`
+the settings take turns N times (A, B, A, B), so a load that changes over time falls on both alike.
 """
 from __future__ import annotations
 
+import os
 import resource
 import subprocess
 import sys
@@ -33,11 +37,12 @@ def plain_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction)
 
 
-def one_step(size: str, micro_batch_size: int, loss: str) -> None:
+def one_step(size: str, micro_batch_size: int, loss: str, activation_checkpointing: str) -> None:
     if loss == "plain":
         model.gpt.chunked_cross_entropy = plain_cross_entropy
     torch.manual_seed(0)
     gpt = GPT(GPTConfig.from_name(size)).train()
+    gpt.activation_checkpointing = activation_checkpointing == "on"
     T = gpt.config.block_size
     x, y = torch.randint(0, gpt.config.vocab_size, (2, micro_batch_size, T))
     optimizer = torch.optim.AdamW(gpt.parameters(), lr=1e-4)
@@ -45,11 +50,14 @@ def one_step(size: str, micro_batch_size: int, loss: str) -> None:
     t0, c0 = time.perf_counter(), time.process_time()
     _, value = gpt(x, y)
     value.backward()
+    rss_backward = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     optimizer.step()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    print(f"{loss:<8} {micro_batch_size} x {T} tokens | peak RSS {peak:.2f} GiB (after building the model "
-          f"{rss_model:.2f}) | step {wall:.1f} s wall, {cpu:.1f} s CPU | loss {value.item():.4f}", flush=True)
+    print(f"{loss:<8} activation checkpointing {activation_checkpointing:<3} | {micro_batch_size} x {T} tokens | "
+          f"peak RSS {peak:.2f} GiB (building the model {rss_model:.2f}, to the backward's end "
+          f"{rss_backward:.2f}) | step {wall:.1f} s wall, {cpu:.1f} s CPU | loss {value.item():.4f} | "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
 
 
 def main() -> None:
@@ -58,13 +66,21 @@ def main() -> None:
     parser.add_argument("--micro_batch_size", type=int, default=8)
     parser.add_argument("--loss", choices=("both", "chunked", "plain"), default="both",
                         help="both: one subprocess for each")
+    parser.add_argument("--activation_checkpointing", choices=("both", "off", "on"), default="both",
+                        help="both: one subprocess for each")
+    parser.add_argument("--repeats", type=int, default=1, help="measure every setting this many times, in turns")
     args = parser.parse_args()
-    if args.loss != "both":
-        return one_step(args.model, args.micro_batch_size, args.loss)
+    if args.loss != "both" and args.activation_checkpointing != "both" and args.repeats == 1:
+        return one_step(args.model, args.micro_batch_size, args.loss, args.activation_checkpointing)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, CPU")
-    for loss in ("plain", "chunked"):
-        subprocess.run([sys.executable, "-m", "benchmarks.bench_memory", "--model", args.model,
-                        "--micro_batch_size", str(args.micro_batch_size), "--loss", loss], check=True)
+    losses = ("plain", "chunked") if args.loss == "both" else (args.loss,)
+    recompute = ("off", "on") if args.activation_checkpointing == "both" else (args.activation_checkpointing,)
+    for _ in range(args.repeats):
+        for loss in losses:
+            for ac in recompute:
+                subprocess.run([sys.executable, "-m", "benchmarks.bench_memory", "--model", args.model,
+                                "--micro_batch_size", str(args.micro_batch_size), "--loss", loss,
+                                "--activation_checkpointing", ac], check=True)
 
 
 if __name__ == "__main__":

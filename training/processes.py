@@ -73,6 +73,18 @@ def start_accelerator(accumulation: int, trackers: list[str] | None, run: RunDir
     return accelerator
 
 
+def refuse_double_checkpointing(accelerator: Accelerator, activation_checkpointing: bool) -> None:
+    """`--activation_checkpointing` checkpoints each block inside `GPT.forward`. Accelerate's FSDP plugin with
+    `fsdp_activation_checkpointing: true` wraps the same blocks once more (`fsdp2_apply_ac`), so the backward would
+    recompute each block twice, the outer recomputation without the forward's RNG state (`preserve_rng_state=False`:
+    other dropout masks). Refused, in one line: one of the two is enough, and ours keeps the dropout masks."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if activation_checkpointing and plugin is not None and plugin.activation_checkpointing:
+        raise UserError("--activation_checkpointing and the accelerate config's fsdp_activation_checkpointing would "
+                        "each recompute every block (twice in all); keep --activation_checkpointing and set "
+                        "fsdp_activation_checkpointing: false in the accelerate config")
+
+
 def close_process_group() -> None:
     """Close the launch's process group, if one is open. A process that stops on an error with its gloo group
     open aborts now and then at exit (SIGABRT instead of status 2); a no-op after `end_training` closed it."""
