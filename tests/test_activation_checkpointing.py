@@ -1,0 +1,169 @@
+"""`--activation_checkpointing`: each block's activations recomputed in the backward pass, the same step.
+
+References: the same model without it (gradients of one step, fp32, in this process: the chunked loss, dropout,
+LoRA, Muon, torch.compile), the 1-process run without it (2 processes with it), an uninterrupted run with it
+(a kill -9 and resume). Every test also sees that the blocks really ran again in the backward (their forward
+counted), so a checkpoint left out cannot pass for one kept.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_train import DDP_ARGS, RESUME_ARGS, assert_same_weights, launch, read_metrics
+
+from common.errors import UserError
+from configs import ModelConfig, OptimConfig
+from model import GPT, GPTConfig
+from training.optim import build_optimizer, plan_optimizers
+from training.processes import refuse_double_checkpointing
+
+TINY_GPT = GPTConfig(vocab_size=100, n_layer=3, n_head=2, n_embd=32, block_size=16)
+
+
+def count_block_forwards(model: torch.nn.Module) -> list[int]:
+    """A one-element counter of the forwards of all of `model`'s blocks (the recomputations included)."""
+    calls = [0]
+    for block in model.transformer.h:
+        block.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def one_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, forward=None) -> tuple[float, dict, int]:
+    """Loss, gradients (by name) and block forwards of one training step of `model` (dropout seeded alike);
+    `forward`: a compiled `model`, whose forwards are not counted."""
+    calls = count_block_forwards(model) if forward is None else [None]
+    model.train()
+    torch.manual_seed(5)
+    loss = (model if forward is None else forward)(x, y)[1]  # training with grad: the chunked loss of model/loss.py
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.item(), grads, calls[0]
+
+
+def assert_same_gradients(plain: dict, ours: dict, rel: float = 1e-6) -> None:
+    assert plain.keys() == ours.keys() and plain
+    for name, g in plain.items():
+        gap = (ours[name] - g).norm().item()
+        assert gap <= rel * g.norm().item(), f"{name}: {gap:.3g} apart, |g| {g.norm().item():.3g}"
+
+
+def pair(config: GPTConfig = TINY_GPT) -> tuple[GPT, GPT]:
+    torch.manual_seed(0)
+    plain = GPT(config)
+    ours = copy.deepcopy(plain)
+    ours.activation_checkpointing = True
+    return plain, ours
+
+
+def batch(config: GPTConfig = TINY_GPT, rows: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return tuple(torch.randint(0, config.vocab_size, (rows, config.block_size), generator=g) for _ in range(2))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_one_steps_gradients_equal_the_plain_steps(dropout):
+    """fp32, the chunked loss (the training path), with dropout too: the recomputation draws the forward's masks."""
+    config = dataclasses.replace(TINY_GPT, dropout=dropout)
+    plain, ours = pair(config)
+    x, y = batch(config)
+    loss, grads, calls = one_step(plain, x, y)
+    loss_ours, grads_ours, calls_ours = one_step(ours, x, y)
+    assert (calls, calls_ours) == (3, 6)  # each block once, and once more in the backward
+    assert loss_ours == loss
+    assert_same_gradients(grads, grads_ours)
+    # No recomputation where nothing is trained: evaluation, no grad, generation; the same logits.
+    ours.eval()
+    with torch.no_grad():
+        calls = count_block_forwards(ours)
+        assert torch.equal(ours(x, y)[1], plain.eval()(x, y)[1]) and calls[0] == 3
+        ours.generate(x[:1, :4], max_new_tokens=2)
+        assert calls[0] == 3 + 2 * 3  # the prompt, then one new token through the KV cache
+
+
+def test_lora_adapters_get_the_plain_gradients():
+    """peft's layers inside our blocks, with frozen embeddings: the blocks' input needs no gradient, which only the
+    non-reentrant checkpoint handles (the reentrant one would leave the adapters without gradients)."""
+    from model.lora import add_adapters, lora_config
+
+    plain, ours = pair()
+    for model in (plain, ours):
+        torch.manual_seed(2)  # the same adapters on both
+        add_adapters(model, lora_config(4, 8.0, 0.0, ["c_attn", "c_proj", "c_fc"], "base"))
+        for name, p in model.named_parameters():  # peft starts lora_B at zero: give A's gradients a signal
+            if ".lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02)
+    x, y = batch()
+    _, grads, _ = one_step(plain, x, y)
+    _, grads_ours, calls = one_step(ours, x, y)
+    assert calls == 6
+    assert all(".lora_" in name for name in grads_ours) and len(grads_ours) == 3 * 4 * 2  # blocks x layers x (A, B)
+    assert_same_gradients(grads, grads_ours)
+
+
+def test_a_muon_step_equals_the_plain_one():
+    plan = plan_optimizers(OptimConfig(optimizer="muon", lr=1e-3, muon_lr=0.02), ModelConfig())
+    plain, ours = pair()
+    x, y = batch()
+    for model in (plain, ours):
+        optimizers = build_optimizer(model, plan, "cpu")
+        one_step(model, x, y)
+        for optimizer in optimizers:
+            optimizer.step()
+    for (name, a), b in zip(plain.named_parameters(), ours.parameters()):
+        assert torch.equal(a, b), name  # the same gradients in, the same update out
+
+
+def test_under_torch_compile_the_same_gradients():
+    """Dynamo and AOTAutograd (what inductor compiles) trace the checkpointed blocks: one graph, no break, the
+    plain eager gradients. (`aot_eager`: the same graphs as inductor, without generating C++.)"""
+    plain, ours = pair()
+    x, y = batch()
+    _, grads, _ = one_step(plain, x, y)
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
+    _, grads_ours, _ = one_step(ours, x, y, forward=compiled)
+    assert_same_gradients(grads, grads_ours)
+
+
+def test_fsdp_activation_checkpointing_too_is_refused_in_one_line():
+    def accelerator(fsdp_ac: bool | None):
+        plugin = None if fsdp_ac is None else SimpleNamespace(activation_checkpointing=fsdp_ac)
+        return SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin))
+
+    for fsdp_ac, ours in [(None, True), (False, True), (True, False), (None, False)]:
+        refuse_double_checkpointing(accelerator(fsdp_ac), ours)  # one of the two, or neither: fine
+    with pytest.raises(UserError) as err:
+        refuse_double_checkpointing(accelerator(True), True)
+    assert "fsdp_activation_checkpointing: false" in str(err.value) and "\n" not in str(err.value)
+
+
+# ---- train.py with --activation_checkpointing ---------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_killed_run_resumes_bit_exact(tmp_path):
+    """Dropout 0.1, accumulation 2, evaluations between checkpoints (test_train's RESUME_ARGS): kill -9 after step 3,
+    resume from step 2, the weights of the uninterrupted run with activation checkpointing, bit for bit."""
+    args = RESUME_ARGS + ["--activation_checkpointing"]
+    reference = launch(args + ["--out_dir", str(tmp_path / "ref")])
+    assert "| activation checkpointing |" in reference.stdout
+    out = tmp_path / "run"
+    assert launch(args + ["--out_dir", str(out)], fault="kill_after_step:3", check=False).returncode != 0
+    launch(args + ["--out_dir", str(out), "--resume", "latest"])
+    assert_same_weights(tmp_path / "ref", out)
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_with_it_equal_one_without(tmp_path):
+    """2 processes x accumulation 2 with activation checkpointing (DDP's hooks fire in the recomputing backward)
+    end where 1 process x accumulation 4 without it ends: test_train's DDP comparison, to 1e-6."""
+    two = launch(DDP_ARGS + ["--out_dir", str(tmp_path / "two"), "--activation_checkpointing"], nproc=2)
+    assert "2 process(es)" in two.stdout and "| activation checkpointing |" in two.stdout
+    one = launch(DDP_ARGS + ["--out_dir", str(tmp_path / "one")])
+    assert "activation checkpointing" not in one.stdout
+    assert_same_weights(tmp_path / "two", tmp_path / "one", atol=1e-6)
