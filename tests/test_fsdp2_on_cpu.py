@@ -23,7 +23,9 @@ SCRIPT = REPO_ROOT / "tests" / "fixtures" / "fsdp" / "fsdp2_steps.py"
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_fsdp2_sharded_step_and_evaluations_equal_one_process(tmp_path):
+@pytest.mark.parametrize("recompute", [[], ["activation_checkpointing"]], ids=["plain", "activation_checkpointing"])
+def test_fsdp2_sharded_step_and_evaluations_equal_one_process(tmp_path, recompute):
+    """With activation checkpointing too (`GPT.activation_checkpointing` on the sharded model): the same step."""
     sys.path.insert(0, str(SCRIPT.parent))
     import fsdp2_steps as ref_script  # the same config and data, run here on one process without sharding
 
@@ -33,8 +35,8 @@ def test_fsdp2_sharded_step_and_evaluations_equal_one_process(tmp_path):
 
     out = tmp_path / "fsdp.json"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), str(SCRIPT), str(out)], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                           str(free_port()), str(SCRIPT), str(out), *recompute], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     sharded = json.loads(out.read_text())
     gathered = torch.load(out.with_suffix(".pt"), weights_only=True)
