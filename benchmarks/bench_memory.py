@@ -9,7 +9,9 @@ so that its peak RSS (ru_maxrss) is the step's alone and not the high-water mark
 forward and backward in training mode, fp32, then an AdamW step (its two state tensors count too). "plain" swaps
 the chunked loss for F.cross_entropy over the full padded logits, which is what `GPT.forward` computed before it.
 "on" sets `GPT.activation_checkpointing` (what `--activation_checkpointing` does in train.py). With `--repeats N`
-the settings take turns N times (A, B, A, B), so a load that changes over time falls on both alike.
+the settings take turns N times (A, B, A, B), so a load that changes over time falls on both alike. Each process
+first sets glibc's mmap threshold as train.py does on a CPU (`--malloc default` keeps glibc's own, which retains
+freed activation memory: see training.processes.return_freed_memory_to_the_os).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import model.gpt
 from common.cli import CliParser
 from common.errors import run_cli
 from model import GPT, GPTConfig
+from training.processes import return_freed_memory_to_the_os
 
 
 def plain_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid: int,
@@ -37,7 +40,9 @@ def plain_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction)
 
 
-def one_step(size: str, micro_batch_size: int, loss: str, activation_checkpointing: str) -> None:
+def one_step(size: str, micro_batch_size: int, loss: str, activation_checkpointing: str, malloc: str) -> None:
+    if malloc == "train":
+        assert return_freed_memory_to_the_os(), "not glibc: --malloc train changes nothing here"
     if loss == "plain":
         model.gpt.chunked_cross_entropy = plain_cross_entropy
     torch.manual_seed(0)
@@ -54,7 +59,8 @@ def one_step(size: str, micro_batch_size: int, loss: str, activation_checkpointi
     optimizer.step()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    print(f"{loss:<8} activation checkpointing {activation_checkpointing:<3} | {micro_batch_size} x {T} tokens | "
+    print(f"{loss:<8} activation checkpointing {activation_checkpointing:<3} | malloc {malloc:<7} | "
+          f"{micro_batch_size} x {T} tokens | "
           f"peak RSS {peak:.2f} GiB (building the model {rss_model:.2f}, to the backward's end "
           f"{rss_backward:.2f}) | step {wall:.1f} s wall, {cpu:.1f} s CPU | loss {value.item():.4f} | "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
@@ -68,10 +74,13 @@ def main() -> None:
                         help="both: one subprocess for each")
     parser.add_argument("--activation_checkpointing", choices=("both", "off", "on"), default="both",
                         help="both: one subprocess for each")
+    parser.add_argument("--malloc", choices=("train", "default"), default="train",
+                        help="train: glibc's mmap threshold fixed at 1 MiB, as train.py sets it on a CPU "
+                             "(training.processes.return_freed_memory_to_the_os); default: glibc's own")
     parser.add_argument("--repeats", type=int, default=1, help="measure every setting this many times, in turns")
     args = parser.parse_args()
     if args.loss != "both" and args.activation_checkpointing != "both" and args.repeats == 1:
-        return one_step(args.model, args.micro_batch_size, args.loss, args.activation_checkpointing)
+        return one_step(args.model, args.micro_batch_size, args.loss, args.activation_checkpointing, args.malloc)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, CPU")
     losses = ("plain", "chunked") if args.loss == "both" else (args.loss,)
     recompute = ("off", "on") if args.activation_checkpointing == "both" else (args.activation_checkpointing,)
@@ -80,7 +89,7 @@ def main() -> None:
             for ac in recompute:
                 subprocess.run([sys.executable, "-m", "benchmarks.bench_memory", "--model", args.model,
                                 "--micro_batch_size", str(args.micro_batch_size), "--loss", loss,
-                                "--activation_checkpointing", ac], check=True)
+                                "--activation_checkpointing", ac, "--malloc", args.malloc], check=True)
 
 
 if __name__ == "__main__":

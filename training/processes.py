@@ -6,6 +6,7 @@ distributed-timeout traceback instead of the problem.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -70,7 +71,27 @@ def start_accelerator(accumulation: int, trackers: list[str] | None, run: RunDir
     if accelerator.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    if accelerator.device.type == "cpu":
+        return_freed_memory_to_the_os()
     return accelerator
+
+
+# glibc's mallopt parameter for the size from which an allocation gets its own mmap (malloc.h).
+M_MMAP_THRESHOLD = -3
+
+
+def return_freed_memory_to_the_os() -> bool:
+    """Give every allocation of 1 MiB or more its own mmap, returned to the OS when freed (glibc only; False
+    elsewhere, where nothing changes). glibc's default threshold rises to the largest block freed so far (up to
+    32 MiB), after which a CPU step's activation-sized tensors come from its heap, which keeps the memory they
+    free: resident memory then grows block after block of the backward. GPT-2 124M, one step of 8 x 1,024 tokens
+    with activation checkpointing: peak RSS 3.8-4.1 GiB with the default, 2.5 GiB with this, at the same CPU
+    time (docs/benchmarks.md). Allocations and arithmetic are unchanged: the same numbers, bit for bit."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (macOS, musl)
+        return False
+    return libc.mallopt(M_MMAP_THRESHOLD, 1 << 20) == 1
 
 
 def refuse_double_checkpointing(accelerator: Accelerator, activation_checkpointing: bool) -> None:
