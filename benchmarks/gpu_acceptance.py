@@ -210,7 +210,9 @@ def train_stage(name: str, fsdp: bool) -> Callable[[Ctx, float], dict]:
         if ctx.smoke:
             launch += ["--cpu", "--dynamo_backend", "no"]  # bf16 autocast from the config stays on
         args, kill_at, resume_at = train_args(ctx, fsdp)
-        args += ["--optimizer", "adamw"] if fsdp else []  # Muon (the from-scratch default) refuses FSDP
+        # Muon (the from-scratch default) refuses FSDP; activation checkpointing inside accelerate's FSDP2 blocks
+        # is checked here only (tests/test_fsdp2_on_cpu.py shards with torch's fully_shard, not the plugin).
+        args += ["--optimizer", "adamw", "--activation_checkpointing"] if fsdp else []
         out_dir = ctx.work / name
         args += ["--out_dir", str(out_dir)]
         figures: dict = {"config": config, "kill_after_step": kill_at}
