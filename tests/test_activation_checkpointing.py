@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import REPO_ROOT
 from test_train import DDP_ARGS, RESUME_ARGS, assert_same_weights, launch, read_metrics
 
 from common.errors import UserError
@@ -139,6 +142,37 @@ def test_fsdp_activation_checkpointing_too_is_refused_in_one_line():
     with pytest.raises(UserError) as err:
         refuse_double_checkpointing(accelerator(True), True)
     assert "fsdp_activation_checkpointing: false" in str(err.value) and "\n" not in str(err.value)
+
+
+RETENTION = """
+import sys
+import torch
+from training.processes import return_freed_memory_to_the_os
+if sys.argv[1] == "train.py":
+    assert return_freed_memory_to_the_os()
+def resident_mib():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+big = torch.ones(30 * 2**18)
+del big  # a freed 30 MiB block: glibc's own threshold rises to 30 MiB
+before = resident_mib()
+kept = [torch.ones(20 * 2**18) for _ in range(20)]  # 20 x 20 MiB, as a backward's activations
+del kept[:-1]  # all freed but the last
+print(round(resident_mib() - before))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_freed_activation_memory_goes_back_to_the_os():
+    """What train.py sets on a CPU (training.processes.return_freed_memory_to_the_os): 19 freed tensors of 20 MiB
+    are given back (only the live one stays resident); with glibc's rising threshold all 20 stay. A fresh process
+    each: the allocator's state is the process's."""
+    def grown(malloc: str) -> int:
+        proc = subprocess.run([sys.executable, "-c", RETENTION, malloc], cwd=REPO_ROOT, capture_output=True,
+                              text=True, check=True)
+        return int(proc.stdout)
+
+    assert grown("train.py") <= 25
+    assert grown("glibc") >= 300  # what this test shows is real: the default keeps them
 
 
 # ---- train.py with --activation_checkpointing ---------------------------------------------------------------------
