@@ -189,6 +189,10 @@ def test_killed_run_resumes_bit_exact(tmp_path):
     launch(args + ["--out_dir", str(out), "--resume", "latest"])
     assert_same_weights(tmp_path / "ref", out)
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
+    # A setting of the run, not of the model: the checkpoint format and the export are those of any run.
+    saved = [out / "final" / "config.json", *(out / "checkpoints").glob("step_*/gpt_config.json")]
+    assert len(saved) == 4 and not any("checkpointing" in path.read_text() for path in saved)
+    assert "activation_checkpointing: true" in (out / "config.yaml").read_text()  # the flag is recorded
 
 
 @pytest.mark.slow
