@@ -65,7 +65,8 @@ def _cpu_launch() -> bool:
 
 def start_accelerator(accumulation: int, trackers: list[str] | None, run: RunDir) -> Accelerator:
     """The Accelerator of this process: devices, precision, compile and FSDP come from accelerate's config,
-    micro-steps per optimizer step from the batch geometry, trackers (`--report_to`) write into the run folder."""
+    micro-steps per optimizer step from the batch geometry, trackers (`--report_to`) write into the run folder. On a
+    CPU, glibc's mmap threshold is fixed so that freed activation memory goes back to the OS (see below)."""
     accelerator = Accelerator(cpu=_cpu_launch(), gradient_accumulation_steps=accumulation, log_with=trackers,
                               project_config=ProjectConfiguration(str(run.path), logging_dir=str(run.tensorboard)))
     if accelerator.device.type == "cuda":
