@@ -75,6 +75,8 @@ class RunConfig:
     resume: str | None = _field(None, "'latest' or a checkpoint folder; default: start a new run")
     save_every: int = _field(100, "checkpoint every N steps (and at the last, and on SIGTERM/SIGUSR1)")
     keep_last: int = _field(3, "checkpoints kept; older ones are deleted")
+    plan: bool = _field(False, "print this config's per-device memory plan (computed from the shapes, not "
+                               "measured) for the accelerate launch, and exit before anything is built")
 
     def __post_init__(self) -> None:
         _positive(self, "save_every", "keep_last")
@@ -173,6 +175,8 @@ class TrainingConfig:
     on_nan: str = _field("stop", "'stop' (keep the last good checkpoint) or 'skip' the step")
     max_nan_skips: int = _field(10, "with --on_nan skip: stop after this many skipped steps in a row")
     seed: int = _field(1337, "seed of the initial weights, data order, dropout and samples")
+    activation_checkpointing: bool = _field(False, "recompute each transformer block's activations in the backward "
+                                                   "pass: far less activation memory for about a third more compute")
 
     def __post_init__(self) -> None:
         _positive(self, "total_batch_size", "micro_batch_size", "max_steps", "max_nan_skips")
