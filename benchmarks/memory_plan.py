@@ -52,6 +52,15 @@ TABLE_CAP = 256  # micro-batches above this are shown as "256+"
 
 
 def rss_bytes() -> int:
+    """This process's peak RSS: VmHWM, the high-water mark of its own address space. Not ru_maxrss: Linux carries
+    the parent's peak over an exec into it (so a child of a large pytest process would report the parent's)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
@@ -143,7 +152,8 @@ def table(device_gb: float) -> None:
     """The largest micro-batch (x 1024 tokens) that fits per device, by model and layout: 8 processes, bf16."""
     device = int(device_gb * GB)
     print(f"largest micro-batch (sequences of 1024 tokens) per {device_gb:g} GB device, 8 processes, bf16 autocast, "
-          "AdamW, eager; computed by benchmarks.memory_plan (1 GiB + 10% kept free), not measured")
+          "AdamW, eager, gradients held between micro-steps; computed by benchmarks.memory_plan (1 GiB + 10% kept "
+          "free), not measured")
     print("| model | DDP | DDP + AC | FSDP2 | FSDP2 + AC |")
     print("| --- | --- | --- | --- | --- |")
     for name in TABLE_MODELS:
@@ -151,7 +161,7 @@ def table(device_gb: float) -> None:
         cells = []
         for fsdp in (False, True):
             for checkpointing in (False, True):
-                launch = Launch(1, processes=8, fsdp=fsdp, activation_checkpointing=checkpointing)
+                launch = Launch(1, processes=8, fsdp=fsdp, activation_checkpointing=checkpointing, accumulation=2)
                 mb = largest_micro_batch(config, launch, device, TABLE_CAP)
                 cells.append("does not fit" if not mb else f"{mb}+" if mb == TABLE_CAP else str(mb))
         params = plan_memory(config, Launch(1)).params.total
