@@ -119,9 +119,27 @@ class MemoryPlan:
     launch: Launch
     params: ParamCounts
     activation_per_layer: int  # saved for the backward by one Block (without checkpointing)
-    items: list[Item] = field(default_factory=list)  # what is held at the peak moment, in table order
-    moment: str = ""  # which moment is the peak
-    moments: dict[str, int] = field(default_factory=dict)  # every moment's total
+    by_moment: dict[str, list[Item]] = field(default_factory=dict)  # what each moment holds, in table order
+
+    @property
+    def moments(self) -> dict[str, int]:
+        """Every moment's total."""
+        return {name: sum(i.bytes for i in items) for name, items in self.by_moment.items()}
+
+    @property
+    def moment(self) -> str:
+        """The moment of the peak."""
+        totals = self.moments
+        return max(totals, key=totals.get)
+
+    @property
+    def items(self) -> list[Item]:
+        """What is held at the peak."""
+        return self.by_moment[self.moment]
+
+    def bytes_of(self, name: str) -> int:
+        """An item's bytes at the first moment that holds it (e.g. "activations": at the forward's end)."""
+        return next(i.bytes for items in self.by_moment.values() for i in items if i.name == name)
 
     @property
     def peak(self) -> int:
@@ -227,9 +245,7 @@ def plan_memory(config: GPTConfig, launch: Launch) -> MemoryPlan:
     if launch.device == "cpu":
         for items in moments.values():
             items.append(Item("process", CPU_PROCESS_BYTES, "Python, torch, its kernels' workspaces (measured)"))
-    totals = {name: sum(i.bytes for i in items) for name, items in moments.items()}
-    moment = max(totals, key=totals.get)
-    return MemoryPlan(config, launch, counts, per_layer, moments[moment], moment, totals)
+    return MemoryPlan(config, launch, counts, per_layer, moments)
 
 
 def _gib(n: int) -> str:
