@@ -30,7 +30,10 @@ from model.config import SIZES
 from training.memory_plan import (
     CPU_PROCESS_BYTES,
     DEFAULT_DEVICE_GB,
+    DEVICES,
+    DTYPES,
     GB,
+    OPTIMIZERS,
     GiB,
     Launch,
     advice,
@@ -178,11 +181,13 @@ def main() -> int:
     parser.add_argument("--processes", type=int, default=1, help="processes (devices) of the launch")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2: parameters, gradients, optimizer state sharded")
     parser.add_argument("--activation_checkpointing", action="store_true", help="keep only each block's input")
-    parser.add_argument("--optimizer", default="adamw", help="adamw or muon (Muon on the blocks' matrices)")
-    parser.add_argument("--dtype", default="bf16", help="bf16 (accelerate's autocast, fp32 master weights) or fp32")
+    parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="muon: Muon on the blocks' "
+                        "matrices, AdamW on the rest")
+    parser.add_argument("--dtype", default="bf16", choices=DTYPES, help="bf16: accelerate's autocast, fp32 master "
+                        "weights")
     parser.add_argument("--accumulation", type=int, default=1, help="micro-steps per optimizer step (above 1 "
                         "the gradients are held through the forward)")
-    parser.add_argument("--device", default="cuda", help="cuda, or cpu (adds the process's own RSS)")
+    parser.add_argument("--device", default="cuda", choices=DEVICES, help="cpu adds the process's own RSS")
     parser.add_argument("--device_memory", type=float, default=DEFAULT_DEVICE_GB, help="GB (10^9 bytes) per device")
     parser.add_argument("--validate", action="store_true", help="planned vs measured peak RSS, CPU, 4 shapes")
     parser.add_argument("--table", action="store_true", help="the largest micro-batch by model and layout")
@@ -199,6 +204,8 @@ def main() -> int:
     if args.table:
         table(args.device_memory)
         return 0
+    if args.model not in SIZES:
+        raise UserError(f"--model {args.model!r} is not a size the planner knows; choose one of {', '.join(SIZES)}")
     config = model_config(args.model, args.block_size)
     launch = Launch(args.micro_batch_size, processes=args.processes, fsdp=args.fsdp,
                     activation_checkpointing=args.activation_checkpointing, optimizer=args.optimizer,

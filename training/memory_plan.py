@@ -72,11 +72,11 @@ class Launch:
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be positive, got {getattr(self, name)}; pass a value of at least 1")
         if self.optimizer not in OPTIMIZERS:
-            raise UserError(f"--optimizer {self.optimizer!r} is not one the planner knows; use adamw or muon")
+            raise UserError(f"optimizer {self.optimizer!r} is not one the planner knows; use adamw or muon")
         if self.dtype not in DTYPES:
-            raise UserError(f"--dtype {self.dtype!r} is not one the planner knows; use bf16 or fp32")
+            raise UserError(f"precision {self.dtype!r} is not one the planner knows; use bf16 or fp32")
         if self.device not in DEVICES:
-            raise UserError(f"--device {self.device!r} is not one the planner knows; use cuda or cpu")
+            raise UserError(f"device {self.device!r} is not one the planner knows; use cuda or cpu")
         if self.fsdp and self.optimizer == "muon":
             raise UserError("Muon is refused under FSDP (it orthogonalises whole matrices, FSDP shards them); "
                             "use --optimizer adamw with FSDP")
@@ -338,7 +338,7 @@ def model_config(name: str, block_size: int | None = None) -> GPTConfig:
     """A named size (`gpt2` .. `gpt2-xl`, `tiny`, `mini`, `small`; `openai-community/gpt2-xl` too)."""
     short = name.split("/")[-1] if name.startswith("openai-community/") else name
     if short not in SIZES:
-        raise UserError(f"--model {name!r} is not a size the planner knows; choose one of {', '.join(SIZES)}")
+        raise UserError(f"model size {name!r} is not one the planner knows; choose one of {', '.join(SIZES)}")
     overrides = {} if block_size is None else {"block_size": block_size}
     try:
         return GPTConfig.from_name(short, **overrides)
@@ -374,8 +374,12 @@ def exit_after_plan(cfg):
     if model.from_scratch:
         config = GPTConfig(block_size=model.block_size, n_layer=model.n_layer, n_head=model.n_head,
                            n_embd=model.n_embd, dropout=model.dropout, bias=model.bias)
-    else:
+    elif model.init_from.split("/")[-1] in SIZES:
         config = model_config(model.init_from, model.block_size)
+    else:
+        raise UserError(f"--plan knows the shapes of GPT-2's sizes ({', '.join(list(SIZES)[:4])}), not of "
+                        f"--init_from {model.init_from}; plan the same shape with --init_from scratch and its "
+                        "--n_layer, --n_head, --n_embd")
     env = launch_environment()
     per_step = cfg.training.micro_batch_size * config.block_size * int(env["processes"])
     launch = Launch(micro_batch_size=cfg.training.micro_batch_size, processes=int(env["processes"]),
