@@ -53,6 +53,12 @@ def test_hand_computed_gpt2_xl_plan():
     per_layer = btc * (2 * 4 + 14 * 2) + 16 * 4 * 1024 + 4 * 4 * 25 * 1024  # residuals fp32, the rest bf16
     assert activation_bytes_per_layer(config, Launch(4, processes=8)) == per_layer
     plan = plan_memory(config, Launch(4, processes=8))
+    # the forward's end, every term by hand: states, DDP buckets, bf16 copies, activations, the loss's buffers
+    V, C, rows = 50304, 1600, 512
+    loss = 4 * rows * V + 8 * btc + 4 * V * C + 2 * rows * V + 2 * V * C
+    assert plan.moments["forward's end"] == (16 * P + 2 * (48 * 12 * C * C + V * C) + 48 * per_layer + 4 * btc
+                                             + 8 * 4 * 1024 + loss)
+    assert plan.moments["optimizer step"] == 20 * P  # parameters, gradients, AdamW's two, DDP's buckets
     items = {i.name: i.bytes for i in plan.items}
     assert items["parameters"] == 4 * P and items["optimizer state"] == 8 * P
     assert items["DDP gradient buckets"] == 4 * P
