@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from common.errors import UserError
 from model.config import SIZES, GPTConfig
 from model.loss import LOSS_CHUNK_ROWS
+from training.optim import plan_optimizers
 
 GiB = 2**30
 GB = 10**9
@@ -384,8 +385,7 @@ def exit_after_plan(cfg):
     per_step = cfg.training.micro_batch_size * config.block_size * int(env["processes"])
     launch = Launch(micro_batch_size=cfg.training.micro_batch_size, processes=int(env["processes"]),
                     fsdp=bool(env["fsdp"]), activation_checkpointing=cfg.training.activation_checkpointing,
-                    optimizer="muon" if cfg.optim.optimizer == "muon" or (cfg.optim.optimizer == "auto"
-                                                                         and model.from_scratch) else "adamw",
+                    optimizer=plan_optimizers(cfg.optim, model).kind,  # --optimizer auto resolved as a run does
                     dtype=str(env["dtype"]), accumulation=max(1, math.ceil(cfg.training.total_batch_size / per_step)),
                     device=str(env["device"]))
     if int(os.environ.get("RANK", "0")) == 0:
