@@ -126,8 +126,11 @@ def test_a_plan_that_does_not_fit_names_the_setting_to_change():
     line = advice(xl, one, 20 * GB)
     assert line is not None and "shard it with --fsdp" in line
     # nothing fits on one process: more devices
-    line = advice(xl, Launch(1, fsdp=True, activation_checkpointing=True), 4 * GB)
-    assert line is not None and "more devices (--processes)" in line
+    line = advice(xl, Launch(1), 24 * GB)
+    assert line is not None and "shard it with --fsdp over 2 devices (--processes 2)" in line
+    line = advice(xl, Launch(1, processes=2, fsdp=True, activation_checkpointing=True), 8 * GB)
+    assert line is not None and "shard it with --fsdp over 4 devices (--processes 4)" in line
+    assert plan_memory(xl, Launch(1, processes=4, fsdp=True, activation_checkpointing=True)).fits(8 * GB)
     assert advice(xl, Launch(4, processes=8), 80 * GB) is None
 
 

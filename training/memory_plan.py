@@ -300,9 +300,13 @@ def advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: Spell
     if launch.optimizer == "muon" and launch.processes > 1:
         return f"micro-batch {B} {where}, even at micro-batch 1; use --optimizer adamw with {spelling.fsdp} " \
                "(Muon is refused under FSDP)"
+    sharded = replace(launch, fsdp=True, activation_checkpointing=True, micro_batch_size=1)
+    devices = next((n for n in (2**k for k in range(1, 11)) if n > launch.processes
+                    and plan_memory(config, replace(sharded, processes=n)).fits(device_bytes)), None)
     return f"micro-batch {B} {where}, even at micro-batch 1 with {spelling.checkpointing}" + \
            (f" and {spelling.fsdp}" if launch.fsdp else "") + \
-           f"; spread it over more devices ({spelling.processes}) or use a larger device"
+           (f"; shard it with {spelling.fsdp} over {devices} devices ({spelling.processes} {devices})"
+            if devices and launch.optimizer == "adamw" else "; use a larger device")
 
 
 def render(plan: MemoryPlan, device_bytes: int, spelling: Spelling = Spelling()) -> str:
