@@ -30,6 +30,7 @@ from training.draw import draw_step
 from training.evaluation import TrainingEvals
 from training.export import export_final
 from training.lora import lora_summary, use_adapter_checkpoints
+from training.memory_plan import exit_after_plan
 from training.metrics import StepReport, run_header, trackers_for
 from training.network import build_model
 from training.optim import build_optimizer, plan_optimizers, refuse_unsupported
@@ -52,7 +53,7 @@ def main() -> None:
         on_exit.callback(close_process_group)
         # Setup: whatever can refuse the run does so before anything is written, once, on every rank alike.
         with computed_alike_on_every_rank():
-            cfg = parse_config()
+            cfg = exit_after_plan(parse_config())  # --plan: print the memory plan and stop here
             run, max_steps = RunDir(cfg.run.out_dir), cfg.training.max_steps
             plan = plan_optimizers(cfg.optim, cfg.model)  # what trains with what, at which learning rate
             geometry = BatchGeometry.of_launch(cfg.training, cfg.model.block_size)  # of the batch, in tokens

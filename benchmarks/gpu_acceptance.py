@@ -293,6 +293,39 @@ def stage_hellaswag(ctx: Ctx, timeout: float) -> dict:
     return figures
 
 
+# Shapes whose planned peak (benchmarks.memory_plan, bf16 autocast, eager) is checked against
+# torch.cuda.max_memory_allocated of two real steps: (model, micro-batch, activation checkpointing).
+MEMORY_PLAN_SHAPES = [("gpt2", 16, False), ("gpt2-medium", 8, False), ("gpt2", 16, True)]
+MEMORY_PLAN_SKIP = "skipped: compares torch.cuda.max_memory_allocated with the plan; needs a GPU"
+
+
+def stage_memory_plan(ctx: Ctx, timeout: float) -> dict:
+    if ctx.smoke:
+        return {"skip_reason": MEMORY_PLAN_SKIP}
+    figures, worst, deadline, seen = {}, 0.0, time.monotonic() + timeout, 0
+    for model, mb, checkpointing in MEMORY_PLAN_SHAPES:
+        name = f"{model}_{mb}x1024" + ("_ac" if checkpointing else "")
+        proc = ctx.sh("memory_plan", [PY, "-m", "benchmarks.memory_plan", "--check", "--device", "cuda", "--model",
+                                      model, "--micro_batch_size", str(mb), "--block_size", "1024"]
+                      + (["--activation_checkpointing"] if checkpointing else []),
+                      deadline - time.monotonic(), check=False)
+        found = re.findall(r"^PLAN_CHECK (\{.*\})$", proc.stdout, re.M)  # the stage's log holds every shape's
+        if len(found) == seen:
+            if checkpointing and "no activation_checkpointing attribute" in proc.stdout:
+                figures[f"{name}_skipped"] = "this checkout's GPT has no activation checkpointing"
+                continue
+            raise StageError(f"{name}: no figures (exit code {proc.returncode})", figures)
+        r, seen = json.loads(found[-1]), len(found)
+        figures[f"{name}_planned_gib"] = r["planned_bytes"] / 2**30
+        figures[f"{name}_measured_gib"] = r["peak_bytes"] / 2**30
+        figures[f"{name}_error"] = r["error"]
+        worst = max(worst, abs(r["error"]))
+    figures["worst_error"] = worst
+    if worst > 0.15:
+        raise StageError(f"a planned peak is {worst:.1%} off torch.cuda.max_memory_allocated (bound: 15%)", figures)
+    return figures
+
+
 STEP_FIGURES = ("accelerate_tokens_per_s", "bare_tokens_per_s", "accelerate_over_bare", "accelerate_mfu", "bare_mfu",
                 "accelerate_peak_mem_gib", "bare_peak_mem_gib", "optimizer_fused", "tf32_matmul", "warmup_s",
                 "target_met")
@@ -317,6 +350,10 @@ STAGES = [
           ("items", "best_seconds", "best_batch_size", "accuracy_metric", "target_met")),
     Stage("step_eager", "the step_compile measurement with --compile off (what compile buys)",
           240, 90, step_stage("step_eager", compile_=False), STEP_FIGURES),
+    Stage("memory_plan", "the memory planner's peak (benchmarks.memory_plan) against torch.cuda.max_memory_allocated "
+          "of two eager bf16 steps: GPT-2 124M and 350M, and 124M with activation checkpointing; within 15%. "
+          "--smoke: skipped (the CPU check is tests/test_memory_plan.py)", 240, 10, stage_memory_plan,
+          ("skip_reason", "worst_error")),
 ]
 
 

@@ -75,6 +75,8 @@ class RunConfig:
     resume: str | None = _field(None, "'latest' or a checkpoint folder; default: start a new run")
     save_every: int = _field(100, "checkpoint every N steps (and at the last, and on SIGTERM/SIGUSR1)")
     keep_last: int = _field(3, "checkpoints kept; older ones are deleted")
+    plan: bool = _field(False, "print this config's per-device memory plan (computed from the shapes, not "
+                               "measured) for the accelerate launch, and exit before anything is built")
 
     def __post_init__(self) -> None:
         _positive(self, "save_every", "keep_last")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO_ROOT
 
-STAGES = ["env", "tests", "step_compile", "train_resume", "fsdp", "hellaswag", "step_eager"]
+STAGES = ["env", "tests", "step_compile", "train_resume", "fsdp", "hellaswag", "step_eager", "memory_plan"]
 STEP_FIGURES = ["accelerate_tokens_per_s", "bare_tokens_per_s", "accelerate_over_bare", "accelerate_mfu",
                 "accelerate_peak_mem_gib", "bare_peak_mem_gib", "optimizer_fused", "tf32_matmul",
                 "accelerate_last_loss"]
@@ -37,7 +37,8 @@ def test_smoke_run_reports_every_stage_with_its_figures(smoke):
     assert report["smoke"] is True
     stages = report["stages"]
     assert list(stages) == STAGES
-    assert {n: r["status"] for n, r in stages.items()} == {**{n: "pass" for n in STAGES}, "fsdp": "skipped"}
+    assert {n: r["status"] for n, r in stages.items()} == {**{n: "pass" for n in STAGES}, "fsdp": "skipped",
+                                                           "memory_plan": "skipped"}
     assert "FSDP needs an accelerator" in stages["fsdp"]["figures"]["skip_reason"]
 
     assert stages["env"]["figures"]["torch"] and stages["env"]["figures"]["cuda_available"] is False
@@ -74,8 +75,10 @@ def test_a_failing_stage_is_reported_and_earlier_results_are_kept(smoke):
 
 
 def test_module_form_and_unknown_stages(tmp_path):
-    proc = acceptance(tmp_path / "acc", "--stages", "fsdp", module=True)
+    proc = acceptance(tmp_path / "acc", "--stages", "fsdp,memory_plan", module=True)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads((tmp_path / "acc" / "acceptance.json").read_text())["stages"]["fsdp"]["status"] == "skipped"
+    stages = json.loads((tmp_path / "acc" / "acceptance.json").read_text())["stages"]
+    assert stages["fsdp"]["status"] == "skipped" and stages["memory_plan"]["status"] == "skipped"
+    assert "needs a GPU" in stages["memory_plan"]["figures"]["skip_reason"]
     proc = acceptance(tmp_path / "acc", "--stages", "fsdp,nonsense")
     assert proc.returncode == 2 and "nonsense" in proc.stderr

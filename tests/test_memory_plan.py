@@ -1,0 +1,197 @@
+"""The memory planner (training/memory_plan.py, python -m benchmarks.memory_plan, train.py --plan): its arithmetic
+against the real model and autograd's saved tensors, its prediction against a measured CPU peak, its advice."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import REPO_ROOT
+
+from benchmarks.memory_plan import measure_in_subprocess
+from common.errors import UserError
+from configs import parse_config
+from model import GPT, GPTConfig
+from training.memory_plan import (
+    GB,
+    GiB,
+    Launch,
+    ParamCounts,
+    activation_bytes_per_layer,
+    advice,
+    largest_micro_batch,
+    model_config,
+    plan_memory,
+)
+
+PRESETS = ["gpt2_350m_fineweb_edu.yaml", "gpt2_774m_fineweb_edu.yaml", "gpt2_1558m_fineweb_edu.yaml"]
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline"}
+
+
+@pytest.mark.parametrize("config", [GPTConfig.from_name("tiny"), GPTConfig.from_name("mini", bias=False),
+                                    GPTConfig(n_layer=3, n_head=2, n_embd=48, block_size=32, vocab_size=1000)])
+def test_parameter_bytes_are_the_real_models_parameters_times_four(config):
+    model = GPT(config)
+    n = sum(p.numel() for p in model.parameters())  # the tied weight once
+    counts = ParamCounts.of(config)
+    assert counts.total == n
+    assert counts.block_matrices == sum(p.numel() for name, p in model.named_parameters()
+                                        if p.dim() == 2 and name.startswith("transformer.h."))
+    items = {i.name: i.bytes for i in plan_memory(config, Launch(2, dtype="fp32")).items}
+    assert items["parameters"] == 4 * n and items["optimizer state"] == 8 * n
+
+
+def test_hand_computed_gpt2_xl_plan():
+    """gpt2-xl, micro-batch 4 x 1024, bf16 autocast, 8 processes, DDP, worked out by hand."""
+    config = model_config("gpt2-xl", 1024)
+    P = 48 * (12 * 1600**2 + 13 * 1600) + (50304 + 1024) * 1600 + 2 * 1600
+    assert P == 1_557_686_400 and ParamCounts.of(config).total == P
+    btc = 4 * 1024 * 1600
+    per_layer = btc * (2 * 4 + 14 * 2) + 16 * 4 * 1024 + 4 * 4 * 25 * 1024  # residuals fp32, the rest bf16
+    assert activation_bytes_per_layer(config, Launch(4, processes=8)) == per_layer
+    plan = plan_memory(config, Launch(4, processes=8))
+    # the forward's end, every term by hand: states, DDP buckets, bf16 copies, activations, the loss's buffers
+    V, C, rows = 50304, 1600, 512
+    loss = 4 * rows * V + 8 * btc + 4 * V * C + 2 * rows * V + 2 * V * C
+    assert plan.moments["forward's end"] == (16 * P + 2 * (48 * 12 * C * C + V * C) + 48 * per_layer + 4 * btc
+                                             + 8 * 4 * 1024 + loss)
+    assert plan.moments["optimizer step"] == 20 * P  # parameters, gradients, AdamW's two, DDP's buckets
+    items = {i.name: i.bytes for i in plan.items}
+    assert items["parameters"] == 4 * P and items["optimizer state"] == 8 * P
+    assert items["DDP gradient buckets"] == 4 * P
+    assert items["bf16 weight copies"] == 2 * (48 * 12 * 1600**2 + 50304 * 1600)
+    assert items["activations"] == 48 * per_layer + 4 * btc + 8 * 4 * 1024
+    # FSDP over 8: the states are an eighth, plus the root and two blocks unsharded in bf16
+    sharded = {i.name: i.bytes for i in plan_memory(config, Launch(4, processes=8, fsdp=True)).items}
+    assert sharded["parameters"] == 4 * P // 8 and sharded["optimizer state"] == 8 * P // 8
+    assert sharded["FSDP2 unsharded in flight"] == 2 * ((50304 + 1024) * 1600 + 2 * 1600 + 2 * (P - (50304 + 1024)
+                                                                                             * 1600 - 3200) // 48)
+    # Muon: one momentum buffer on the blocks' matrices, AdamW's two on the rest
+    muon = {i.name: i.bytes for i in plan_memory(config, Launch(4, optimizer="muon")).items}
+    assert muon["optimizer state"] == 4 * 48 * 12 * 1600**2 + 8 * (P - 48 * 12 * 1600**2)
+    # checkpointing keeps each block's input (fp32 residual) and one block's activations
+    checkpointed = plan_memory(config, Launch(4, activation_checkpointing=True))
+    assert checkpointed.bytes_of("activations") == 48 * 4 * btc + 4 * btc + 8 * 4 * 1024 + per_layer
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_activations_are_what_autograd_saves(autocast):
+    """The activation formula against the tensors autograd really keeps (saved-tensor hooks), on the CPU."""
+    config, B = GPTConfig.from_name("mini"), 2
+    model = GPT(config).train()
+    params = {p.data_ptr() for p in model.parameters()}
+    param_shapes = {shape for p in model.parameters() for shape in (tuple(p.shape), tuple(p.shape)[::-1])}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        is_weight_copy = autocast and t.dtype == torch.bfloat16 and tuple(t.shape) in param_shapes
+        if storage.data_ptr() not in params and not is_weight_copy and t.dtype != torch.int64:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    idx = torch.randint(0, config.vocab_size, (B, config.block_size))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(idx, idx)
+    launch = Launch(B, dtype="bf16" if autocast else "fp32")
+    activations = plan_memory(config, launch).bytes_of("activations")
+    btc, V, C = B * config.block_size * config.n_embd, config.padded_vocab_size, config.n_embd
+    loss_saved = 4 * btc + 4 * V * C + 4  # the chunked loss's gradients and its target count
+    assert sum(saved.values()) == activations + loss_saved
+
+
+@pytest.mark.slow
+def test_planned_peak_matches_the_measured_cpu_peak():
+    """One cheap shape measured in a fresh process (two fp32 steps, peak RSS) against the plan: within 15%."""
+    result = measure_in_subprocess("mini", 8, 128)
+    assert abs(result["error"]) <= 0.15, {k: v for k, v in result.items() if k != "torch"}
+
+
+def test_a_plan_that_does_not_fit_names_the_setting_to_change():
+    xl = model_config("gpt2-xl", 1024)
+    line = advice(xl, Launch(32, processes=8), 80 * GB)
+    assert line is not None and "\n" not in line
+    assert f"lower --micro_batch_size to {largest_micro_batch(xl, Launch(1, processes=8), 80 * GB)}" in line
+    # micro-batch 1 does not fit, checkpointing does: name it
+    one = Launch(1, processes=8)
+    device = (plan_memory(xl, one).peak + plan_memory(xl, replace(one, activation_checkpointing=True)).peak) // 2
+    device += plan_memory(xl, one).reserve  # about the reserve of either
+    line = advice(xl, one, device)
+    assert line is not None and "add --activation_checkpointing" in line
+    # the states alone do not fit next to a DDP replica: shard them
+    line = advice(xl, one, 20 * GB)
+    assert line is not None and "shard it with --fsdp" in line
+    # nothing fits on one process: more devices
+    line = advice(xl, Launch(1), 24 * GB)
+    assert line is not None and "shard it with --fsdp over 2 devices (--processes 2)" in line
+    line = advice(xl, Launch(1, processes=2, fsdp=True, activation_checkpointing=True), 8 * GB)
+    assert line is not None and "shard it with --fsdp over 4 devices (--processes 4)" in line
+    assert plan_memory(xl, Launch(1, processes=4, fsdp=True, activation_checkpointing=True)).fits(8 * GB)
+    assert advice(xl, Launch(4, processes=8), 80 * GB) is None
+
+
+def test_bad_input_is_one_line():
+    with pytest.raises(UserError, match="--micro_batch_size must be positive"):
+        Launch(0)
+    with pytest.raises(UserError, match="Muon is refused under FSDP"):
+        Launch(1, processes=8, fsdp=True, optimizer="muon")
+    with pytest.raises(UserError, match="choose one of"):
+        model_config("gpt5")
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **OFFLINE, **(env or {})})
+
+
+@pytest.mark.slow
+def test_cli_prints_the_plan_and_its_verdict():
+    proc = run("-m", "benchmarks.memory_plan", "--model", "gpt2-xl", "--micro_batch_size", "4", "--block_size",
+               "1024", "--processes", "8", "--fsdp", "--activation_checkpointing", "--optimizer", "adamw",
+               "--dtype", "bf16")
+    assert proc.returncode == 0, proc.stderr
+    for words in ("computed from the shapes, not measured", "parameters", "gradients", "optimizer state",
+                  "activations per layer", "activations", "loss (chunked)", "total", "fits: yes"):
+        assert words in proc.stdout
+    proc = run("-m", "benchmarks.memory_plan", "--model", "gpt2-xl", "--micro_batch_size", "64", "--processes", "8")
+    assert proc.returncode == 1 and "fits: NO: micro-batch 64 needs" in proc.stdout
+    assert "lower --micro_batch_size to" in proc.stdout
+    for bad, says in ((["--model", "gpt5"], "--model 'gpt5'"), (["--micro_batch_size", "0"], "--micro_batch_size"),
+                      (["--processes", "-1"], "--processes"), (["--device_memory", "0"], "--device_memory")):
+        proc = run("-m", "benchmarks.memory_plan", *bad)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_presets_fit_8_devices_of_80_gb_as_the_planner_says(preset):
+    cfg = parse_config(["--config", preset])
+    config = GPTConfig(n_layer=cfg.model.n_layer, n_head=cfg.model.n_head, n_embd=cfg.model.n_embd,
+                       block_size=cfg.model.block_size)
+    assert config.block_size == 1024 and cfg.training.total_batch_size == 2**19
+    per_step = cfg.training.micro_batch_size * 1024 * 8
+    assert cfg.training.total_batch_size % per_step == 0
+    launch = Launch(cfg.training.micro_batch_size, processes=8, optimizer=cfg.optim.optimizer,
+                    activation_checkpointing=cfg.training.activation_checkpointing,
+                    accumulation=cfg.training.total_batch_size // per_step)
+    assert advice(config, launch, 80 * GB) is None
+    assert cfg.optim.warmup_steps == 715 and cfg.optim.optimizer == "adamw"
+
+
+@pytest.mark.slow
+def test_train_plan_prints_before_anything_is_built(tmp_path):
+    out = tmp_path / "run"
+    env = {"WORLD_SIZE": "8", "ACCELERATE_USE_FSDP": "true", "ACCELERATE_MIXED_PRECISION": "bf16"}
+    proc = run("train.py", "--config", "configs/gpt2_1558m_fineweb_edu.yaml", "--out_dir", str(out), "--plan", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "Memory plan (computed from the shapes, not measured): 48 layers x 1600 wide" in proc.stdout
+    assert "8 process(es), FSDP2, bf16 autocast" in proc.stdout and "accumulation 8" in proc.stdout
+    assert "fits: yes" in proc.stdout and not out.exists()
+    proc = run("train.py", "--config", "configs/gpt2_1558m_fineweb_edu.yaml", "--out_dir", str(out), "--plan",
+               "--micro_batch_size", "64", env={**env, "ACCELERATE_USE_FSDP": "false"})
+    assert proc.returncode == 0 and "fits: NO: micro-batch 64 needs" in proc.stdout
+    assert "lower --micro_batch_size to 15" in proc.stdout and not out.exists()
+    assert plan_memory(model_config("gpt2-xl", 1024), Launch(8, processes=8, accumulation=8)).peak < 80 * GiB
