@@ -15,8 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, free_port
-from test_train import TINY, assert_same_weights, launch, read_metrics, run_in_process, tree_digest
+from conftest import REPO_ROOT, TINY, assert_same_weights, free_port, launch, read_metrics, run_in_process, tree_digest
 
 import train
 from common.errors import UserError

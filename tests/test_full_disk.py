@@ -14,8 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from conftest import TINY, launch
 from test_faults import train_until_error
-from test_train import TINY, launch
 
 import publish.hub
 import training.export

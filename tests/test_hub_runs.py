@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import REPO_ROOT, free_port
+from conftest import REPO_ROOT, TINY, assert_same_weights, free_port, launch, read_metrics
 from fake_hub import FakeHub
 from test_fake_hub import (
     FINEWEB,
@@ -32,7 +32,6 @@ from test_fake_hub import (
     docs_parquet,
     hellaswag_parquet,
 )
-from test_train import TINY, assert_same_weights, launch, read_metrics
 
 from data import EOT_ID, get_tokenizer
 from data.hub import PARQUET_BRANCH

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY, assert_same_weights, launch, run_in_process, tree_digest
 from safetensors.torch import load_file
-from test_train import TINY, assert_same_weights, launch, run_in_process, tree_digest
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 

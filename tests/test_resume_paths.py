@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_train import RESUME_ARGS, TINY, assert_same_weights, launch, read_metrics
+from conftest import RESUME_ARGS, TINY, assert_same_weights, launch, read_metrics
 
 
 @pytest.fixture(scope="module")
