@@ -186,3 +186,17 @@ def ddp_run(tmp_path_factory) -> Path:
     return shared_once(tmp_path_factory, "ddp",
                        lambda folder: launch(DDP_ARGS + ["--out_dir", str(folder / "run")], nproc=2)) / "run"
 
+
+@pytest.fixture(scope="session")
+def tiny_hf_gpt2(tmp_path_factory) -> Path:
+    """A random tiny GPT-2 saved by transformers (seed 0; 2 layers, 2 heads, 32 wide, 64 positions): the base of
+    the fine-tuning and LoRA tests and the `gpt2` of the loopback Hub. Read only."""
+    def build(folder: Path) -> None:
+        import torch
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            GPT2LMHeadModel(GPT2Config(n_positions=64, n_embd=32, n_layer=2, n_head=2)).save_pretrained(folder)
+
+    return shared_once(tmp_path_factory, "tiny_hf_gpt2", build)

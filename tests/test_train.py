@@ -500,19 +500,15 @@ runpy.run_path("train.py", run_name="__main__")
 
 
 @pytest.mark.slow
-def test_fine_tune_from_hf_weights_resumes_exactly(tmp_path):
+def test_fine_tune_from_hf_weights_resumes_exactly(tiny_hf_gpt2, tmp_path):
     """--init_from a local HF GPT-2 folder; a resumed fine-tune takes its architecture from the checkpoint."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(n_positions=64, n_embd=32, n_layer=2, n_head=2)).save_pretrained(tmp_path / "hf")
-    args = TINY + ["--init_from", str(tmp_path / "hf"), "--max_steps", "4", "--micro_batch_size", "2",
+    args = TINY + ["--init_from", str(tiny_hf_gpt2), "--max_steps", "4", "--micro_batch_size", "2",
                    "--total_batch_size", "64", "--save_every", "2", "--eval_every", "2", "--dropout", "0.1"]
     launch(args + ["--out_dir", str(tmp_path / "ref")])
     launch(args + ["--out_dir", str(tmp_path / "run")], fault="kill_after_step:3", check=False)
     launch(args + ["--out_dir", str(tmp_path / "run"), "--resume", "latest"])
     assert_same_weights(tmp_path / "ref", tmp_path / "run")
-    hf = load_file(tmp_path / "hf" / "model.safetensors")
+    hf = load_file(tiny_hf_gpt2 / "model.safetensors")
     ours = final_weights(tmp_path / "ref")
     assert ours["transformer.h.0.attn.c_attn.weight"].shape == hf["transformer.h.0.attn.c_attn.weight"].shape
     assert not torch.equal(ours["transformer.h.0.attn.c_attn.weight"], hf["transformer.h.0.attn.c_attn.weight"])
