@@ -143,6 +143,29 @@ def run_in_process(monkeypatch, capsys, args: list[str]) -> str:
     return err
 
 
+def train_in_process(args: list[str]) -> tuple[str, str]:
+    """A whole train.py run in this process, through its entry point (`train.run_cli(train.main)`), for the tests
+    whose claim is about what a run does with its folder rather than about its process (signals, kills, exit
+    codes, several processes: those use `launch`). It saves a new interpreter's start and its imports of torch,
+    transformers and accelerate, seconds each time. Returns stdout and stderr; a run that does not exit 0 fails
+    the test with its output."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    import train
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, redirect_stdout(stdout), redirect_stderr(stderr):
+        mp.setattr(sys, "argv", ["train.py", *args])
+        try:
+            train.run_cli(train.main)
+        except SystemExit as exit_info:
+            if exit_info.code not in (0, None):
+                raise AssertionError(f"exit {exit_info.code}\n{stdout.getvalue()[-3000:]}\n"
+                                     f"{stderr.getvalue()[-5000:]}") from None
+    return stdout.getvalue(), stderr.getvalue()
+
+
 # ---- built once per session --------------------------------------------------------------------------------
 
 def shared_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:

@@ -28,6 +28,7 @@ from conftest import (
     launch,
     read_metrics,
     run_in_process,
+    train_in_process,
     tree_digest,
 )
 from safetensors.torch import load_file
@@ -349,9 +350,9 @@ def test_block_size_beyond_the_pretrained_positions(monkeypatch, capsys, tmp_pat
 def test_resume_latest_in_an_empty_folder_starts_a_new_run(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
-    proc = launch(TINY + ["--out_dir", str(out), "--resume", "latest", "--max_steps", "1", "--micro_batch_size", "2",
-                          "--total_batch_size", "64"])
-    assert f"no checkpoint in {out} yet: starting a new run" in proc.stdout
+    stdout, _ = train_in_process(TINY + ["--out_dir", str(out), "--resume", "latest", "--max_steps", "1",
+                                         "--micro_batch_size", "2", "--total_batch_size", "64"])
+    assert f"no checkpoint in {out} yet: starting a new run" in stdout
     assert (out / "final" / "model.safetensors").is_file()
 
 
