@@ -24,6 +24,11 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under pytest-xdist (`-n 2`, the README's command) each worker is one of the machine's cores: one thread each, for
+# its in-process tests and the processes it starts, as the end-to-end runs already have (launch sets it), rather
+# than every worker's torch spreading over every core.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
@@ -223,3 +228,19 @@ def tiny_hf_gpt2(tmp_path_factory) -> Path:
             GPT2LMHeadModel(GPT2Config(n_positions=64, n_embd=32, n_layer=2, n_head=2)).save_pretrained(folder)
 
     return shared_once(tmp_path_factory, "tiny_hf_gpt2", build)
+
+
+# ---- pytest-xdist -------------------------------------------------------------------------------------------
+
+def pytest_collection_modifyitems(config, items):
+    """Under `--dist loadgroup` (the README's command), the tests that use a module-scoped fixture of their file (a
+    run of that file's own, a loopback Hub) go to one worker together, so that it is built once, as without
+    xdist; every other test goes to whichever worker is free. The session fixtures above are shared by their
+    file lock instead. Without xdist the mark does nothing."""
+    for item in items:
+        fixtures = getattr(item, "_fixtureinfo", None)
+        if fixtures is None:
+            continue
+        scopes = {d.scope for defs in fixtures.name2fixturedefs.values() for d in defs}
+        if scopes & {"module", "class", "package"}:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
