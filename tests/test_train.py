@@ -1,7 +1,9 @@
 """train.py end to end: DDP equivalence, exact resume after kills, preemption, NaN handling.
 
-Every run here is a real `train.py` process (or two, through `accelerate launch` on gloo). The
-references are independent runs: one process for DDP, an uninterrupted run for resume.
+A run whose claim is about the run (kills, signals, several processes, exit codes) is a real `train.py` process (or
+two, through `accelerate launch` on gloo); refusals and the pieces of the loop are called in this process. The
+references are independent runs, built once per session in conftest.py (`ddp_run`, `uninterrupted`): the
+2-process run for DDP, an uninterrupted run for resume.
 """
 from __future__ import annotations
 
