@@ -1,10 +1,22 @@
-"""Shared test setup: everything runs offline, on the CPU, with the repo root importable."""
+"""Shared test setup: everything runs offline, on the CPU, with the repo root importable.
+
+The helpers every end-to-end test uses (a tiny model's flags, `launch` for a train.py process, weight and metric
+comparisons, `run_in_process` for a refusal) and the reference runs (`uninterrupted`, `ddp_run`) and tiny HF
+GPT-2 folder (`tiny_hf_gpt2`), which are built once per pytest session and shared by every file that compares
+against them. Plain helpers are imported as `from conftest import ...`; fixtures are found by name.
+
+Under pytest-xdist the session fixtures are built once for all workers: the first worker to need one builds it
+under a file lock in the session's shared temporary folder, the others wait and reuse it (`shared_once`).
+"""
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 # Set before any test imports transformers/datasets/wandb: nothing may reach a hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -12,6 +24,13 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under pytest-xdist (`-n 2`, the README's command) each worker is one of the machine's cores: one thread each, for
+# its in-process tests and the processes it starts, as the end-to-end runs already have (launch sets it), rather
+# than every worker's torch spreading over every core.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # The repo's packages, and the scripted ranks of the distributed evaluation tests (tests/fixtures/eval/fake_ranks.py).
@@ -25,3 +44,203 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# ---- the tiny run ----------------------------------------------------------------------------------------
+
+# A tiny model: the point is the loop's bookkeeping, not learning.
+# AdamW: its 2-process run equals the 1-process run to 1e-6 (torch's Muon orthogonalises in bf16: tests/test_muon.py)
+TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--val_tokens", "256",
+        "--eval_batch_size", "4", "--sample_tokens", "4", "--lr", "3e-3", "--warmup_steps", "2", "--optimizer", "adamw"]
+
+HELLASWAG = str(REPO_ROOT / "tests" / "fixtures" / "eval" / "hellaswag_tiny.jsonl")
+# Evaluations at step 3 (between checkpoints) must not disturb the RNG streams that resume restores.
+RESUME_ARGS = TINY + ["--max_steps", "6", "--micro_batch_size", "2", "--total_batch_size", "128",
+                      "--save_every", "2", "--log_every", "1", "--eval_every", "3", "--dropout", "0.1",
+                      "--hellaswag_every", "3", "--hellaswag_data", HELLASWAG]
+
+# lr 1e-3: Adam turns float-rounding noise in near-zero gradients (the key biases, whose exact gradient
+# is 0) into updates of ~lr * 1e-3, so a larger lr would push those differences past 1e-6.
+DDP_ARGS = TINY + ["--max_steps", "4", "--micro_batch_size", "2", "--total_batch_size", "256",
+                   "--save_every", "2", "--log_every", "1", "--eval_every", "2", "--lr", "1e-3"]
+
+
+def launch(args: list[str], nproc: int = 1, fault: str | None = None, check: bool = True,
+           background: bool = False, grad_accum: int = 1, extra_env: dict[str, str] | None = None):
+    """Run tests/fault_train.py (train.py plus an optional injected fault) in 1 or 2 processes."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GRAD_ACCUM": str(grad_accum),
+           **(extra_env or {})}
+    env.pop("FAULT", None)
+    if fault:
+        env["FAULT"] = fault
+    script = str(REPO_ROOT / "tests" / "fault_train.py")
+    if nproc == 1:
+        cmd = [sys.executable, script, *args]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(REPO_ROOT / "accelerate_configs" / "cpu_2proc.yaml"), "--num_processes", str(nproc),
+               "--main_process_port", str(free_port()), script, *args]
+    if background:
+        return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def final_weights(out_dir: Path):
+    from safetensors.torch import load_file
+
+    return load_file(out_dir / "final" / "model.safetensors")
+
+
+def assert_same_weights(a: Path, b: Path, atol: float = 0.0) -> None:
+    """The final weights of two runs: bit for bit (atol 0), or to float rounding (atol > 0) for runs that sum the
+    same gradients in another order (other process counts, nodes).
+
+    To float rounding, one slice is held to a different bound: the key biases (rows C..2C of each `c_attn.bias`).
+    Their exact gradient is zero (q . b_k is the same for every key of a query, and softmax ignores a shift), so
+    what reaches them is rounding noise, whose value depends on the CPU's summation order; AdamW scales it to
+    updates of up to lr each step (its |m/sqrt(v)| <= 1 when 1 - beta1 <= sqrt(1 - beta2), as 0.1 <= 0.22 here).
+    They are bounded by that, 2 x lr x steps apart at most (the lr and steps of run `a`'s config.yaml); the
+    other weights, whose gradients are real, to `atol`."""
+    import torch
+    import yaml
+
+    wa, wb = final_weights(a), final_weights(b)
+    assert wa.keys() == wb.keys()
+    if atol:
+        config = yaml.safe_load((a / "config.yaml").read_text())
+        key_bias_bound = 2 * config["lr"] * config["max_steps"]
+    for name in wa:
+        if atol == 0.0:
+            assert torch.equal(wa[name], wb[name]), f"{name} differs (max {(wa[name] - wb[name]).abs().max():.3g})"
+            continue
+        x, y = wa[name], wb[name]
+        if name.endswith("attn.c_attn.bias"):
+            C = x.numel() // 3
+            keys = slice(C, 2 * C)
+            gap = float((x[keys] - y[keys]).abs().max())
+            assert gap <= key_bias_bound, f"{name}: key biases {gap:.3g} apart, over {key_bias_bound:.3g}"
+            x, y = torch.cat([x[:C], x[2 * C:]]), torch.cat([y[:C], y[2 * C:]])
+        torch.testing.assert_close(x, y, atol=atol, rtol=0, msg=f"{name} differs")
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def tree_digest(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def run_in_process(monkeypatch, capsys, args: list[str]) -> str:
+    """train.py's entry point in this process; returns the error line it printed."""
+    import train
+
+    monkeypatch.setattr(sys, "argv", ["train.py", *args])
+    with pytest.raises(SystemExit) as exit_info:
+        train.run_cli(train.main)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    return err
+
+
+def train_in_process(args: list[str]) -> tuple[str, str]:
+    """A whole train.py run in this process, through its entry point (`train.run_cli(train.main)`), for the tests
+    whose claim is about what a run does with its folder rather than about its process (signals, kills, exit
+    codes, several processes: those use `launch`). It saves a new interpreter's start and its imports of torch,
+    transformers and accelerate, seconds each time. Returns stdout and stderr; a run that does not exit 0 fails
+    the test with its output."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    import train
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, redirect_stdout(stdout), redirect_stderr(stderr):
+        mp.setattr(sys, "argv", ["train.py", *args])
+        try:
+            train.run_cli(train.main)
+        except SystemExit as exit_info:
+            if exit_info.code not in (0, None):
+                raise AssertionError(f"exit {exit_info.code}\n{stdout.getvalue()[-3000:]}\n"
+                                     f"{stderr.getvalue()[-5000:]}") from None
+    return stdout.getvalue(), stderr.getvalue()
+
+
+# ---- built once per session --------------------------------------------------------------------------------
+
+def shared_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
+    """The folder `name`, built by `build(folder)` once per pytest session. Under pytest-xdist every worker has
+    a temporary folder of its own inside the session's; the folder is built there, in the parent, under a file
+    lock, by whichever worker needs it first, and the others reuse it (xdist's documented pattern). A build that
+    fails leaves no `.done` mark, so the next worker to ask builds again and fails with its own error."""
+    from filelock import FileLock
+
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        root = tmp_path_factory.getbasetemp()
+    else:
+        root = tmp_path_factory.getbasetemp().parent  # this session's, shared by its workers
+    folder, done = root / "shared" / name, root / "shared" / f"{name}.done"
+    done.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / "shared" / f"{name}.lock")):
+        if not done.exists():
+            if folder.exists():  # a failed earlier attempt
+                import shutil
+
+                shutil.rmtree(folder)
+            folder.mkdir()
+            build(folder)
+            done.touch()
+    return folder
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory) -> Path:
+    """The reference: RESUME_ARGS, 6 steps with dropout (so the RNG state matters), accumulation 2, no
+    interruption; HellaSwag and validation at step 3, between the checkpoints of steps 2, 4 and 6. Shared by
+    test_train, test_ctrl_c and test_resume_paths; tests only read it (copy it to change it)."""
+    return shared_once(tmp_path_factory, "uninterrupted",
+                       lambda folder: launch(RESUME_ARGS + ["--out_dir", str(folder / "run")])) / "run"
+
+
+@pytest.fixture(scope="session")
+def ddp_run(tmp_path_factory) -> Path:
+    """DDP_ARGS on 2 processes: 2 processes x accumulation 2 x micro-batch 2 x 32 tokens = 256 tokens per step.
+    Shared by test_train, test_ctrl_c and test_gpu_paths_on_cpu; read only."""
+    return shared_once(tmp_path_factory, "ddp",
+                       lambda folder: launch(DDP_ARGS + ["--out_dir", str(folder / "run")], nproc=2)) / "run"
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_gpt2(tmp_path_factory) -> Path:
+    """A random tiny GPT-2 saved by transformers (seed 0; 2 layers, 2 heads, 32 wide, 64 positions): the base of
+    the fine-tuning and LoRA tests and the `gpt2` of the loopback Hub. Read only."""
+    def build(folder: Path) -> None:
+        import torch
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            GPT2LMHeadModel(GPT2Config(n_positions=64, n_embd=32, n_layer=2, n_head=2)).save_pretrained(folder)
+
+    return shared_once(tmp_path_factory, "tiny_hf_gpt2", build)
+
+
+# ---- pytest-xdist -------------------------------------------------------------------------------------------
+
+def pytest_collection_modifyitems(config, items):
+    """Under `--dist loadgroup` (the README's command), the tests that use a module-scoped fixture of their file (a
+    run of that file's own, a loopback Hub) go to one worker together, so that it is built once, as without
+    xdist; every other test goes to whichever worker is free. The session fixtures above are shared by their
+    file lock instead. Without xdist the mark does nothing."""
+    for item in items:
+        fixtures = getattr(item, "_fixtureinfo", None)
+        if fixtures is None:
+            continue
+        scopes = {d.scope for defs in fixtures.name2fixturedefs.values() for d in defs}
+        if scopes & {"module", "class", "package"}:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))

@@ -16,8 +16,7 @@ from io import BytesIO
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT
-from test_train import assert_same_weights, read_metrics
+from conftest import REPO_ROOT, assert_same_weights, read_metrics
 
 OLD = "77d78a9"  # main at the start of the redesign (issue 22)
 ARGS = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--val_tokens", "256",

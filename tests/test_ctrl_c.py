@@ -8,15 +8,7 @@ known: SIGINT to the process, or, under `accelerate launch`, to the launcher, wh
 from __future__ import annotations
 
 import pytest
-from test_train import (  # noqa: F401  (fixtures)
-    DDP_ARGS,
-    RESUME_ARGS,
-    assert_same_weights,
-    ddp_run,
-    launch,
-    read_metrics,
-    uninterrupted,
-)
+from conftest import DDP_ARGS, RESUME_ARGS, assert_same_weights, launch, read_metrics
 
 
 def saved_steps(out) -> list[int]:
@@ -24,7 +16,7 @@ def saved_steps(out) -> list[int]:
 
 
 @pytest.mark.slow
-def test_ctrl_c_saves_the_step_and_the_resume_is_bit_exact(uninterrupted, tmp_path):  # noqa: F811
+def test_ctrl_c_saves_the_step_and_the_resume_is_bit_exact(uninterrupted, tmp_path):
     out = tmp_path / "run"
     stopped = launch(RESUME_ARGS + ["--out_dir", str(out)], fault="ctrl_c_in_step:3", check=False)
     assert stopped.returncode == 0, stopped.stderr[-3000:]
@@ -39,7 +31,7 @@ def test_ctrl_c_saves_the_step_and_the_resume_is_bit_exact(uninterrupted, tmp_pa
 
 
 @pytest.mark.slow
-def test_a_second_ctrl_c_stops_at_once_keeping_the_last_checkpoint(uninterrupted, tmp_path):  # noqa: F811
+def test_a_second_ctrl_c_stops_at_once_keeping_the_last_checkpoint(uninterrupted, tmp_path):
     out = tmp_path / "run"
     stopped = launch(RESUME_ARGS + ["--out_dir", str(out)], fault="ctrl_c_twice_in_step:4", check=False)
     assert stopped.returncode == 2, stopped.stderr[-3000:]
@@ -52,7 +44,7 @@ def test_a_second_ctrl_c_stops_at_once_keeping_the_last_checkpoint(uninterrupted
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_ctrl_c_to_accelerate_launch_on_two_processes_saves_and_resumes_bit_exact(ddp_run, tmp_path):  # noqa: F811
+def test_ctrl_c_to_accelerate_launch_on_two_processes_saves_and_resumes_bit_exact(ddp_run, tmp_path):
     out = tmp_path / "run"
     stopped = launch(DDP_ARGS + ["--out_dir", str(out)], nproc=2, fault="ctrl_c_in_step:2", check=False)
     # The launcher re-raises the signal as its own error (status 1) after the workers saved and exited 0.

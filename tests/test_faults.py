@@ -15,8 +15,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, free_port
-from test_train import TINY, assert_same_weights, launch, read_metrics, run_in_process, tree_digest
+from conftest import (
+    REPO_ROOT,
+    TINY,
+    assert_same_weights,
+    free_port,
+    launch,
+    read_metrics,
+    run_in_process,
+    train_in_process,
+    tree_digest,
+)
 
 import train
 from common.errors import UserError
@@ -195,7 +204,8 @@ def test_a_lock_file_left_by_a_dead_run_is_no_obstacle(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     (out / ".lock").write_text("")  # left behind by a killed run: nobody holds it
-    launch(TINY + ["--out_dir", str(out), "--max_steps", "1", "--micro_batch_size", "2", "--total_batch_size", "64"])
+    train_in_process(TINY + ["--out_dir", str(out), "--max_steps", "1", "--micro_batch_size", "2",
+                             "--total_batch_size", "64"])
     assert (out / "final" / "model.safetensors").is_file()
 
 
@@ -267,7 +277,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path, mon
     expected = ["step_000002"] if at == "save_state" else ["step_000002", "step_000004"]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == expected
     monkeypatch.undo()
-    launch(args + ["--resume", "latest"])
+    train_in_process(args + ["--resume", "latest"])
     assert (out / "final" / "model.safetensors").is_file()
 
 
@@ -277,7 +287,7 @@ def test_a_refused_resume_leaves_no_lock_file_it_did_not_find(tmp_path, monkeypa
     out = tmp_path / "run"
     args = TINY + ["--out_dir", str(out), "--max_steps", "2", "--micro_batch_size", "2", "--total_batch_size", "64",
                    "--save_every", "1", "--max_steps", "1"]
-    launch(args)
+    train_in_process(args)
     (out / ".lock").unlink()
     before = tree_digest(out)
     err = run_in_process(monkeypatch, capsys, args + ["--resume", "latest", "--max_steps", "2", "--n_layer", "3"])

@@ -14,8 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from conftest import TINY, train_in_process
 from test_faults import train_until_error
-from test_train import TINY, launch
 
 import publish.hub
 import training.export
@@ -94,7 +94,7 @@ def test_each_file_of_a_checkpoint_failing_is_one_line_and_resume_finishes(tmp_p
     assert not list(out.rglob(".tmp-*")) and not (out / "final").exists()
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002"]
     monkeypatch.undo()
-    launch(ARGS + ["--out_dir", str(out), "--resume", "latest"])
+    train_in_process(ARGS + ["--out_dir", str(out), "--resume", "latest"])
     assert (out / "final" / "model.safetensors").is_file()
 
 
@@ -112,7 +112,7 @@ def test_the_final_export_and_the_hub_staging_failing_are_one_line(tmp_path, mon
     assert last.startswith(f"error: could not write {out / 'final'} (") and "--resume latest" in last, last
     assert not list(out.rglob(".tmp-*")) and not (out / "final").exists()
     monkeypatch.undo()
-    launch(ARGS + ["--out_dir", str(out), "--resume", "latest"])  # writes final/ only
+    train_in_process(ARGS + ["--out_dir", str(out), "--resume", "latest"])  # writes final/ only
     assert (out / "final" / "model.safetensors").is_file()
 
     real_build = publish.hub.build_hf_folder

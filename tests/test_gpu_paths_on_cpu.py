@@ -12,15 +12,23 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO_ROOT, free_port
-from test_train import DDP_ARGS, RESUME_ARGS, assert_same_weights, ddp_run, final_weights, launch, read_metrics  # noqa: F401
+from conftest import (
+    DDP_ARGS,
+    REPO_ROOT,
+    RESUME_ARGS,
+    assert_same_weights,
+    final_weights,
+    free_port,
+    launch,
+    read_metrics,
+)
 
 BF16 = {"ACCELERATE_MIXED_PRECISION": "bf16"}
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_bf16_inductor_on_two_processes_trains_evaluates_checkpoints_and_exports(ddp_run, tmp_path):  # noqa: F811
+def test_bf16_inductor_on_two_processes_trains_evaluates_checkpoints_and_exports(ddp_run, tmp_path):
     """2 processes x accumulation 2, bf16 autocast, inductor: no recompilation after the first step (not per
     micro-step, not for the DDP no-sync steps, not for the evaluations, which run on the plain module),
     validation loss close to the fp32 run's, a checkpoint and a plain-keyed final export."""

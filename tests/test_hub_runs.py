@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import REPO_ROOT, free_port
+from conftest import REPO_ROOT, TINY, assert_same_weights, free_port, launch, read_metrics
 from fake_hub import FakeHub
 from test_fake_hub import (
     FINEWEB,
@@ -32,7 +32,6 @@ from test_fake_hub import (
     docs_parquet,
     hellaswag_parquet,
 )
-from test_train import TINY, assert_same_weights, launch, read_metrics
 
 from data import EOT_ID, get_tokenizer
 from data.hub import PARQUET_BRANCH
@@ -46,16 +45,10 @@ FINETUNE = [*TINY, *STEPS, "--init_from", "gpt2"]
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory: pytest.TempPathFactory):
-    """One loopback Hub for the module, holding the four repos."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    gpt2 = tmp_path_factory.mktemp("gpt2")
-    GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64)).save_pretrained(gpt2)
+def hub(tiny_hf_gpt2: Path):
+    """One loopback Hub for the module, holding the four repos; its `gpt2` is the session's tiny GPT-2."""
     with FakeHub() as server:
-        server.add_model(GPT2, gpt2)
+        server.add_model(GPT2, tiny_hf_gpt2)
         server.rename("gpt2", GPT2)
         # 4 files: 2 ranks read whole files; the first 1,000 documents validate, so both ranks keep training ones.
         sample = {f"sample/10BT/{i:03d}_00000.parquet": docs_parquet(400 * i, 400) for i in range(4)}

@@ -12,20 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY, assert_same_weights, launch, run_in_process, tree_digest
 from safetensors.torch import load_file
-from test_train import TINY, assert_same_weights, launch, run_in_process, tree_digest
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("base") / "hf"
-    GPT2LMHeadModel(GPT2Config(n_positions=64, n_embd=32, n_layer=2, n_head=2)).save_pretrained(folder)
-    return folder
+def base(tiny_hf_gpt2) -> Path:
+    """The session's tiny random GPT-2 saved by transformers (conftest.py)."""
+    return tiny_hf_gpt2
 
 
 def lora_args(base: Path, rank: int = 4) -> list[str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import TINY, assert_same_weights, launch, read_metrics, run_in_process
+from conftest import TINY, assert_same_weights, launch, read_metrics, run_in_process
 
 from configs import ModelConfig, OptimConfig
 from model import GPT, GPTConfig

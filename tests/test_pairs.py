@@ -133,7 +133,7 @@ def test_bad_lines_name_file_and_line(tmp_path, lines, message):
 
 
 def test_bad_line_through_train_py_is_one_line(monkeypatch, capsys, tmp_path):
-    from test_train import run_in_process
+    from conftest import run_in_process
 
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"prompt": "a", "completion": " b"}) + "\n" + json.dumps({"prompt": "c"}) + "\n")
@@ -235,7 +235,7 @@ RUN_ARGS = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size",
 
 @pytest.mark.slow
 def test_train_py_killed_then_resumed_on_pairs_is_bit_exact(pairs, tmp_path):
-    from test_train import assert_same_weights, launch, read_metrics
+    from conftest import assert_same_weights, launch, read_metrics
 
     args = RUN_ARGS + ["--dataset", str(pairs)]
     reference, out = tmp_path / "ref", tmp_path / "run"

@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, free_port
-from test_train import TINY, read_metrics
+from conftest import REPO_ROOT, TINY, free_port, read_metrics
 
 ARGS = TINY + ["--max_steps", "400", "--micro_batch_size", "2", "--total_batch_size", "128", "--save_every", "1000",
                "--log_every", "1", "--eval_every", "1000"]

@@ -10,20 +10,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_train import RESUME_ARGS, TINY, assert_same_weights, launch, read_metrics
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """RESUME_ARGS (6 steps, dropout, HellaSwag between checkpoints), with rotation keeping one checkpoint."""
-    out = tmp_path_factory.mktemp("ref") / "run"
-    launch(RESUME_ARGS + ["--out_dir", str(out), "--keep_last", "1"])
-    return out
+from conftest import RESUME_ARGS, TINY, assert_same_weights, launch, read_metrics
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["kill_in_save_state:4", "kill_in_rotation:4", "kill_in_export"])
-def test_kill_at_more_moments_then_resume_is_bit_exact(reference, tmp_path, fault):
+def test_kill_at_more_moments_then_resume_is_bit_exact(uninterrupted, tmp_path, fault):
+    """RESUME_ARGS with rotation keeping one checkpoint, against the session's uninterrupted RESUME_ARGS run
+    (conftest.py): --keep_last only decides which checkpoint folders are deleted, so the weights it ends with are
+    those of the same arguments without it."""
     out = tmp_path / "run"
     args = RESUME_ARGS + ["--out_dir", str(out), "--keep_last", "1"]
     killed = launch(args, fault=fault, check=False)
@@ -31,7 +26,7 @@ def test_kill_at_more_moments_then_resume_is_bit_exact(reference, tmp_path, faul
     if fault == "kill_in_save_state:4":
         assert not (out / "checkpoints" / "step_000004").exists()  # only its temp folder was written
     launch(args + ["--resume", "latest"])
-    assert_same_weights(reference, out)
+    assert_same_weights(uninterrupted, out)
     assert [p.name for p in (out / "checkpoints").glob("step_*")] == ["step_000006"]  # rotation caught up
     assert not list(out.rglob(".tmp-*"))
 

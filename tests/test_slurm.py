@@ -18,8 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, free_port
-from test_train import DDP_ARGS, assert_same_weights, read_metrics
+from conftest import DDP_ARGS, REPO_ROOT, assert_same_weights, free_port, read_metrics
 
 FAKE_SRUN = r"""#!/bin/bash
 # srun --nodes N --ntasks-per-node 1 [--kill-on-bad-exit=1] CMD...: one task per node, here all on localhost
@@ -128,7 +127,7 @@ def two_node_run(fake_slurm, tmp_path_factory) -> Path:
 @pytest.mark.multiprocess
 def test_two_nodes_train_like_one_process(two_node_run, tmp_path):
     """The same global batches on one process (accumulation 4): equal to float rounding (the gradient is
-    summed in another order across processes, so not bit for bit; see tests/test_train.py DDP_ARGS)."""
+    summed in another order across processes, so not bit for bit; see DDP_ARGS in tests/conftest.py)."""
     out = tmp_path / "single"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "train.py", *ARGS, "--out_dir", str(out)], cwd=REPO_ROOT, env=env,

@@ -1,7 +1,9 @@
 """train.py end to end: DDP equivalence, exact resume after kills, preemption, NaN handling.
 
-Every run here is a real `train.py` process (or two, through `accelerate launch` on gloo). The
-references are independent runs: one process for DDP, an uninterrupted run for resume.
+A run whose claim is about the run (kills, signals, several processes, exit codes) is a real `train.py` process (or
+two, through `accelerate launch` on gloo); refusals and the pieces of the loop are called in this process. The
+references are independent runs, built once per session in conftest.py (`ddp_run`, `uninterrupted`): the
+2-process run for DDP, an uninterrupted run for resume.
 """
 from __future__ import annotations
 
@@ -16,92 +18,27 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
-from conftest import REPO_ROOT, free_port
+from conftest import (
+    DDP_ARGS,
+    HELLASWAG,
+    REPO_ROOT,
+    RESUME_ARGS,
+    TINY,
+    assert_same_weights,
+    final_weights,
+    free_port,
+    launch,
+    read_metrics,
+    run_in_process,
+    train_in_process,
+    tree_digest,
+)
 from safetensors.torch import load_file
 
-# A tiny model: the point is the loop's bookkeeping, not learning.
-# AdamW: its 2-process run equals the 1-process run to 1e-6 (torch's Muon orthogonalises in bf16: tests/test_muon.py)
-TINY = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--val_tokens", "256",
-        "--eval_batch_size", "4", "--sample_tokens", "4", "--lr", "3e-3", "--warmup_steps", "2", "--optimizer", "adamw"]
-
-
-def launch(args: list[str], nproc: int = 1, fault: str | None = None, check: bool = True,
-           background: bool = False, grad_accum: int = 1, extra_env: dict[str, str] | None = None):
-    """Run tests/fault_train.py (train.py plus an optional injected fault) in 1 or 2 processes."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GRAD_ACCUM": str(grad_accum),
-           **(extra_env or {})}
-    env.pop("FAULT", None)
-    if fault:
-        env["FAULT"] = fault
-    script = str(REPO_ROOT / "tests" / "fault_train.py")
-    if nproc == 1:
-        cmd = [sys.executable, script, *args]
-    else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(REPO_ROOT / "accelerate_configs" / "cpu_2proc.yaml"), "--num_processes", str(nproc),
-               "--main_process_port", str(free_port()), script, *args]
-    if background:
-        return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return proc
-
-
-def final_weights(out_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(out_dir / "final" / "model.safetensors")
-
-
-def assert_same_weights(a: Path, b: Path, atol: float = 0.0) -> None:
-    """The final weights of two runs: bit for bit (atol 0), or to float rounding (atol > 0) for runs that sum the
-    same gradients in another order (other process counts, nodes).
-
-    To float rounding, one slice is held to a different bound: the key biases (rows C..2C of each `c_attn.bias`).
-    Their exact gradient is zero (q . b_k is the same for every key of a query, and softmax ignores a shift), so
-    what reaches them is rounding noise, whose value depends on the CPU's summation order; AdamW scales it to
-    updates of up to lr each step (its |m/sqrt(v)| <= 1 when 1 - beta1 <= sqrt(1 - beta2), as 0.1 <= 0.22 here).
-    They are bounded by that, 2 x lr x steps apart at most (the lr and steps of run `a`'s config.yaml); the
-    other weights, whose gradients are real, to `atol`."""
-    wa, wb = final_weights(a), final_weights(b)
-    assert wa.keys() == wb.keys()
-    if atol:
-        config = yaml.safe_load((a / "config.yaml").read_text())
-        key_bias_bound = 2 * config["lr"] * config["max_steps"]
-    for name in wa:
-        if atol == 0.0:
-            assert torch.equal(wa[name], wb[name]), f"{name} differs (max {(wa[name] - wb[name]).abs().max():.3g})"
-            continue
-        x, y = wa[name], wb[name]
-        if name.endswith("attn.c_attn.bias"):
-            C = x.numel() // 3
-            keys = slice(C, 2 * C)
-            gap = float((x[keys] - y[keys]).abs().max())
-            assert gap <= key_bias_bound, f"{name}: key biases {gap:.3g} apart, over {key_bias_bound:.3g}"
-            x, y = torch.cat([x[:C], x[2 * C:]]), torch.cat([y[:C], y[2 * C:]])
-        torch.testing.assert_close(x, y, atol=atol, rtol=0, msg=f"{name} differs")
-
-
-def read_metrics(out_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-
+# The helpers (TINY, RESUME_ARGS, DDP_ARGS, launch, ...) and the reference runs `uninterrupted` and `ddp_run`
+# (built once per session) are in conftest.py.
 
 # ---- one process --------------------------------------------------------------------------------------
-
-HELLASWAG = str(REPO_ROOT / "tests" / "fixtures" / "eval" / "hellaswag_tiny.jsonl")
-# Evaluations at step 3 (between checkpoints) must not disturb the RNG streams that resume restores.
-RESUME_ARGS = TINY + ["--max_steps", "6", "--micro_batch_size", "2", "--total_batch_size", "128",
-                      "--save_every", "2", "--log_every", "1", "--eval_every", "3", "--dropout", "0.1",
-                      "--hellaswag_every", "3", "--hellaswag_data", HELLASWAG]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> Path:
-    """The reference: 6 steps with dropout (so the RNG state matters), accumulation 2, no interruption."""
-    out = tmp_path_factory.mktemp("ref") / "run"
-    launch(RESUME_ARGS + ["--out_dir", str(out)])
-    return out
 
 
 @pytest.mark.slow
@@ -207,20 +144,6 @@ def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path):
 
 # ---- two processes ------------------------------------------------------------------------------------
 
-# lr 1e-3: Adam turns float-rounding noise in near-zero gradients (the key biases, whose exact gradient
-# is 0) into updates of ~lr * 1e-3, so a larger lr would push those differences past 1e-6.
-DDP_ARGS = TINY + ["--max_steps", "4", "--micro_batch_size", "2", "--total_batch_size", "256",
-                   "--save_every", "2", "--log_every", "1", "--eval_every", "2", "--lr", "1e-3"]
-
-
-@pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory) -> Path:
-    """2 processes x accumulation 2 x micro-batch 2 x 32 tokens = 256 tokens per step."""
-    out = tmp_path_factory.mktemp("ddp") / "run"
-    launch(DDP_ARGS + ["--out_dir", str(out)], nproc=2)
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_ddp_matches_single_process(ddp_run, tmp_path):
@@ -316,23 +239,6 @@ def test_a_cpu_multi_process_launch_runs_on_gloo_by_itself(tmp_path):
 
 
 # ---- bad input: one line on stderr, exit status 2, nothing overwritten ----------------------------------
-
-def run_in_process(monkeypatch, capsys, args: list[str]) -> str:
-    """train.py's entry point in this process; returns the error line it printed."""
-    import train
-
-    monkeypatch.setattr(sys, "argv", ["train.py", *args])
-    with pytest.raises(SystemExit) as exit_info:
-        train.run_cli(train.main)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
-    return err
-
-
-def tree_digest(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
-
 
 def test_cli_error_is_one_line_without_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "train.py", "--out_dir", str(tmp_path / "r"), "--total_batch_size", "1000"],
@@ -446,9 +352,9 @@ def test_block_size_beyond_the_pretrained_positions(monkeypatch, capsys, tmp_pat
 def test_resume_latest_in_an_empty_folder_starts_a_new_run(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
-    proc = launch(TINY + ["--out_dir", str(out), "--resume", "latest", "--max_steps", "1", "--micro_batch_size", "2",
-                          "--total_batch_size", "64"])
-    assert f"no checkpoint in {out} yet: starting a new run" in proc.stdout
+    stdout, _ = train_in_process(TINY + ["--out_dir", str(out), "--resume", "latest", "--max_steps", "1",
+                                         "--micro_batch_size", "2", "--total_batch_size", "64"])
+    assert f"no checkpoint in {out} yet: starting a new run" in stdout
     assert (out / "final" / "model.safetensors").is_file()
 
 
@@ -597,19 +503,15 @@ runpy.run_path("train.py", run_name="__main__")
 
 
 @pytest.mark.slow
-def test_fine_tune_from_hf_weights_resumes_exactly(tmp_path):
+def test_fine_tune_from_hf_weights_resumes_exactly(tiny_hf_gpt2, tmp_path):
     """--init_from a local HF GPT-2 folder; a resumed fine-tune takes its architecture from the checkpoint."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(n_positions=64, n_embd=32, n_layer=2, n_head=2)).save_pretrained(tmp_path / "hf")
-    args = TINY + ["--init_from", str(tmp_path / "hf"), "--max_steps", "4", "--micro_batch_size", "2",
+    args = TINY + ["--init_from", str(tiny_hf_gpt2), "--max_steps", "4", "--micro_batch_size", "2",
                    "--total_batch_size", "64", "--save_every", "2", "--eval_every", "2", "--dropout", "0.1"]
     launch(args + ["--out_dir", str(tmp_path / "ref")])
     launch(args + ["--out_dir", str(tmp_path / "run")], fault="kill_after_step:3", check=False)
     launch(args + ["--out_dir", str(tmp_path / "run"), "--resume", "latest"])
     assert_same_weights(tmp_path / "ref", tmp_path / "run")
-    hf = load_file(tmp_path / "hf" / "model.safetensors")
+    hf = load_file(tiny_hf_gpt2 / "model.safetensors")
     ours = final_weights(tmp_path / "ref")
     assert ours["transformer.h.0.attn.c_attn.weight"].shape == hf["transformer.h.0.attn.c_attn.weight"].shape
     assert not torch.equal(ours["transformer.h.0.attn.c_attn.weight"], hf["transformer.h.0.attn.c_attn.weight"])
