@@ -15,8 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import REPO_ROOT
-from test_train import DDP_ARGS, RESUME_ARGS, assert_same_weights, launch, read_metrics
+from conftest import DDP_ARGS, REPO_ROOT, RESUME_ARGS, assert_same_weights, launch, read_metrics
 
 from common.errors import UserError
 from configs import ModelConfig, OptimConfig

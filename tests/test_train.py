@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -34,6 +35,8 @@ from conftest import (
     tree_digest,
 )
 from safetensors.torch import load_file
+
+from model import GPT, GPTConfig
 
 # The helpers (TINY, RESUME_ARGS, DDP_ARGS, launch, ...) and the reference runs `uninterrupted` and `ddp_run`
 # (built once per session) are in conftest.py.
@@ -515,3 +518,16 @@ def test_fine_tune_from_hf_weights_resumes_exactly(tiny_hf_gpt2, tmp_path):
     ours = final_weights(tmp_path / "ref")
     assert ours["transformer.h.0.attn.c_attn.weight"].shape == hf["transformer.h.0.attn.c_attn.weight"].shape
     assert not torch.equal(ours["transformer.h.0.attn.c_attn.weight"], hf["transformer.h.0.attn.c_attn.weight"])
+
+
+def test_the_header_counts_every_parameter_as_the_optimizer_line_does(tmp_path):
+    """The header's model size is every parameter, tied ones once, the position embeddings too: the sum of the
+    optimizer line's parts. A 512-position model makes the 16,384 position weights show at two decimals."""
+    out, _ = train_in_process(TINY + ["--block_size", "512", "--val_tokens", "1024", "--micro_batch_size", "1",
+                                      "--total_batch_size", "512", "--max_steps", "1", "--sample_tokens", "0",
+                                      "--out_dir", str(tmp_path / "run")])
+    header = re.search(r"GPT (\d+\.\d\d)M params", out)
+    optimizer = re.search(r"optimizer: AdamW .* on all (\d+\.\d\d)M trainable params", out)
+    assert header and optimizer, out[:2000]
+    every = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=512)).num_params(non_embedding=False)
+    assert header.group(1) == optimizer.group(1) == f"{every / 1e6:.2f}"
