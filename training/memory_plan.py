@@ -30,14 +30,15 @@ fewer activations (it recomputes cheap ones), so a compiled run needs less, not 
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field, replace
 
 from common.errors import UserError
 from model.config import SIZES, GPTConfig
 from model.loss import LOSS_CHUNK_ROWS
+from training.network import scratch_architecture
 from training.optim import plan_optimizers
+from training.processes import BatchGeometry
 
 GiB = 2**30
 GB = 10**9
@@ -377,8 +378,7 @@ def exit_after_plan(cfg):
         return cfg
     model = cfg.model
     if model.from_scratch:
-        config = GPTConfig(block_size=model.block_size, n_layer=model.n_layer, n_head=model.n_head,
-                           n_embd=model.n_embd, dropout=model.dropout, bias=model.bias)
+        config = scratch_architecture(model)
     elif model.init_from.split("/")[-1] in SIZES:
         config = model_config(model.init_from, model.block_size)
     else:
@@ -386,12 +386,12 @@ def exit_after_plan(cfg):
                         f"--init_from {model.init_from}; plan the same shape with --init_from scratch and its "
                         "--n_layer, --n_head, --n_embd")
     env = launch_environment()
-    per_step = cfg.training.micro_batch_size * config.block_size * int(env["processes"])
-    launch = Launch(micro_batch_size=cfg.training.micro_batch_size, processes=int(env["processes"]),
+    geometry = BatchGeometry.for_total(cfg.training.total_batch_size, cfg.training.micro_batch_size,
+                                       config.block_size, int(env["processes"]))  # the run's rule, and refusal
+    launch = Launch(micro_batch_size=geometry.micro_batch_size, processes=geometry.world_size,
                     fsdp=bool(env["fsdp"]), activation_checkpointing=cfg.training.activation_checkpointing,
                     optimizer=plan_optimizers(cfg.optim, model).kind,  # --optimizer auto resolved as a run does
-                    dtype=str(env["dtype"]), accumulation=max(1, math.ceil(cfg.training.total_batch_size / per_step)),
-                    device=str(env["device"]))
+                    dtype=str(env["dtype"]), accumulation=geometry.accumulation, device=str(env["device"]))
     if int(os.environ.get("RANK", "0")) == 0:
         print(render(plan_memory(config, launch), device_bytes_here(),
                      Spelling(fsdp="accelerate_configs/fsdp_8gpu.yaml (FSDP2)", processes="--num_processes")))

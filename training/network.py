@@ -48,10 +48,15 @@ def ignored_shape_flags(cfg: ModelConfig, arch: GPTConfig) -> list[str]:
             if getattr(cfg, name) not in (getattr(arch, name), getattr(defaults, name))]
 
 
+def scratch_architecture(cfg: ModelConfig) -> GPTConfig:
+    """The architecture the flags describe, for a run from scratch (and the memory plan of one)."""
+    return GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size,
+                     dropout=cfg.dropout, bias=cfg.bias)
+
+
 def _network(cfg: ModelConfig, weights: Weights | None, resume: ResumePoint | None) -> GPT:
     if cfg.from_scratch:
-        return GPT(GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size,
-                             dropout=cfg.dropout, bias=cfg.bias))
+        return GPT(scratch_architecture(cfg))
     if resume is not None and not cfg.lora_rank:  # a LoRA checkpoint holds no base weights: init_from has them
         try:
             arch = GPTConfig(**{**resume.gpt_config, "block_size": cfg.block_size, "dropout": cfg.dropout})
