@@ -140,9 +140,10 @@ class GPT(nn.Module):
         is None unless `all_logits=True`: a (B, T, V) fp32 tensor is the largest one in training and
         the loss does not need it returned (accelerate would also cast it to fp32 again). Without
         targets, only the last position's logits (B, 1, V), or all positions with `all_logits=True`.
-        Logits cover the real `vocab_size` ids only, never the padding rows. In training (grad enabled,
-        "mean" or "sum", no `all_logits`) the loss comes from `model.loss.chunked_cross_entropy`, which
-        never holds the full logits; otherwise from F.cross_entropy over them.
+        Logits cover the real `vocab_size` ids only, never the padding rows. Without `all_logits` the loss
+        comes from `model.loss.chunked_cross_entropy`, which never holds the full logits (in evaluation mode
+        with the output layer in fp32, as `_logits`); only a per-token loss ("none") that needs gradients, or
+        `all_logits`, takes F.cross_entropy over the full logits.
         `kv_cache` (a list, filled in place) is for `generate`: pass `[]` to start one.
         """
         B, T = idx.shape
@@ -176,9 +177,15 @@ class GPT(nn.Module):
             return self._logits(x)[..., :V].contiguous(), None
         if loss_reduction not in ("mean", "sum", "none"):
             raise ValueError(f"loss_reduction must be 'mean', 'sum' or 'none', not {loss_reduction!r}")
-        if self.training and torch.is_grad_enabled() and loss_reduction != "none" and not all_logits:
-            # Training: the loss and its gradients chunk by chunk, never holding the (B*T, V) logits.
-            return None, chunked_cross_entropy(x, self.lm_head.weight, targets, V, loss_reduction)
+        weight = self.lm_head.weight
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        if not all_logits and (loss_reduction != "none" or not needs_grad):
+            # The loss (and in training its gradients) chunk by chunk, never holding the (B*T, V) logits: the
+            # validation loss and HellaSwag's per-token scores peak no higher than a training step.
+            if self.training:
+                return None, chunked_cross_entropy(x, weight, targets, V, loss_reduction)
+            with torch.autocast(x.device.type, enabled=False):  # evaluation's output layer in fp32 (see _logits)
+                return None, chunked_cross_entropy(x.float(), weight.float(), targets, V, loss_reduction)
         # The matmul runs over all padded rows (aligned sizes are what make it fast on tensor cores);
         # a bias of -inf on the padding columns, fused into the matmul, gives them no probability: the
         # loss is exactly the one over the real vocabulary, and no (B, T, V) tensor is written twice.

@@ -8,13 +8,18 @@ hidden states and to the output weight, then drops the chunk. The backward only 
 gradients by the incoming one. Nothing is recomputed; what stays alive from forward to backward is one
 (tokens x n_embd) and one weight-sized tensor.
 
+Without gradients (evaluation) the same walk gives the loss alone, also per token (`reduction="none"`), so the
+validation loss and HellaSwag's per-token scores never hold the full logits either.
+
 Invariants: the loss and both gradients equal `F.cross_entropy(F.linear(x, weight), targets)` over the
 first `n_valid` columns (the rest is the embedding's padding, given no probability), targets of -100
-ignored, to float rounding (fp32: ~1e-7 relative). Under autocast the matmuls run in the autocast dtype
-and the softmax in fp32, as the plain computation does; the weight gradient is accumulated over chunks
-in the weight's dtype (fp32), one rounding per chunk.
+ignored (a loss of 0 per ignored token with "none"), to float rounding (fp32: ~1e-7 relative). Under
+autocast the matmuls run in the autocast dtype and the softmax in fp32, as the plain computation does; the
+weight gradient is accumulated over chunks in the weight's dtype (fp32), one rounding per chunk.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch.nn import functional as F
@@ -31,59 +36,80 @@ def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.
     """Cross-entropy of `x @ weight.T` (columns from `n_valid` on excluded) against `targets`.
 
     x: (..., C) hidden states; weight: (V, C); targets: (...) ids, -100 = ignore. `reduction`: "mean"
-    over the non-ignored targets (NaN when there is none, like F.cross_entropy) or "sum"."""
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"chunked_cross_entropy supports reduction 'mean' or 'sum', not {reduction!r}")
+    over the non-ignored targets (NaN when there is none, like F.cross_entropy), "sum", or "none" (targets'
+    shape, 0 at ignored ones; only without gradients: a per-token loss's backward would need the logits again)."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"chunked_cross_entropy supports reduction 'mean', 'sum' or 'none', not {reduction!r}")
+    if reduction == "none":
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            raise ValueError("chunked_cross_entropy's reduction 'none' gives no gradients; use 'mean' or 'sum'")
+        with torch.no_grad():
+            rows = _walk(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1), n_valid, need_x=False, need_w=False)
+        return rows.losses.view(targets.shape)
     return _ChunkedCrossEntropy.apply(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1), n_valid,
                                       reduction == "mean")
+
+
+class _Walk(NamedTuple):
+    losses: torch.Tensor  # (tokens,) fp32, 0 at ignored targets
+    grad_x: torch.Tensor | None  # d(sum of losses) / dx, when asked for
+    grad_w: torch.Tensor | None  # d(sum of losses) / dweight, when asked for
+
+
+def _walk(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid: int, need_x: bool,
+          need_w: bool) -> _Walk:
+    """The chunk walk: x (N, C), weight (V, C), targets (N,). Each chunk's logits, its per-token losses and, when
+    asked for, the gradients of the losses' sum; no (N, V) tensor is ever held."""
+    # Under autocast, matmul's result is in the autocast dtype and cannot be accumulated in place
+    # into the fp32 weight gradient by addmm_; a separate product + add keeps that sum in fp32.
+    autocast = torch.is_autocast_enabled(x.device.type)
+    grad_x = torch.empty_like(x) if need_x else None
+    grad_w = torch.zeros_like(weight) if need_w else None
+    losses = torch.empty(x.size(0), device=x.device, dtype=torch.float32)
+    # One fp32 logits buffer for every chunk, and no other (rows x V) tensor: each one is a fresh
+    # allocation, which on a CPU costs zero-filling its pages again (100 MB a chunk for GPT-2).
+    buffer = torch.empty(min(x.size(0), LOSS_CHUNK_ROWS), weight.size(0), device=x.device, dtype=torch.float32)
+    for start in range(0, x.size(0), LOSS_CHUNK_ROWS):
+        xc, tc = x[start:start + LOSS_CHUNK_ROWS], targets[start:start + LOSS_CHUNK_ROWS]
+        logits = buffer[:xc.size(0)]  # (rows, V) in fp32, as F.cross_entropy would upcast them
+        if autocast:
+            logits.copy_(F.linear(xc, weight))
+        else:
+            torch.mm(xc, weight.t(), out=logits)
+        if n_valid < logits.size(1):
+            logits[:, n_valid:] = float("-inf")
+        valid = tc != IGNORE
+        safe_tc = tc.clamp(min=0).unsqueeze(1)  # an index for every row; ignored rows are masked below
+        target_logit = logits.gather(1, safe_tc).squeeze(1)
+        # logsumexp and the softmax in place: exp(logits - max), its row sums, then / sum.
+        row_max = logits.amax(dim=1, keepdim=True)
+        sums = logits.sub_(row_max).exp_().sum(dim=1, keepdim=True)
+        lse = (row_max + sums.log()).squeeze(1)
+        losses[start:start + LOSS_CHUNK_ROWS] = torch.where(valid, lse - target_logit, 0.0)
+        if not (need_x or need_w):
+            continue
+        # d loss / d logits = softmax - one_hot(target); an ignored row contributes no gradient (x 0).
+        logits.mul_(torch.where(valid.unsqueeze(1), sums.reciprocal(), 0.0))
+        logits.scatter_add_(1, safe_tc, -valid.unsqueeze(1).to(logits.dtype))
+        if need_x:
+            grad_x[start:start + LOSS_CHUNK_ROWS] = logits @ weight
+        if need_w:
+            if autocast:
+                grad_w += logits.t() @ xc
+            else:
+                grad_w.addmm_(logits.t(), xc)
+    return _Walk(losses, grad_x, grad_w)
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid: int,
                 mean: bool) -> torch.Tensor:
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        # Under autocast, matmul's result is in the autocast dtype and cannot be accumulated in place
-        # into the fp32 weight gradient by addmm_; a separate product + add keeps that sum in fp32.
-        autocast = torch.is_autocast_enabled(x.device.type)
-        grad_x = torch.empty_like(x) if need_x else None
-        grad_w = torch.zeros_like(weight) if need_w else None
-        loss = torch.zeros((), device=x.device, dtype=torch.float32)
-        # One fp32 logits buffer for every chunk, and no other (rows x V) tensor: each one is a fresh
-        # allocation, which on a CPU costs zero-filling its pages again (100 MB a chunk for GPT-2).
-        buffer = torch.empty(min(x.size(0), LOSS_CHUNK_ROWS), weight.size(0), device=x.device, dtype=torch.float32)
-        for start in range(0, x.size(0), LOSS_CHUNK_ROWS):
-            xc, tc = x[start:start + LOSS_CHUNK_ROWS], targets[start:start + LOSS_CHUNK_ROWS]
-            logits = buffer[:xc.size(0)]  # (rows, V) in fp32, as F.cross_entropy would upcast them
-            if autocast:
-                logits.copy_(F.linear(xc, weight))
-            else:
-                torch.mm(xc, weight.t(), out=logits)
-            if n_valid < logits.size(1):
-                logits[:, n_valid:] = float("-inf")
-            valid = tc != IGNORE
-            safe_tc = tc.clamp(min=0).unsqueeze(1)  # an index for every row; ignored rows are masked below
-            target_logit = logits.gather(1, safe_tc).squeeze(1)
-            # logsumexp and the softmax in place: exp(logits - max), its row sums, then / sum.
-            row_max = logits.amax(dim=1, keepdim=True)
-            sums = logits.sub_(row_max).exp_().sum(dim=1, keepdim=True)
-            lse = (row_max + sums.log()).squeeze(1)
-            loss += torch.where(valid, lse - target_logit, 0.0).sum()
-            if not (need_x or need_w):
-                continue
-            # d loss / d logits = softmax - one_hot(target); an ignored row contributes no gradient (x 0).
-            logits.mul_(torch.where(valid.unsqueeze(1), sums.reciprocal(), 0.0))
-            logits.scatter_add_(1, safe_tc, -valid.unsqueeze(1).to(logits.dtype))
-            if need_x:
-                grad_x[start:start + LOSS_CHUNK_ROWS] = logits @ weight
-            if need_w:
-                if autocast:
-                    grad_w += logits.t() @ xc
-                else:
-                    grad_w.addmm_(logits.t(), xc)
+        walk = _walk(x, weight, targets, n_valid, need_x=ctx.needs_input_grad[0], need_w=ctx.needs_input_grad[1])
+        loss = walk.losses.sum()
         count = (targets != IGNORE).sum().to(torch.float32)
         ctx.mean = mean
-        ctx.save_for_backward(grad_x, grad_w, count)
+        ctx.save_for_backward(walk.grad_x, walk.grad_w, count)
         return loss / count if mean else loss
 
     @staticmethod

@@ -96,8 +96,21 @@ def test_frozen_weight_gets_no_gradient_and_x_still_does():
 
 def test_bad_reduction():
     x, w, targets = inputs()
-    with pytest.raises(ValueError, match="'mean' or 'sum'"):
-        chunked_cross_entropy(x, w, targets, N_VALID, "none")
+    with pytest.raises(ValueError, match="'mean', 'sum' or 'none'"):
+        chunked_cross_entropy(x, w, targets, N_VALID, "max")
+    with pytest.raises(ValueError, match="gives no gradients"):  # a per-token loss's backward is not kept
+        chunked_cross_entropy(x, w.requires_grad_(), targets, N_VALID, "none")
+
+
+def test_per_token_losses_without_gradients_equal_plain_cross_entropy():
+    """Evaluation's reduction "none" (HellaSwag scores each token): the plain per-token losses, 0 where ignored."""
+    x, w, targets = inputs(2)
+    with torch.no_grad():
+        ours = chunked_cross_entropy(x.view(5, 10, C), w, targets.view(5, 10), N_VALID, "none")
+    ref = plain(x, w, targets, "none").view(5, 10)
+    assert ours.shape == (5, 10) and ours.dtype == torch.float32
+    assert rel_err(ours, ref) <= 1e-6
+    assert (ours.view(-1)[::5] == 0).all()
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +151,21 @@ def test_gpt_under_torch_compile(gpt_and_batch):
     assert rel_err(loss, ref_loss) <= 1e-6
     for name in ref:
         assert rel_err(ours[name], ref[name]) <= 1e-5, name
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_gpt_evaluation_loss_is_chunked_in_fp32_and_equals_the_full_logits_path(gpt_and_batch, reduction,
+                                                                                monkeypatch):
+    """Evaluation (eval mode, no grad, under bf16 autocast as a bf16 run evaluates): the chunked walk, never the
+    full logits (F.cross_entropy is not called), with the output layer in fp32 as `all_logits` computes it."""
+    gpt, x, y = gpt_and_batch
+    gpt.eval()
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            _, ref = gpt(x, y, loss_reduction=reduction, all_logits=True)
+            monkeypatch.setattr(F, "cross_entropy", lambda *a, **k: pytest.fail("full logits in evaluation"))
+            _, ours = gpt(x, y, loss_reduction=reduction)
+    finally:
+        gpt.train()
+    assert ours.shape == ref.shape and ours.dtype == torch.float32
+    assert rel_err(ours, ref) <= 1e-6
