@@ -10,8 +10,9 @@ forward and backward in training mode, fp32, then an AdamW step (its two state t
 the chunked loss for F.cross_entropy over the full padded logits, which is what `GPT.forward` computed before it.
 "on" sets `GPT.activation_checkpointing` (what `--activation_checkpointing` does in train.py). With `--repeats N`
 the settings take turns N times (A, B, A, B), so a load that changes over time falls on both alike. Each process
-first sets glibc's mmap threshold as train.py does on a CPU (`--malloc default` keeps glibc's own, which retains
-freed activation memory: see training.processes.return_freed_memory_to_the_os).
+first sets the CPU allocator as train.py does (glibc's mmap and trim thresholds, huge pages for large tensors;
+`--malloc default` keeps glibc's and torch's own, which retain freed activation memory: see
+training.processes.return_freed_memory_to_the_os).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import model.gpt
 from common.cli import CliParser
 from common.errors import run_cli
 from model import GPT, GPTConfig
-from training.processes import return_freed_memory_to_the_os
+from training.processes import return_freed_memory_to_the_os, use_transparent_huge_pages
 
 
 def plain_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid: int,
@@ -43,6 +44,7 @@ def plain_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Te
 def one_step(size: str, micro_batch_size: int, loss: str, activation_checkpointing: str, malloc: str) -> None:
     if malloc == "train":
         assert return_freed_memory_to_the_os(), "not glibc: --malloc train changes nothing here"
+        use_transparent_huge_pages()  # before the first tensor, as in train.py
     if loss == "plain":
         model.gpt.chunked_cross_entropy = plain_cross_entropy
     torch.manual_seed(0)
@@ -75,8 +77,8 @@ def main() -> None:
     parser.add_argument("--activation_checkpointing", choices=("both", "off", "on"), default="both",
                         help="both: one subprocess for each")
     parser.add_argument("--malloc", choices=("train", "default"), default="train",
-                        help="train: glibc's mmap threshold fixed at 1 MiB, as train.py sets it on a CPU "
-                             "(training.processes.return_freed_memory_to_the_os); default: glibc's own")
+                        help="train: the CPU allocator's settings of train.py (training.processes: glibc's "
+                             "thresholds, huge pages); default: glibc's and torch's own")
     parser.add_argument("--repeats", type=int, default=1, help="measure every setting this many times, in turns")
     args = parser.parse_args()
     if args.loss != "both" and args.activation_checkpointing != "both" and args.repeats == 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -172,6 +173,62 @@ def test_freed_activation_memory_goes_back_to_the_os():
 
     assert grown("train.py") <= 25
     assert grown("glibc") >= 300  # what this test shows is real: the default keeps them
+
+
+REUSE = """
+import resource, sys
+import torch
+from training.processes import return_freed_memory_to_the_os
+if sys.argv[1] == "train.py":
+    assert return_freed_memory_to_the_os()
+else:
+    import ctypes
+    assert ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20) == 1  # the 1 MiB threshold train.py had before
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(50):
+    torch.ones(2 * 2**18)  # a 2 MiB activation, made and freed, as the default run's MLP makes them at every step
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_a_small_models_activations_are_reused_from_the_heap():
+    """The threshold is above a small model's activations: 50 freed and remade 2 MiB tensors fault in their pages
+    once, not 50 times (512 faults each with a 1 MiB threshold: mapped, zeroed and unmapped every time)."""
+    def faults(malloc: str) -> int:
+        proc = subprocess.run([sys.executable, "-c", REUSE, malloc], cwd=REPO_ROOT, capture_output=True, text=True,
+                              env={**os.environ, "THP_MEM_ALLOC_ENABLE": "0"}, check=True)
+        return int(proc.stdout)
+
+    assert faults("train.py") < 2_000
+    assert faults("1 MiB") > 20_000  # what this test shows is real
+
+
+HUGE_PAGES = """
+import torch
+from training.processes import use_transparent_huge_pages
+print(use_transparent_huge_pages())
+kept = torch.ones(64 * 2**18)  # 64 MiB, written
+print(sum(int(line.split()[1]) for line in open("/proc/self/smaps") if line.startswith("AnonHugePages:")))
+"""
+
+
+@pytest.mark.skipif("[madvise]" not in (_THP := (
+    open("/sys/kernel/mm/transparent_hugepage/enabled").read() if os.path.exists(
+        "/sys/kernel/mm/transparent_hugepage/enabled") else "")), reason="needs the kernel's THP mode 'madvise'")
+def test_large_cpu_tensors_get_huge_pages_unless_the_user_says_no():
+    """train.py's setting (training.processes.use_transparent_huge_pages, before the run's first tensor): a 64 MiB
+    tensor lies in 2 MiB pages; a user's THP_MEM_ALLOC_ENABLE=0 is kept, and then it does not."""
+    def huge_kib(**env) -> tuple[str, int]:
+        environ = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+        proc = subprocess.run([sys.executable, "-c", HUGE_PAGES], cwd=REPO_ROOT, capture_output=True, text=True,
+                              env={**environ, **env}, check=True)
+        on, kib = proc.stdout.split()
+        return on, int(kib)
+
+    on, kib = huge_kib()
+    assert on == "True" and kib >= 32 * 1024
+    assert huge_kib(THP_MEM_ALLOC_ENABLE="0") == ("False", 0)
 
 
 # ---- train.py with --activation_checkpointing ---------------------------------------------------------------------
