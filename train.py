@@ -88,7 +88,7 @@ def main() -> None:
         accelerator.print(run_header(accelerator, model, n_params, geometry, plan, lora_summary(cfg.model),
                                      source.describe()))
         # The loop: one optimizer step, then what is due after it (log line, evals, checkpoint, a signal's stop).
-        model.train()
+        model.train()  # dropout on: pretrained weights are loaded in eval mode, as for inference
         preempted = PreemptionFlag(announce=accelerator.is_main_process)  # SIGTERM, SIGUSR1, the first Ctrl-C
         with TerminalBar(total=max_steps, initial=progress.step, show=accelerator.is_main_process, unit="step",
                          dynamic_ncols=True) as bar:  # closed (its line ended) also when an error stops the run
