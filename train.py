@@ -118,7 +118,7 @@ def main() -> None:
         # Shutdown: final/, an orderly end (gloo processes exiting with live tensors and an open group abort now and
         # then), then the final push once the group is gone (no rank waits in a collective during the upload).
         if finished := progress.step == max_steps:
-            export_final(accelerator, model, arch, run, metrics.last_val)  # and what to run next
+            export_final(accelerator, model, arch, run, metrics.last_val, init_weights)  # and what to run next
             if accelerator.is_main_process:  # final/ gets the card and curves the Hub push would upload
                 write_card(run.path, hub_model_id=cfg.hub.hub_model_id if cfg.hub.push_to_hub else None)
         accelerator.wait_for_everyone()
