@@ -88,7 +88,7 @@ def main() -> None:
         accelerator.print(run_header(accelerator, model, n_params, geometry, plan, lora_summary(cfg.model),
                                      source.describe()))
         # The loop: one optimizer step, then what is due after it (log line, evals, checkpoint, a signal's stop).
-        model.train()
+        model.train()  # dropout on: pretrained weights are loaded in eval mode, as for inference
         preempted = PreemptionFlag(announce=accelerator.is_main_process)  # SIGTERM, SIGUSR1, the first Ctrl-C
         with TerminalBar(total=max_steps, initial=progress.step, show=accelerator.is_main_process, unit="step",
                          dynamic_ncols=True) as bar:  # closed (its line ended) also when an error stops the run
@@ -118,7 +118,7 @@ def main() -> None:
         # Shutdown: final/, an orderly end (gloo processes exiting with live tensors and an open group abort now and
         # then), then the final push once the group is gone (no rank waits in a collective during the upload).
         if finished := progress.step == max_steps:
-            export_final(accelerator, model, arch, run, metrics.last_val)  # and what to run next
+            export_final(accelerator, model, arch, run, metrics.last_val, init_weights)  # and what to run next
             if accelerator.is_main_process:  # final/ gets the card and curves the Hub push would upload
                 write_card(run.path, hub_model_id=cfg.hub.hub_model_id if cfg.hub.push_to_hub else None)
         accelerator.wait_for_everyone()

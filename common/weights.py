@@ -32,6 +32,7 @@ from huggingface_hub.constants import (
 
 from common.errors import UserError
 from common.hub_ids import is_repo_id, split_revision
+from common.network import reaching_the_hub
 from common.run_dir import ADAPTER_CONFIG, GPT_CONFIG, RunDir, checkpoint_step
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # the released GPT-2 weights' Hub names
@@ -181,10 +182,14 @@ def _download(repo_id: str, revision: str | None) -> Path:
 
     at = f" --revision {revision}" if revision else ""
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(HUB_FILES)))
-    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
+        # Not cached and the Hub out of reach: snapshot_download's LocalEntryNotFoundError, caused by the request.
+        with reaching_the_hub(f"download model {repo_id}{'@' + revision if revision else ''}", "pass a local folder"):
+            return Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(HUB_FILES)))
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as err:
+        if isinstance(err.__cause__, HfHubHTTPError):  # the Hub answered with an error (a 5xx) and nothing is cached
+            raise _download_failed(repo_id, err.__cause__) from None
         raise UserError(
-            f"cannot fetch {repo_id!r} from the Hugging Face Hub: offline (HF_HUB_OFFLINE=1 or no network) and "
+            f"cannot fetch {repo_id!r} from the Hugging Face Hub: offline (HF_HUB_OFFLINE=1) and "
             f"not in the local Hub cache; download it once with network access "
             f"(`hf download {repo_id}{at}`) or pass a local folder"
         ) from None
@@ -196,5 +201,8 @@ def _download(repo_id: str, revision: str | None) -> Path:
     except RepositoryNotFoundError:
         raise UserError(f"unknown model {repo_id!r}: not a local folder and not a model on the Hub; {_KNOWN}") from None
     except HfHubHTTPError as err:
-        raise UserError(f"downloading {repo_id!r} from the Hub failed ({str(err).splitlines()[0]}); "
-                        "retry later") from None
+        raise _download_failed(repo_id, err) from None
+
+
+def _download_failed(repo_id: str, err: Exception) -> UserError:
+    return UserError(f"downloading {repo_id!r} from the Hub failed ({str(err).splitlines()[0]}); retry later")

@@ -19,8 +19,11 @@ import re
 from dataclasses import dataclass
 
 from common.errors import UserError
+from common.network import reaching_the_hub
 
 PARQUET_BRANCH = "refs/convert/parquet"
+# The way to train on a Hub dataset from a machine that cannot reach the Hub.
+PREPARE_ELSEWHERE = "run `python -m data.prepare` where the Hub is reachable and train on the shard folder"
 # Files that describe a dataset repo rather than hold its data.
 _METADATA = ("README.md", ".gitattributes", ".huggingface.yaml", "dataset_infos.json", "dataset_info.json")
 # The converter's layout (its files are numbered: 0000.parquet, ...); a branch without a README whose every data file
@@ -67,10 +70,16 @@ class HubData:
 @functools.cache
 def locate_hub_dataset(name: str, config: str | None, revision: str | None) -> HubData:
     """Where `name` (at `revision`, main when None) keeps the documents of `config`; see the module docstring."""
+    shown = f"{name}:{config}" if config else name
+    with reaching_the_hub(f"read Hub dataset {shown}", PREPARE_ELSEWHERE):
+        return _locate(name, config, revision, shown)
+
+
+def _locate(name: str, config: str | None, revision: str | None, shown: str) -> HubData:
     from huggingface_hub import HfApi
 
     api = HfApi()
-    info = _info(api, name, revision, shown=f"{name}:{config}" if config else name)
+    info = _info(api, name, revision, shown=shown)
     repo_id, files = info.id or name, [s.rfilename for s in info.siblings or []]
     data = [f for f in files if _is_data(f)]
     if data and "README.md" not in files and all(_CONVERTED.match(f) for f in data):
@@ -109,12 +118,11 @@ def _info(api, name: str, revision: str | None, no_revision: str | None = None, 
                         "`hf auth login`); if you meant a local path, it does not exist") from None
     except (OfflineModeIsEnabled, LocalEntryNotFoundError):
         raise UserError(f"cannot stream Hub dataset {shown or name}: offline (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is "
-                        "set); unset it, or run `python -m data.prepare` where the Hub is reachable and train on the "
-                        "shard folder") from None
-    except (HfHubHTTPError, OSError) as err:  # httpx's network errors are OSErrors too
+                        f"set); unset it, or {PREPARE_ELSEWHERE}") from None
+    except HfHubHTTPError as err:  # the Hub answered, with an error (a connection that failed: `locate_hub_dataset`)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UserError(f"cannot reach the Hub for dataset {name!r} ({first}); check the network and retry, or "
-                        "train on shards made by `python -m data.prepare`") from None
+        raise UserError(f"the Hub failed to answer for dataset {name!r} ({first}); retry later, or "
+                        f"{PREPARE_ELSEWHERE}") from None
 
 
 def _is_data(path: str) -> bool:

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 
 from common.errors import UserError
+from common.network import network_failure, reaching_the_hub
+from data.hub import PREPARE_ELSEWHERE
 from data.tokens import TOKEN_DTYPE, default_threads, encode_documents
 
 VAL_DOCS = 1000
@@ -50,7 +52,7 @@ def transient(err: BaseException) -> bool:
         return status >= 500 or status == 429
     if isinstance(err, (FileNotFoundError, PermissionError)):
         return False
-    return isinstance(err, OSError) or any(c.__name__ == "TransportError" for c in type(err).__mro__)  # httpx's
+    return isinstance(err, OSError) or network_failure(err) is not None
 
 
 def read_with_retries(read, restart, what: str):
@@ -78,9 +80,12 @@ def open_hub_stream(name: str, config: str | None, split: str = "train", data_fi
     import datasets
 
     try:
-        return datasets.load_dataset(name, name=config, split=split, data_files=data_files, revision=revision,
-                                     streaming=True)
-    except Exception as err:  # datasets raises many types (ConnectionError, DatasetNotFoundError, ValueError)
+        with reaching_the_hub(f"stream Hub dataset {name}", PREPARE_ELSEWHERE):
+            return datasets.load_dataset(name, name=config, split=split, data_files=data_files, revision=revision,
+                                         streaming=True)
+    except UserError:
+        raise
+    except Exception as err:  # datasets raises many types (DatasetNotFoundError, ValueError, ...)
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(
             f"cannot stream Hub dataset {name!r} (config {config!r}, split {split!r}): {first_line}; check the "

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from common.errors import UserError, run_cli
+from common.network import reaching_the_hub
 from common.run_dir import RunDir, checkpoint_step
 from common.weights import Kind, resolve_weights
 
@@ -131,9 +132,12 @@ def run_harness(
     try:
         model_args = {"pretrained": weights.pretrained, **({"revision": weights.revision} if weights.revision else {}),
                       **({"tokenizer": weights.tokenizer} if weights.tokenizer else {})}
-        return simple_evaluate(model="hf", model_args=model_args, tasks=list(tasks),
-                               task_manager=task_manager, batch_size=batch_size, device=device, limit=limit,
-                               num_fewshot=num_fewshot, log_samples=log_samples)
+        # The harness downloads a Hub model itself, and the datasets of its built-in tasks.
+        with reaching_the_hub(f"fetch what lm-eval needs (the model {weights.pretrained}, the tasks' datasets)",
+                              "pass a local --model folder and tasks that read local files (--include_path)"):
+            return simple_evaluate(model="hf", model_args=model_args, tasks=list(tasks),
+                                   task_manager=task_manager, batch_size=batch_size, device=device, limit=limit,
+                                   num_fewshot=num_fewshot, log_samples=log_samples)
     except AssertionError as err:
         # The harness asserts (without a message) that every continuation fits in the model's context, where
         # eval.hellaswag cuts on the left and goes on; name the likely cause instead of a bare traceback.

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import UserError
+from common.network import reaching_the_hub
 
 HUB_DATASET = "Rowan/hellaswag"
 N_ENDINGS = 4
@@ -95,8 +96,11 @@ def _load_hub(flag: str) -> list[Any]:
         raise UserError("the `datasets` package is needed to fetch HellaSwag from the Hub; "
                         f"install it or pass a local jsonl with {flag}") from err
     try:
-        return list(datasets.load_dataset(HUB_DATASET, split="validation"))
-    except Exception as err:  # offline, gated, renamed: all end in the same advice
+        with reaching_the_hub(f"load {HUB_DATASET}", f"pass a local HellaSwag jsonl with {flag}"):
+            return list(datasets.load_dataset(HUB_DATASET, split="validation"))
+    except UserError:
+        raise
+    except Exception as err:  # gated, renamed, a changed format: all end in the same advice
         raise UserError(f"cannot load {HUB_DATASET} from the Hub ({type(err).__name__}: "
                         f"{str(err).splitlines()[0] if str(err) else ''}); "
                         f"pass a local HellaSwag jsonl with {flag}") from err

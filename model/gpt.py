@@ -278,7 +278,8 @@ class GPT(nn.Module):
     def from_pretrained(cls, name_or_path: str | Path | Weights, block_size: int | None = None,
                         dropout: float | None = None, revision: str | None = None) -> "GPT":
         """Load from a Hub id (at `revision`: a branch, tag or commit), a local HF GPT-2 folder, one of our
-        run or checkpoint folders, or a LoRA run's checkpoint (its base with the adapter merged in).
+        run or checkpoint folders, or a LoRA run's checkpoint (its base with the adapter merged in). The model is in
+        eval mode (no dropout), as transformers' `from_pretrained` returns one; call `.train()` to train it.
 
         `block_size` keeps the first positions (at most the weights' own); `dropout` replaces the saved rate."""
         return pretrained.load(cls, name_or_path, revision=revision, block_size=block_size, dropout=dropout)

@@ -124,12 +124,14 @@ def merge_adapter(base: torch.nn.Module, adapter: Path) -> torch.nn.Module:
     return merged(base)
 
 
-def save_adapter_folder(model: torch.nn.Module, directory: Path) -> None:
-    """Write `model`'s adapter as a PEFT adapter folder for transformers' GPT2LMHeadModel (see the module docstring)."""
+def save_adapter_folder(model: torch.nn.Module, directory: Path, base: str, revision: str | None) -> None:
+    """Write `model`'s adapter as a PEFT adapter folder for transformers' GPT2LMHeadModel (see the module docstring),
+    naming `base` (a Hub id, at `revision`, or a folder transformers loads) as the model it goes on."""
     _peft_model(model).save_pretrained(directory, save_embedding_layers=False)  # only the adapter
     _rewrite_config(directory, fan_in_fan_out=True,  # GPT2LMHeadModel's Conv1D layers hold W transposed
                     task_type="CAUSAL_LM",  # PeftModel.from_pretrained then gives a PeftModelForCausalLM (generate)
-                    auto_mapping=None)  # peft recorded our GPT class here: transformers' GPT-2 is the base to load
+                    auto_mapping=None,  # peft recorded our GPT class here: transformers' GPT-2 is the base to load
+                    base_model_name_or_path=base, revision=revision)  # what AutoPeftModelForCausalLM loads
 
 
 def save_adapter_config(model: torch.nn.Module, directory: Path) -> None:

@@ -42,7 +42,9 @@ WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DDP wrappers
 
 def load(cls: type[torch.nn.Module], source: str | Path | Weights, *, revision: str | None = None,
          block_size: int | None = None, dropout: float | None = None) -> torch.nn.Module:
-    """A `cls` (our GPT) holding the weights `source` names (a spec, resolved here, or resolved `Weights`).
+    """A `cls` (our GPT) holding the weights `source` names (a spec, resolved here, or resolved `Weights`), in
+    eval mode (dropout off), as transformers' `from_pretrained` returns a model: loading is mostly for inference,
+    where GPT-2's dropout would make each forward pass another draw. A trainer calls `.train()` itself.
 
     `block_size` keeps the first positions only (at most the weights' own); `dropout` replaces the saved rate."""
     if isinstance(source, Weights) and revision is not None:
@@ -67,7 +69,7 @@ def load(cls: type[torch.nn.Module], source: str | Path | Weights, *, revision: 
         config = dataclasses.replace(config, block_size=block_size)
     if dropout is not None:
         config = dataclasses.replace(config, dropout=dropout)
-    return build(cls, config, state, weights.name)
+    return build(cls, config, state, weights.name).eval()
 
 
 def read_plain(weights: Weights) -> tuple[GPTConfig, dict[str, torch.Tensor]]:

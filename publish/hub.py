@@ -24,6 +24,7 @@ from safetensors import SafetensorError
 from common.atomic import rename_into_place, temp_path, write_failure
 from common.cli import CliParser
 from common.errors import UserError, run_cli
+from common.network import network_failure
 from common.run_dir import RunDir
 from common.weights import Weights, is_repo_id, resolve_weights
 from publish.card_content import write_model_card
@@ -147,10 +148,8 @@ def _explain(err: Exception, hub_model_id: str, endpoint: str) -> str | None:
         return f"the Hub at {endpoint} answered {status} ({first})"
     if isinstance(err, OfflineModeIsEnabled):
         return "HF_HUB_OFFLINE is set; unset it to push"
-    # Connection failures come from the HTTP stack (httpx/httpcore, or requests on older clients).
-    if isinstance(err, (ConnectionError, TimeoutError)) or type(err).__module__.split(".")[0] in (
-            "httpx", "httpx2", "httpcore", "httpcore2", "requests", "urllib3"):
-        return f"could not reach the Hub at {endpoint} ({type(err).__name__}); check the network and HF_ENDPOINT"
+    if (cause := network_failure(err)) is not None:
+        return f"could not reach the Hub at {endpoint} ({type(cause).__name__}); check the network and HF_ENDPOINT"
     return None
 
 

@@ -259,7 +259,7 @@ def test_bad_items_raise_user_error(tmp_path, change, message):
 
 def test_hub_copy_offline_gives_user_error():
     pytest.importorskip("datasets")
-    with pytest.raises(UserError, match=r"cannot load Rowan/hellaswag from the Hub .*--data"):
+    with pytest.raises(UserError, match=r"cannot load Rowan/hellaswag from the Hub: offline .*--data"):
         load_items(None)  # conftest keeps the Hub offline
 
 

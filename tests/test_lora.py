@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, assert_same_weights, launch, run_in_process, tree_digest
+from conftest import TINY, assert_same_weights, launch, run_in_process, train_in_process, tree_digest
 from safetensors.torch import load_file
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -126,6 +126,36 @@ def test_two_process_lora_run_killed_and_resumed_is_bit_exact_and_equals_one_pro
     for name in ("adapter_model.safetensors", "adapter_config.json"):
         assert (out / "final_adapter" / name).read_bytes() == (whole / "final_adapter" / name).read_bytes()
     assert_same_weights(reference[0], whole, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_final_adapter_loads_by_itself_through_auto_peft_model(base, tmp_path, monkeypatch):
+    """The user's case: a LoRA run on a run of ours (`--init_from` a run folder, whose final/ is the tiny GPT-2),
+    given as a relative path. peft's AutoPeftModelForCausalLM loads final_adapter/ with nothing else (the base is
+    the folder its config names), from another working directory, and gives final/'s merged logits."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(base, tmp_path / "pretrained" / "final")
+    monkeypatch.chdir(tmp_path)
+    train_in_process(lora_args(Path("pretrained")) + ["--out_dir", "lora"])
+    monkeypatch.chdir(tmp_path / "lora")  # a base named relative to where the run started would not be found here
+    x = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        adapted = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "lora" / "final_adapter").eval()(x).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "lora" / "final").eval()(x).logits
+        plain = AutoModelForCausalLM.from_pretrained(base).eval()(x).logits
+    torch.testing.assert_close(adapted, merged, atol=1e-5, rtol=0)
+    assert (plain - merged).abs().max() > 1e-2  # the adapter changed the model
+
+
+def test_final_adapter_names_a_hub_base_at_the_commit_the_run_downloaded(tmp_path):
+    from common.weights import Kind, Weights
+    from training.lora import loadable_base
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    downloaded = Weights(Kind.HUB, "gpt2", tmp_path / "models--gpt2" / "snapshots" / commit, revision="main")
+    assert loadable_base(downloaded) == ("gpt2", commit)
 
 
 def test_only_adapter_matrices_get_gradients():

@@ -61,6 +61,12 @@ def http_error(cls: type[Exception], message: str) -> Exception:
     return cls(message, response=SimpleNamespace(headers={}, request=None))
 
 
+def caused_by(error: Exception, cause: Exception) -> Exception:
+    """`error` as raised `from cause`."""
+    error.__cause__ = cause
+    return error
+
+
 # --- what each kind of spec resolves to -------------------------------------------------------
 
 
@@ -194,6 +200,10 @@ def test_the_revision_and_the_safetensors_only_patterns_reach_the_download(tmp_p
      "'someone/x' has no revision 'nope' on the Hub; pass an existing branch, tag or commit of it, or no revision "
      "for main"),
     (lambda: http_error(hub_errors.HfHubHTTPError, "500 Server Error: boom\nsecond line"),
+     "downloading 'someone/x' from the Hub failed (500 Server Error: boom); retry later"),
+    # snapshot_download's answer to a 5xx with nothing cached (docs/hub_reads.md): not "offline"
+    (lambda: caused_by(hub_errors.LocalEntryNotFoundError("Got: HfHubHTTPError: 500 ..."),
+                       http_error(hub_errors.HfHubHTTPError, "500 Server Error: boom")),
      "downloading 'someone/x' from the Hub failed (500 Server Error: boom); retry later"),
 ])
 def test_hub_failures_are_one_line(tmp_path, monkeypatch, error, message):

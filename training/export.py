@@ -13,20 +13,24 @@ from safetensors import SafetensorError
 from common.atomic import fresh_temp_dir, rename_into_place, write_failure
 from common.errors import UserError
 from common.run_dir import RunDir
+from common.weights import Weights
 from model import GPT, GPTConfig
 from model.pretrained import strip_wrapper_prefixes
 
 
 def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConfig, run: RunDir,
-                 last_val: tuple[int, float] | None = None) -> None:
+                 last_val: tuple[int, float] | None = None, init_weights: Weights | None = None) -> None:
     """Write `final/` from the trained weights (gathered from every rank under FSDP), atomically; call on every rank.
-    Then say where it is, the run's last validation loss (`last_val`: step, loss) and what to run next."""
+    Then say where it is, the run's last validation loss (`last_val`: step, loss) and what to run next.
+    `init_weights`: what `--init_from` resolved to, the base a LoRA run's `final_adapter/` names."""
     module = accelerator.unwrap_model(model, keep_torch_compile=False)
     if hasattr(module, "peft_config"):  # a LoRA run (never FSDP): the adapter first, final/ last marks the end
         if accelerator.is_main_process:
             from model.lora import merged, save_adapter_folder
+            from training.lora import loadable_base
 
-            _write(run, run.final_adapter, lambda tmp: save_adapter_folder(module, tmp))
+            base, revision = loadable_base(init_weights)
+            _write(run, run.final_adapter, lambda tmp: save_adapter_folder(module, tmp, base, revision))
             _write(run, run.final, lambda tmp: merged(module).save_pretrained(tmp, overwrite=True))
             accelerator.print(f"final model (adapter merged) written to {run.final}, the adapter to "
                               f"{run.final_adapter}")

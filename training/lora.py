@@ -9,7 +9,8 @@ What changes against a full fine-tune, and where:
   every file.
 - `check_resume` (from `training.network.build_model`, before any weights are read): a LoRA checkpoint resumes
   only as a LoRA run with the same settings on the same base, a full one only as a full run.
-- `training.export.export_final` writes `final/` merged and `final_adapter/` (see `model.lora`).
+- `training.export.export_final` writes `final/` merged and `final_adapter/` (see `model.lora`), whose config names
+  its base so that it loads by itself (`loadable_base`).
 
 peft is imported only here and in `model.lora`, and only for a LoRA run (the GPU image may lack it).
 """
@@ -32,6 +33,17 @@ def base_name(weights: Weights) -> str:
     """How the adapter config names its base weights: an absolute path for a local folder (a resume or a loader
     from another working directory finds the same folder), the Hub id otherwise (its revision goes beside it)."""
     return weights.spec if weights.kind is Kind.HUB else str(Path(weights.spec).expanduser().resolve())
+
+
+def loadable_base(weights: Weights) -> tuple[str, str | None]:
+    """How `final_adapter/` names its base (`base_model_name_or_path`, `revision`), for a loader that has only that
+    folder: peft's `AutoPeftModelForCausalLM` loads the base with transformers from those two. A Hub repo is its id
+    at the commit the run downloaded; local weights are the absolute path of the folder they were read from (for a
+    run folder given as `--init_from`, its final/: transformers cannot load a run folder). The checkpoints keep
+    `base_name`, the name a resume is checked against."""
+    if weights.kind is Kind.HUB:
+        return weights.spec, weights.commit or weights.revision
+    return str(weights.folder.resolve()), None
 
 
 def _config(cfg: ModelConfig, weights: Weights):

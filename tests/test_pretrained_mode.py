@@ -1,0 +1,54 @@
+"""Loaded weights compute one function: `GPT.from_pretrained` returns the model in eval mode (dropout off), as
+transformers' `from_pretrained` does, so the README's Python API gives the same loss and the same greedy text on
+every call; and a fine-tune from loaded weights still trains with dropout on.
+
+The model is the session's tiny GPT-2 folder (tests/conftest.py), saved by transformers with GPT-2's dropout of 0.1.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from conftest import REPO_ROOT, TINY, train_in_process
+
+README_MODEL = '"out/shakespeare"'  # the weights the README's snippet loads, replaced by the tiny folder
+
+
+def readme_python_api() -> str:
+    """The code block of the README's "Python API" section, as written there."""
+    section = (REPO_ROOT / "README.md").read_text(encoding="utf-8").split("\n## Python API\n", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readme_api_gives_the_same_loss_and_greedy_text_on_every_call(tiny_hf_gpt2: Path, tmp_path, monkeypatch,
+                                                                          capsys):
+    code = readme_python_api()
+    assert README_MODEL in code, "the README's snippet changed: update README_MODEL"
+    monkeypatch.chdir(tmp_path)  # its save_pretrained("export/") writes here
+    names: dict = {}
+    exec(compile(code.replace(README_MODEL, repr(str(tiny_hf_gpt2))), "README.md (Python API)", "exec"), names)
+    model, idx = names["model"], names["idx"]
+    assert model.config.dropout == 0.1  # GPT-2's: a model left in training mode would draw other masks each call
+    again = model(idx[:, :-1], idx[:, 1:])[1]
+    assert torch.equal(names["loss"], again), (names["loss"].item(), again.item())
+    greedy = [model.generate(idx, max_new_tokens=20, temperature=0) for _ in range(2)]
+    assert torch.equal(greedy[0], greedy[1])
+    assert capsys.readouterr().out  # the snippet printed its sample
+
+
+def test_a_fine_tune_from_loaded_weights_trains_with_dropout(tiny_hf_gpt2: Path, tmp_path, monkeypatch):
+    """Every module is in training mode at every step (evaluations in between included), though the weights
+    were loaded in eval mode."""
+    import train
+
+    modes, step = [], train.train_step
+
+    def recording_step(accelerator, model, *args, **kwargs):
+        modes.append({m.training for m in model.modules()})
+        return step(accelerator, model, *args, **kwargs)
+
+    monkeypatch.setattr(train, "train_step", recording_step)
+    train_in_process([*TINY, "--init_from", str(tiny_hf_gpt2), "--dropout", "0.1", "--max_steps", "2",
+                      "--micro_batch_size", "2", "--total_batch_size", "64", "--eval_every", "1",
+                      "--out_dir", str(tmp_path / "run")])
+    assert modes == [{True}, {True}]
