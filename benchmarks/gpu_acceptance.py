@@ -10,14 +10,26 @@ what it measured. An acceptance.json already in DIR is kept and updated stage by
 over several calls (the device tool allows 10 minutes per command) ends in one file.
 
 Each stage is its own subprocess with its own time limit, so a crash, a hang or a CUDA OOM in one stage
-costs that stage only. The stages reuse the project's own entry points: pytest, `benchmarks.bench_train`
-(train.py's step against a bare PyTorch loop), `accelerate launch ... train.py` (through
-tests/fault_train.py for the kill), `benchmarks.bench_hellaswag`.
+costs that stage only; a stage past its limit is ended and reported as `timeout`. The stages reuse the
+project's own entry points: pytest, `benchmarks.bench_train` (train.py's step against a bare PyTorch loop),
+`accelerate launch ... train.py` (through tests/fault_train.py for the kill), `benchmarks.bench_hellaswag`.
 
 Script or module: `python benchmarks/gpu_acceptance.py` (the form outside scripts use) and
 `python -m benchmarks.gpu_acceptance` both work without a sys.path edit or a re-exec, because this file
 imports only the standard library: everything that needs the repo runs in a subprocess started in the
 repo root with `python -m ...`, the way the other benchmarks are run.
+
+Time limits. The GPU run's are its real budgets (`Stage.budget_s`): they are part of what it accepts. The
+`--smoke` run proves the plumbing, not any speed, so its budgets (`Stage.smoke_budget_s`) are not asserted: a
+stage past its budget goes on, and passes if it does what it must. Its limit only ends a hang: SMOKE_HANG_FACTOR
+times its budget, so that a slow or busy machine does not fail the run (issue 36: on a 2-core machine shared
+with other jobs, `train_resume` timed out at its 150 s). Beside other jobs on the machine (load average 4 to 5
+on the 2 cores, 2026-11-25) the smoke run took 307 s, against about 90 s quiet, and each stage 0.3 to 0.8 of
+its budget: a machine would have to be some 6 times slower still before a stage that does not hang times out.
+A hang is still ended at its limit and reported as `timeout`. Limits that scale with a calibration were tried
+and dropped: a short pure-Python loop timed before each stage measured a slowdown of 1.0 to 1.8 in that same
+run, because between stages it does not compete for the cores as the stages' processes do. A smoke run has no
+limit for the whole call unless `--budget` is given (the GPU run's default is 20 minutes).
 """
 from __future__ import annotations
 
@@ -44,6 +56,11 @@ HELLASWAG_NAME = "hellaswag_val_approx.jsonl.gz"
 HELLASWAG_PLACES = [ROOT.parent / "shared" / "assets" / HELLASWAG_NAME, ROOT / "shared" / "assets" / HELLASWAG_NAME]
 HELLASWAG_TINY = ROOT / "tests" / "fixtures" / "eval" / "hellaswag_tiny.jsonl"
 FSDP_SKIP = "skipped: FSDP needs an accelerator (accelerate falls back to DDP on CPU)"
+
+# --smoke ends a stage only as a hang, at this many times its smoke budget (the module docstring, "Time limits").
+SMOKE_HANG_FACTOR = 5
+# The GPU run's default --budget for the whole call: 20 minutes.
+GPU_RUN_BUDGET_S = 1200.0
 
 # Targets of issue 11 (one H100); judged only in the full (non-smoke) run.
 TARGET_TOK_S = 550_000
@@ -92,8 +109,8 @@ class Ctx:
 class Stage:
     name: str
     proves: str
-    budget_s: float  # the full run's time limit; --smoke uses smoke_budget_s
-    smoke_budget_s: float
+    budget_s: float  # the full run's time limit
+    smoke_budget_s: float  # --smoke's, not asserted: its limit is SMOKE_HANG_FACTOR times this (a hang)
     run: Callable[[Ctx, float], dict]
     headline: tuple[str, ...] = ()  # the figures shown in acceptance.md (the JSON has them all)
 
@@ -398,9 +415,10 @@ def main() -> int:
                    help=f"comma-separated subset of {','.join(s.name for s in STAGES)}")
     p.add_argument("--hellaswag_data", help=f"HellaSwag jsonl(.gz); default: {HELLASWAG_NAME} in ../shared/assets "
                    "or shared/assets (full run), the test fixture (--smoke)")
-    p.add_argument("--budget", type=float, default=1200,
-                   help="seconds for the whole call (default 20 min); each stage gets the smaller of its own limit "
-                   "and what is left, and a stage with under 30 s left is not started")
+    p.add_argument("--budget", type=float,
+                   help=f"seconds for the whole call (default: {GPU_RUN_BUDGET_S:.0f} for the GPU run; none for "
+                   "--smoke, whose stages' limits only end a hang); each stage gets the smaller of its own limit and "
+                   "what is left, and a stage with under 30 s left is not started")
     p.add_argument("--keep_work", action="store_true", help="keep the runs' folders and logs (in DIR/work)")
     args = p.parse_args()
     chosen = args.stages.split(",")
@@ -422,25 +440,34 @@ def main() -> int:
         if old.get("smoke") == args.smoke:
             report["stages"] = old.get("stages", {})
             report["command"] = old.get("command", "") + " ; " + report["command"]
+    whole_call = args.budget
+    if whole_call is None and not args.smoke:
+        whole_call = GPU_RUN_BUDGET_S
     t_all = time.monotonic()
     for stage in STAGES:
         if stage.name not in chosen:
             continue
-        left = args.budget - (time.monotonic() - t_all)
-        budget = min(stage.smoke_budget_s if args.smoke else stage.budget_s, left)
+        left = float("inf") if whole_call is None else whole_call - (time.monotonic() - t_all)
         if left < 30:
             report["stages"][stage.name] = {"proves": stage.proves, "status": "not run",
-                                            "error": f"under 30 s of --budget {args.budget:.0f} s left", "seconds": 0}
+                                            "error": f"under 30 s of --budget {whole_call:.0f} s left", "seconds": 0}
             write_report(out, report)
             continue
-        print(f"[gpu_acceptance] {stage.name} (at most {budget:.0f} s) ...", flush=True)
+        if args.smoke:  # the budget is not asserted, the limit ends a hang (the module docstring, "Time limits")
+            limit = SMOKE_HANG_FACTOR * stage.smoke_budget_s
+            why = f" ({SMOKE_HANG_FACTOR} x its {stage.smoke_budget_s:.0f} s smoke budget: a hang)"
+        else:
+            limit, why = stage.budget_s, ""
+        budget = min(limit, left)
+        why = why if budget == limit else f" (what was left of --budget {whole_call:.0f} s)"
+        print(f"[gpu_acceptance] {stage.name} (at most {budget:.0f} s{why}) ...", flush=True)
         t0 = time.monotonic()
         result = {"proves": stage.proves, "budget_s": budget}
         try:
             figures = stage.run(ctx, budget)
             result.update(status="skipped" if "skip_reason" in figures else "pass", figures=figures)
         except subprocess.TimeoutExpired:
-            result.update(status="timeout", error=f"over its {budget:.0f} s budget")
+            result.update(status="timeout", error=f"over its {budget:.0f} s limit{why}")
         except StageError as err:
             result.update(status="fail", error=err.args[0], figures=err.args[1] if len(err.args) > 1 else {})
         except Exception as err:  # a bug in this script's reading of a stage: report it, go on with the next

@@ -3,13 +3,16 @@
 The helpers every end-to-end test uses (a tiny model's flags, `launch` for a train.py process, weight and metric
 comparisons, `run_in_process` for a refusal) and the reference runs (`uninterrupted`, `ddp_run`) and tiny HF
 GPT-2 folder (`tiny_hf_gpt2`), which are built once per pytest session and shared by every file that compares
-against them. Plain helpers are imported as `from conftest import ...`; fixtures are found by name.
+against them; and `project_files`, the project's own files for the tests that read the code (never a virtual
+environment or a run's output inside the clone). Plain helpers are imported as `from conftest import ...`;
+fixtures are found by name.
 
 Under pytest-xdist the session fixtures are built once for all workers: the first worker to need one builds it
 under a file lock in the session's shared temporary folder, the others wait and reuse it (`shared_once`).
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import socket
@@ -37,6 +40,75 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 for folder in (REPO_ROOT, REPO_ROOT / "tests" / "fixtures" / "eval"):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
+
+
+# ---- the project's own files ---------------------------------------------------------------------------------
+
+# Top-level folders that are never the project's, whatever git says: virtual environments (the README's Quick start
+# makes .venv/ inside the clone; `python -m venv venv` is as common) and what runs and builds write. .gitignore
+# names most of them as well; they are listed here too because git lists a user's venv/, which .gitignore does not
+# name, as the project's own untracked files, and because a tarball has no git to ask.
+NOT_THE_PROJECTS = frozenset({".git", ".venv", "venv", "out", "shards", "build", "runs", "wandb"})
+
+
+def project_files(root: Path = REPO_ROOT, suffix: str = "") -> list[Path]:
+    """The project's own files under `root` whose names end in `suffix`, sorted. The tests that read the code (its
+    imports, its names) read these, never a virtual environment or a run's output inside the clone, whose files are
+    not the project's and need not even be UTF-8 (issue 36).
+
+    In a git clone: what git tracks and the untracked files it does not ignore (`git ls-files --cached --others
+    --exclude-standard`: a new file counts before it is committed, a deleted one no longer does). Without git (a
+    tarball): every file less what .gitignore names. Either way, never the NOT_THE_PROJECTS folders."""
+    listed = _git_files(root)
+    files = _walked_files(root) if listed is None else listed
+    return sorted({p for p in files if p.name.endswith(suffix) and p.relative_to(root).parts[0] not in NOT_THE_PROJECTS
+                   and p.is_file()})
+
+
+def _git_files(root: Path) -> list[Path] | None:
+    """git's list of the project's files, or None where `root` is not the top of a git work tree: no git installed,
+    or a tarball unpacked inside some other repository (whose rules are not the project's)."""
+    def git(*args: str) -> subprocess.CompletedProcess:
+        # Names as the file system has them, even where they are not UTF-8 (as Python's own os functions do).
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, encoding="utf-8",
+                              errors="surrogateescape")
+
+    try:
+        top = git("rev-parse", "--show-toplevel")
+    except FileNotFoundError:
+        return None
+    if top.returncode != 0 or Path(top.stdout.strip()).resolve() != root.resolve():
+        return None
+    listed = git("ls-files", "-z", "--cached", "--others", "--exclude-standard")  # -z: names as they are, unquoted
+    assert listed.returncode == 0, listed.stderr
+    return [root / name for name in listed.stdout.split("\0") if name]
+
+
+def _walked_files(root: Path) -> list[Path]:
+    """Every file under `root` less what its .gitignore names, read in the forms this project's .gitignore uses:
+    names and globs, a leading or inner `/` anchoring to the root, a trailing `/` for folders only (`!` lines are
+    not read). The NOT_THE_PROJECTS folders are not entered (a .venv holds tens of thousands of files)."""
+    gitignore = root / ".gitignore"
+    lines = gitignore.read_text(encoding="utf-8").splitlines() if gitignore.is_file() else []
+    patterns = [line.strip() for line in lines if line.strip() and not line.startswith(("#", "!"))]
+
+    def ignored(relative: str, is_dir: bool) -> bool:
+        for pattern in patterns:
+            if pattern.endswith("/") and not is_dir:
+                continue
+            glob = pattern.strip("/")
+            name = relative if "/" in pattern.rstrip("/") else relative.rsplit("/", 1)[-1]
+            if fnmatch.fnmatchcase(name, glob):
+                return True
+        return False
+
+    found = []
+    for folder, dirs, names in os.walk(root):
+        here = Path(folder).relative_to(root)
+        dirs[:] = [d for d in dirs if not (here == Path(".") and d in NOT_THE_PROJECTS)
+                   and not ignored((here / d).as_posix(), is_dir=True)]
+        found += [Path(folder) / n for n in names if not ignored((here / n).as_posix(), is_dir=False)]
+    return found
 
 
 def free_port() -> int:

@@ -61,7 +61,7 @@ def project_modules_run_by(name: str) -> set[Path]:
         if path in seen or not path.is_file():
             continue
         seen.add(path)
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module] + [f"{node.module}.{a.name}" for a in node.names] \
                 if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
@@ -77,7 +77,7 @@ def advised_flags(path: Path) -> list[tuple[str, str | None]]:
     """(flag, the command the message names, if any) for the `--flags` in the one-line errors a file raises (the
     text of its `UserError(...)` calls)."""
     found = []
-    for call in ast.walk(ast.parse(path.read_text(), str(path))):
+    for call in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
         if isinstance(call, ast.Call) and getattr(call.func, "id", getattr(call.func, "attr", None)) == "UserError":
             text = " ".join(n.value for n in ast.walk(call) if isinstance(n, ast.Constant) and isinstance(n.value, str))
             named = COMMAND.search(text)

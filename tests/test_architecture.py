@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, project_files
 
 # What each package may import from the project (besides itself); anything else is a wrong arrow.
 ALLOWED = {
@@ -28,10 +28,15 @@ ALLOWED = {
 PACKAGES = set(ALLOWED)
 
 
+def package_files(package: str) -> list[Path]:
+    """The project's own .py files of one package (conftest.project_files: never a venv or an output inside it)."""
+    return [path for path in project_files(suffix=".py") if path.relative_to(REPO_ROOT).parts[0] == package]
+
+
 def project_imports(path: Path) -> set[str]:
     """Top-level project packages that a file imports, anywhere in it."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
         if isinstance(node, ast.Import):
             found |= {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -42,7 +47,7 @@ def project_imports(path: Path) -> set[str]:
 def test_packages_import_only_lower_layers():
     wrong = []
     for package, allowed in ALLOWED.items():
-        for path in sorted((REPO_ROOT / package).rglob("*.py")):
+        for path in package_files(package):
             for target in project_imports(path) - allowed - {package}:
                 wrong.append(f"{path.relative_to(REPO_ROOT)} imports {target}")
     assert wrong == []
@@ -53,13 +58,13 @@ def module_graph() -> dict[str, set[str]]:
     imports anywhere in it: `from model import GPT` is an arrow to `model`, `from model import lora` one
     to `model.lora`. (Importing `model.gpt` also runs model/__init__.py; that arrow is Python's, not the code's.)"""
     files = {path: ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts).removesuffix(".__init__")
-             for package in PACKAGES for path in (REPO_ROOT / package).rglob("*.py")}
+             for package in PACKAGES for path in package_files(package)}
     files[REPO_ROOT / "train.py"] = "train"
     modules = set(files.values())
     graph = {}
     for path, name in files.items():
         targets = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
             if isinstance(node, ast.Import):
                 targets |= {alias.name for alias in node.names if alias.name in modules}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules:
@@ -106,12 +111,11 @@ def test_allowed_arrows_have_no_cycle():
 
 
 def test_nothing_binds_the_name_eval():
-    """`import eval.x` would shadow the builtin `eval` in that module; `from eval.x import y` does not."""
+    """`import eval.x` would shadow the builtin `eval` in that module; `from eval.x import y` does not. Every .py file
+    of the project's, tests and scripts included (not a virtual environment's inside the clone)."""
     offenders = []
-    for path in sorted(REPO_ROOT.rglob("*.py")):
-        if ".git" in path.parts:
-            continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for path in project_files(suffix=".py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
             if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "eval" and a.asname is None
                                                     for a in node.names):
                 offenders.append(str(path.relative_to(REPO_ROOT)))

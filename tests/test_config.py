@@ -4,12 +4,13 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import project_files
 
 from common.errors import UserError
 from configs import PRESETS_DIR, PresetConfig, TrainConfig, parse_config
 
 
-@pytest.mark.parametrize("preset", sorted(p.name for p in PRESETS_DIR.glob("*.yaml")))
+@pytest.mark.parametrize("preset", [p.name for p in project_files(suffix=".yaml") if p.parent == PRESETS_DIR])
 def test_every_preset_parses(preset):
     cfg = parse_config(["--config", preset])
     assert cfg.training.total_batch_size % (cfg.training.micro_batch_size * cfg.model.block_size) == 0

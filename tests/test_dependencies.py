@@ -4,7 +4,9 @@ A package that is only on a machine because someone installed it by hand (or bec
 happens to pull it in today) is missing on a user's fresh install: CI would be green there and red
 everywhere else. So every import of every Python file is read with `ast` (module level and inside
 functions), mapped to the distribution that provides it (`importlib.metadata.packages_distributions`), and
-checked against the declared requirements:
+checked against the declared requirements. The files are the project's own (`conftest.project_files`): a
+virtual environment inside the clone (the README's `.venv/`) holds other packages' sources, whose names would pass
+for the project's modules and whose imports are not the project's:
 
 - product code (everything outside tests/ and benchmarks/): the core `dependencies`, so that
   `pip install -e .` runs every feature; the one exception is an optional bridge whose package stays in an
@@ -19,7 +21,7 @@ import re
 import sys
 from pathlib import Path
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, project_files
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -48,15 +50,10 @@ def declared(pyproject: dict) -> tuple[set[str], dict[str, set[str]]]:
     return core, extras
 
 
-def python_files(root: Path) -> list[Path]:
-    skipped = ("site-packages", "build")
-    return sorted(p for p in root.rglob("*.py")
-                  if not any(part.startswith(".") or part in skipped for part in p.relative_to(root).parts))
-
-
 def local_modules(root: Path) -> set[str]:
     """Names that resolve to this repository's own code (packages, scripts, test helpers)."""
-    return {p.stem for p in python_files(root)} | {p.parent.name for p in root.rglob("__init__.py")}
+    files = project_files(root, suffix=".py")
+    return {p.stem for p in files} | {p.parent.name for p in files if p.name == "__init__.py"}
 
 
 def imports(file: Path) -> list[tuple[str, int]]:
@@ -76,7 +73,7 @@ def undeclared_imports(root: Path, pyproject: dict) -> list[str]:
     dev = core | extras.get("dev", set())
     local, providers = local_modules(root), metadata.packages_distributions()
     problems = []
-    for file in python_files(root):
+    for file in project_files(root, suffix=".py"):
         rel = file.relative_to(root)
         dev_only = rel.parts[0] in DEV_ONLY_FOLDERS
         for module, line in imports(file):
