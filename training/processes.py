@@ -123,7 +123,7 @@ def use_transparent_huge_pages() -> bool:
         return False
     if allowed:
         os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    return allowed and os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
+    return allowed and os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
 
 
 def refuse_double_checkpointing(accelerator: Accelerator, activation_checkpointing: bool) -> None:
