@@ -212,6 +212,15 @@ def test_train_plan_advice_names_a_micro_batch_the_run_accepts(monkeypatch, caps
         .accumulation == 16  # the run's own rule accepts it
 
 
+def test_train_plan_says_which_device_it_plans_for(monkeypatch, capsys):
+    """Without CUDA, the plan says it is for an 80 GB device and how to plan for another size (it said nothing)."""
+    out = train_plan(monkeypatch, capsys)
+    assert out.splitlines()[-1] == (
+        "  planned for an 80 GB CUDA device (an H100 / A100 80 GB), as this machine has none; for another size, "
+        "python -m benchmarks.memory_plan --device cuda --device_memory GB (with --model, --micro_batch_size, "
+        "--processes), or --plan on the machine that trains")
+
+
 @pytest.mark.slow
 def test_train_plan_prints_before_anything_is_built(tmp_path):
     out = tmp_path / "run"

@@ -379,13 +379,20 @@ def launch_environment() -> dict[str, object]:
             "device": "cpu" if env.get("ACCELERATE_USE_CPU", "false").lower() == "true" else "cuda"}
 
 
-def device_bytes_here() -> int:
-    """This machine's first GPU's memory, else the default 80 GB device."""
+def device_here(device: str) -> tuple[int, str]:
+    """The bytes of the device a plan for a `device` ("cuda" or "cpu") launch is made against, and a line that
+    says which: this machine's first GPU, else the default 80 GB (a plan for a GPU run is often made on a machine
+    without one, which has no size to read)."""
     import torch
 
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory
-    return int(DEFAULT_DEVICE_GB * GB)
+    if device == "cuda" and torch.cuda.is_available():
+        gpu = torch.cuda.get_device_properties(0)
+        return gpu.total_memory, f"  planned for cuda:0 of this machine: {gpu.name}, {gpu.total_memory / GB:.1f} GB"
+    what = (f"an {DEFAULT_DEVICE_GB:g} GB CUDA device (an H100 / A100 80 GB), as this machine has none"
+            if device == "cuda" else f"{DEFAULT_DEVICE_GB:g} GB of memory (the planner's default, not this machine's)")
+    return int(DEFAULT_DEVICE_GB * GB), (
+        f"  planned for {what}; for another size, python -m benchmarks.memory_plan --device {device} --device_memory "
+        "GB (with --model, --micro_batch_size, --processes), or --plan on the machine that trains")
 
 
 def exit_after_plan(cfg):
@@ -412,6 +419,8 @@ def exit_after_plan(cfg):
                     dtype=str(env["dtype"]), accumulation=geometry.accumulation, device=str(env["device"]),
                     total_batch_size=cfg.training.total_batch_size)  # so that advised micro-batches divide it
     if int(os.environ.get("RANK", "0")) == 0:
-        print(render(plan_memory(config, launch), device_bytes_here(),
+        device_bytes, which = device_here(launch.device)
+        print(render(plan_memory(config, launch), device_bytes,
                      Spelling(fsdp="accelerate_configs/fsdp_8gpu.yaml (FSDP2)", processes="--num_processes")))
+        print(which)
     raise SystemExit(0)
