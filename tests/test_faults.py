@@ -241,10 +241,11 @@ def test_two_process_errors_print_once(reference, tmp_path):
 
 # ---- the disk fills up -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("at", ["save_state", "export"])
+@pytest.mark.parametrize("at", ["first save_state", "save_state", "export"])
 def test_a_full_disk_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path, monkeypatch, capsys, at):
     """ENOSPC in the second checkpoint (or in final/): one line, no partial folder, the first checkpoint intact,
-    and --resume latest then finishes the run."""
+    and --resume latest then finishes the run. In the first checkpoint: the line says there is none yet (it said
+    the earlier ones were intact), and --resume latest runs it again from the start."""
     import errno
 
     from accelerate import Accelerator
@@ -255,11 +256,12 @@ def test_a_full_disk_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path, mon
     args = TINY + ["--out_dir", str(out), "--max_steps", "4", "--micro_batch_size", "2", "--total_batch_size", "64",
                    "--save_every", "2", "--eval_every", "4"]
     full = OSError(errno.ENOSPC, "No space left on device")
-    if at == "save_state":
+    if at.endswith("save_state"):
         save_state = Accelerator.save_state
+        full_at = "step_000002" if at.startswith("first") else "step_000004"
 
         def save_state_until_full(self, output_dir=None, **kwargs):
-            if output_dir.endswith("step_000004"):
+            if output_dir.endswith(full_at):
                 (Path(output_dir) / "model.safetensors").write_bytes(b"partial")
                 raise full
             return save_state(self, output_dir, **kwargs)
@@ -274,8 +276,12 @@ def test_a_full_disk_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path, mon
     last = train_until_error(monkeypatch, capsys, args)
     assert last.startswith("error: could not write ") and "No space left on device" in last
     assert not list(out.rglob(".tmp-*")) and not (out / "final").exists()
-    expected = ["step_000002"] if at == "save_state" else ["step_000002", "step_000004"]
+    expected = {"first save_state": [], "save_state": ["step_000002"], "export": ["step_000002", "step_000004"]}[at]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == expected
+    if at == "first save_state":
+        assert "no checkpoint yet" in last and "intact" not in last, last
+    elif at == "save_state":
+        assert "the earlier checkpoints are intact" in last
     monkeypatch.undo()
     train_in_process(args + ["--resume", "latest"])
     assert (out / "final" / "model.safetensors").is_file()
