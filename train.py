@@ -12,6 +12,7 @@ docs/architecture.md).
 from __future__ import annotations
 
 import gc
+import sys
 from contextlib import ExitStack
 from functools import partial
 
@@ -89,6 +90,8 @@ def main() -> None:
         report = StepReport(cfg.log, accelerator, max_steps, progress.step, geometry.tokens_per_step, flops_per_token)
         accelerator.print(run_header(accelerator, model, n_params, geometry, plan, lora_summary(cfg.model),
                                      source.describe()))
+        if accelerator.is_main_process and (warning := schedule.warmup_warning()):
+            print(f"warning: {warning}", file=sys.stderr, flush=True)  # the run goes on (a smoke run, say)
         # The loop: one optimizer step, then what is due after it (log line, evals, checkpoint, a signal's stop).
         model.train()
         preempted = PreemptionFlag(announce=accelerator.is_main_process)  # SIGTERM, SIGUSR1, the first Ctrl-C

@@ -243,6 +243,22 @@ def test_a_resume_that_extends_the_run_is_announced_and_recorded_as_a_new_segmen
     assert yaml.safe_load((run_copy / "config.yaml").read_text())["resumes"] == [segment]
 
 
+@pytest.mark.slow
+def test_a_warmup_longer_than_the_run_is_a_warning_with_its_reason(tmp_path):
+    """A run whose warmup outlasts it never reaches its peak LR: one warning line saying so, and the run goes on
+    (the default 10-step warmup outlasts a 3-step smoke run). Extended past the warmup by a resume: no warning."""
+    out = tmp_path / "run"
+    args = TINY + ["--out_dir", str(out), "--micro_batch_size", "2", "--total_batch_size", "64", "--save_every", "2",
+                   "--eval_every", "100", "--warmup_steps", "10"]
+    _, stderr = train_in_process(args + ["--max_steps", "2"])
+    assert ("warning: --warmup_steps 10 is longer than the run (--max_steps 2): the learning rate never reaches its "
+            "peak (it ends at 20% of it); pass --warmup_steps 2 or less (e.g. a tenth of the run) or a larger "
+            "--max_steps for the schedule you meant") in stderr.splitlines(), stderr
+    assert (out / "final" / "model.safetensors").is_file()
+    stdout, stderr = train_in_process(args + ["--max_steps", "12", "--resume", "latest"])
+    assert "resuming at step 2 with max_steps 2 -> 12" in stdout and "warning: --warmup_steps" not in stderr
+
+
 # ---- runaway training: nothing non-finite is ever kept or named as good --------------------------------
 
 @pytest.mark.slow
