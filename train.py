@@ -12,6 +12,7 @@ docs/architecture.md).
 from __future__ import annotations
 
 import gc
+import sys
 from contextlib import ExitStack
 from functools import partial
 
@@ -43,6 +44,7 @@ from training.processes import (
     shared_across_ranks,
     start_accelerator,
 )
+from training.recipe import resume_recipe
 from training.resume import find_resume_point
 from training.run_folder import claim_run_folder, open_run_folder, recorded_config
 from training.step import LRSchedule, NonFinitePolicy, train_step
@@ -73,20 +75,23 @@ def main() -> None:
                                          seed=cfg.training.seed)
             evals = TrainingEvals(cfg.eval, source, geometry.block_size, cfg.training.seed, accelerator)
             arch, n_params, flops_per_token = model.config, model.num_params(False), model.flops_per_token()  # all
+            record = recorded_config(cfg, arch, plan, source.pinned, init_weights)  # Hub data, weights at commits
+            recipe = resume_recipe(record, resume, plan)  # what a resume may not change is refused here
             on_exit.enter_context(claim_run_folder(accelerator, cfg.run, resume, max_steps,
                                                    checkpoint_bytes(n_params)))  # one run per folder, locked
         optimizers = build_optimizer(model, plan, accelerator.device.type)  # [AdamW] or [AdamW, Muon]
         model, *optimizers = accelerator.prepare(model, *optimizers)  # no scheduler: the LR is computed from the step
         torch.manual_seed(cfg.training.seed + accelerator.process_index)  # each rank its own dropout masks from here
         progress = restore(accelerator, resume, cfg.run, arch, plan.names, loader)  # weights, optimizers, RNGs, data
-        record = recorded_config(cfg, arch, plan, source.pinned, init_weights)  # Hub data and weights at their commits
-        metrics = open_run_folder(accelerator, run, resume, progress, record, cfg.log.wandb_project, cfg.log.run_name)
+        metrics = open_run_folder(accelerator, run, resume, progress, recipe, cfg.log.wandb_project, cfg.log.run_name)
         checkpoints = Checkpointer(accelerator, run, arch, plan.names, cfg.run.keep_last, healthy=evals.finite_loss)
         nan_policy = NonFinitePolicy(cfg.training.on_nan, cfg.training.max_nan_skips, run, accelerator)
         schedule = LRSchedule(cfg.optim.warmup_steps, max_steps, cfg.optim.min_lr_ratio)
         report = StepReport(cfg.log, accelerator, max_steps, progress.step, geometry.tokens_per_step, flops_per_token)
         accelerator.print(run_header(accelerator, model, n_params, geometry, plan, lora_summary(cfg.model),
                                      source.describe()))
+        if accelerator.is_main_process and (warning := schedule.warmup_warning()):
+            print(f"warning: {warning}", file=sys.stderr, flush=True)  # the run goes on (a smoke run, say)
         # The loop: one optimizer step, then what is due after it (log line, evals, checkpoint, a signal's stop).
         model.train()  # dropout on: pretrained weights are loaded in eval mode, as for inference
         preempted = PreemptionFlag(announce=accelerator.is_main_process)  # SIGTERM, SIGUSR1, the first Ctrl-C

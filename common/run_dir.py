@@ -1,7 +1,7 @@
 """The layout of a training run's folder (`--out_dir`), written down once.
 
     <out_dir>/
-      config.yaml              the run's TrainConfig (after a resume is accepted)
+      config.yaml              the run's TrainConfig (after a resume is accepted), and what resumes changed
       metrics.jsonl            one JSON object per logged step
       harness.jsonl            one JSON object per `python -m eval.harness` call on this run's weights
       tensorboard/             when --report_to tensorboard

@@ -108,13 +108,20 @@ def _load_preset(path: str) -> dict[str, Any]:
                         + (f" (did you mean {', '.join(hints)}?)" if hints else "")
                         + "; see `python train.py --help`")
     types = field_types()
-    return {name: _typed(name, types[name], value) for name, value in values.items()}
+    typed = {}
+    for name, value in values.items():
+        try:
+            typed[name] = _typed(types[name], value)
+        except TypeError as err:  # the preset's mistake: named there, not as a flag the user never passed
+            raise UserError(f"--config {path}: {name}: {value!r} is not {err}; fix that key in the file") from None
+    return typed
 
 
-def _typed(name: str, hint: Any, value: Any) -> Any:
-    """A preset value as its field's declared type, exactly: a bool is never taken for a number, an int
+def _typed(hint: Any, value: Any) -> Any:
+    """A preset value as its field's declared type (`hint`), exactly: a bool is never taken for a number, an int
     field accepts a float only when it is whole (YAML reads `1.0e+6` as a float), a float field any int,
-    and a number written without a dot (`6e-4`, which PyYAML reads as a string) is read as one."""
+    and a number written without a dot (`6e-4`, which PyYAML reads as a string) is read as one. A TypeError
+    naming the type expected when the value is none of that."""
     options = typing.get_args(hint) or (hint,)  # `float | None` -> (float, NoneType)
     if value is None and type(None) in options:
         return None
@@ -123,13 +130,13 @@ def _typed(name: str, hint: Any, value: Any) -> Any:
         try:
             value = expected(value)
         except ValueError:
-            return value  # argparse converts string defaults itself and rejects this one in its own words
+            pass  # refused below, as a string
     if expected is int and isinstance(value, float) and value.is_integer():
         value = int(value)
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, expected) or (expected is not bool and isinstance(value, bool)):
-        raise UserError(f"--{name} must be {expected.__name__}, got {value!r}; fix the preset or the flag")
+        raise TypeError(f"{'an' if expected is int else 'a'} {expected.__name__}")
     return value
 
 

@@ -100,18 +100,22 @@ def test_bad_values_are_one_line_user_errors(tmp_path: Path, flags, fragment):
 
 
 @pytest.mark.parametrize("yaml_text,fragment", [
-    ("max_steps: 2.5\n", "--max_steps must be int, got 2.5"),
-    ("max_steps: true\n", "--max_steps must be int, got True"),
-    ("lr: [1, 2]\n", "--lr must be float"),
-    ("dataset: null\n", "--dataset must be str, got None"),
-    ("run_name: 7\n", "--run_name must be str, got 7"),
+    ("max_steps: 2.5\n", "p.yaml: max_steps: 2.5 is not an int; fix that key in the file"),
+    ("max_steps: true\n", "p.yaml: max_steps: True is not an int"),
+    ("n_layer: two\n", "p.yaml: n_layer: 'two' is not an int"),  # was argparse's "argument --n_layer: invalid ..."
+    ("lr: [1, 2]\n", "p.yaml: lr: [1, 2] is not a float"),
+    ("dataset: null\n", "p.yaml: dataset: None is not a str"),
+    ("run_name: 7\n", "p.yaml: run_name: 7 is not a str"),
     ("grad_clip: .nan\n", "--grad_clip must be a finite number"),
 ])
 def test_bad_preset_types(tmp_path: Path, yaml_text, fragment):
+    """A value of the wrong type is named where it is: the preset file and its key, not a flag never passed."""
     preset = tmp_path / "p.yaml"
     preset.write_text(yaml_text)
-    with pytest.raises(UserError, match=re.escape(fragment)):
+    with pytest.raises(UserError, match=re.escape(fragment)) as err:
         parse_config(["--config", str(preset), "--out_dir", str(tmp_path / "run")])
+    if "finite" not in fragment:  # a value check, the same for a flag and a preset
+        assert str(err.value).startswith(f"--config {preset}: ")
 
 
 def test_whole_floats_in_a_preset_are_ints(tmp_path: Path):

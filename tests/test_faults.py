@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -152,6 +153,112 @@ def test_a_checkpoint_past_max_steps_is_refused(run_copy, monkeypatch, capsys):
     assert tree_digest(run_copy) == before
 
 
+# ---- a resume that changes the recipe (training/recipe.py) ------------------------------------------------
+
+def test_every_config_field_has_a_resume_rule():
+    """Refused, accepted (announced and recorded) or not compared: a decision for each field, a new one too."""
+    from configs.schema import FIELD_NAMES
+    from training.recipe import ACCEPTED, NOT_COMPARED, REFUSED
+
+    groups = [set(REFUSED), set(ACCEPTED), set(NOT_COMPARED)]
+    assert sorted(name for group in groups for name in group) == sorted(FIELD_NAMES)  # each once, none missing
+
+
+@pytest.mark.parametrize("now,same", [("gpt2", True), ("gpt2@main", True), ("gpt2@" + "b" * 40, False),
+                                      ("gpt2-medium", False), ("scratch", False)])
+def test_init_from_without_a_commit_resumes_a_fine_tune_pinned_to_one(tmp_path, now, same):
+    """A full fine-tune's resume downloads nothing, so `--init_from gpt2` (or `gpt2@main`, requeued as it was
+    given) cannot be resolved to the commit config.yaml records: the repo ids are compared and the pin is kept.
+    Another commit or other weights are refused."""
+    import yaml
+
+    from configs import ModelConfig, OptimConfig
+    from training.optim import plan_optimizers
+    from training.recipe import resume_recipe
+    from training.resume import ResumePoint
+
+    pinned = "gpt2@" + "a" * 40
+    (tmp_path / "run" / "checkpoints" / "step_000002").mkdir(parents=True)
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump({"init_from": pinned, "max_steps": 4}))
+    point = ResumePoint(tmp_path / "run" / "checkpoints" / "step_000002", {}, {"step": 2, "tokens": 0, "run_id": "x"})
+    plan = plan_optimizers(OptimConfig(), ModelConfig(init_from="gpt2"))
+    if same:
+        assert resume_recipe({"init_from": now, "max_steps": 4}, point, plan).values["init_from"] == pinned
+    else:
+        with pytest.raises(UserError, match=f"records init_from '{re.escape(pinned)}' and this resume passes "
+                                            f"'{now}'.*resume with --init_from {pinned} as recorded"):
+            resume_recipe({"init_from": now, "max_steps": 4}, point, plan)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag,old,new", [("--total_batch_size", "64", "128"), ("--seed", "1337", "7"),
+                                          ("--beta2", "0.95", "0.99")])
+def test_a_resume_that_changes_the_recipe_is_refused_in_one_line(run_copy, monkeypatch, capsys, flag, old, new):
+    """The batch in tokens, the data order, and what the optimizer state restores: refused before anything is
+    written, naming the field, both values and the fix."""
+    before = tree_digest(run_copy)
+    err = run_in_process(monkeypatch, capsys, RUN + ["--out_dir", str(run_copy), "--resume", "latest", flag, new])
+    name = flag.removeprefix("--")
+    assert f"config.yaml records {name} {float(old) if '.' in old else int(old)!r} and this resume passes " in err
+    assert f"resume with {flag} {old} as recorded, or start a new run in another --out_dir (with --init_from " in err
+    assert tree_digest(run_copy) == before
+
+
+@pytest.mark.slow
+def test_a_resume_that_extends_the_run_is_announced_and_recorded_as_a_new_segment(run_copy):
+    """The finished 4-step run extended to 6 steps with another micro-batch: each change in one line, the LR jump
+    at step 5 in one line (the cosine stretched over 6 steps: 3e-4 on the old schedule's end, 1.65e-3 now), and
+    config.yaml keeps its keys (today's values) with a `resumes` entry that keeps the old ones. A later resume
+    that changes nothing keeps that record."""
+    import yaml
+
+    from configs import read_run_config
+    from training.step import LRSchedule
+
+    args = RUN + ["--out_dir", str(run_copy), "--resume", "latest", "--max_steps", "6", "--micro_batch_size", "1",
+                  "--log_every", "1"]
+    stdout, _ = train_in_process(args)
+    old_lr, new_lr = (3e-3 * LRSchedule(2, steps, 0.1).factor(4) for steps in (4, 6))
+    assert (round(old_lr, 6), round(new_lr, 6)) == (3e-4, 1.65e-3)
+    for line in ("resuming at step 4 with max_steps 4 -> 6 (config.yaml records it under 'resumes')",
+                 "resuming at step 4 with micro_batch_size 2 -> 1 (config.yaml records it under 'resumes')",
+                 "resuming at step 4 with log_every 10 -> 1 (config.yaml records it under 'resumes')",
+                 f"the learning rate changes at step 5: {old_lr:.4g} -> {new_lr:.4g} (adamw), the LR being a function "
+                 "of the step and of max_steps (config.yaml records it under 'resumes')"):
+        assert line in stdout.splitlines(), stdout
+    assert next(r["lr"] for r in read_metrics(run_copy) if r["step"] == 5) == pytest.approx(new_lr)  # as announced
+    recorded = yaml.safe_load((run_copy / "config.yaml").read_text())
+    assert (recorded["max_steps"], recorded["micro_batch_size"], recorded["lr"]) == (6, 1, 3e-3)
+    checkpoint = str(run_copy / "checkpoints" / "step_000004")
+    segment = {"step": 4, "checkpoint": checkpoint,
+               "changed": {"max_steps": {"old": 4, "new": 6}, "micro_batch_size": {"old": 2, "new": 1},
+                           "log_every": {"old": 10, "new": 1}},
+               "lr_jump": {"step": 5, "adamw": {"old": pytest.approx(old_lr), "new": pytest.approx(new_lr)}}}
+    assert recorded["resumes"] == [segment]
+    assert read_run_config(run_copy / "config.yaml")["dataset"] == "shakespeare"  # what eval.val_loss reads
+    assert "resumes:" in (run_copy / "final" / "README.md").read_text()  # the card shows the record
+
+    stdout, _ = train_in_process(args)  # at step 6 of 6: nothing to change, nothing to train
+    assert "resuming at step" not in stdout
+    assert yaml.safe_load((run_copy / "config.yaml").read_text())["resumes"] == [segment]
+
+
+@pytest.mark.slow
+def test_a_warmup_longer_than_the_run_is_a_warning_with_its_reason(tmp_path):
+    """A run whose warmup outlasts it never reaches its peak LR: one warning line saying so, and the run goes on
+    (the default 10-step warmup outlasts a 3-step smoke run). Extended past the warmup by a resume: no warning."""
+    out = tmp_path / "run"
+    args = TINY + ["--out_dir", str(out), "--micro_batch_size", "2", "--total_batch_size", "64", "--save_every", "2",
+                   "--eval_every", "100", "--warmup_steps", "10"]
+    _, stderr = train_in_process(args + ["--max_steps", "2"])
+    assert ("warning: --warmup_steps 10 is longer than the run (--max_steps 2): the learning rate never reaches its "
+            "peak (it ends at 20% of it); pass --warmup_steps 2 or less (e.g. a tenth of the run) or a larger "
+            "--max_steps for the schedule you meant") in stderr.splitlines(), stderr
+    assert (out / "final" / "model.safetensors").is_file()
+    stdout, stderr = train_in_process(args + ["--max_steps", "12", "--resume", "latest"])
+    assert "resuming at step 2 with max_steps 2 -> 12" in stdout and "warning: --warmup_steps" not in stderr
+
+
 # ---- runaway training: nothing non-finite is ever kept or named as good --------------------------------
 
 @pytest.mark.slow
@@ -241,10 +348,11 @@ def test_two_process_errors_print_once(reference, tmp_path):
 
 # ---- the disk fills up -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("at", ["save_state", "export"])
+@pytest.mark.parametrize("at", ["first save_state", "save_state", "export"])
 def test_a_full_disk_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path, monkeypatch, capsys, at):
     """ENOSPC in the second checkpoint (or in final/): one line, no partial folder, the first checkpoint intact,
-    and --resume latest then finishes the run."""
+    and --resume latest then finishes the run. In the first checkpoint: the line says there is none yet (it said
+    the earlier ones were intact), and --resume latest runs it again from the start."""
     import errno
 
     from accelerate import Accelerator
@@ -255,11 +363,12 @@ def test_a_full_disk_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path, mon
     args = TINY + ["--out_dir", str(out), "--max_steps", "4", "--micro_batch_size", "2", "--total_batch_size", "64",
                    "--save_every", "2", "--eval_every", "4"]
     full = OSError(errno.ENOSPC, "No space left on device")
-    if at == "save_state":
+    if at.endswith("save_state"):
         save_state = Accelerator.save_state
+        full_at = "step_000002" if at.startswith("first") else "step_000004"
 
         def save_state_until_full(self, output_dir=None, **kwargs):
-            if output_dir.endswith("step_000004"):
+            if output_dir.endswith(full_at):
                 (Path(output_dir) / "model.safetensors").write_bytes(b"partial")
                 raise full
             return save_state(self, output_dir, **kwargs)
@@ -274,8 +383,12 @@ def test_a_full_disk_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path, mon
     last = train_until_error(monkeypatch, capsys, args)
     assert last.startswith("error: could not write ") and "No space left on device" in last
     assert not list(out.rglob(".tmp-*")) and not (out / "final").exists()
-    expected = ["step_000002"] if at == "save_state" else ["step_000002", "step_000004"]
+    expected = {"first save_state": [], "save_state": ["step_000002"], "export": ["step_000002", "step_000004"]}[at]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == expected
+    if at == "first save_state":
+        assert "no checkpoint yet" in last and "intact" not in last, last
+    elif at == "save_state":
+        assert "the earlier checkpoints are intact" in last
     monkeypatch.undo()
     train_in_process(args + ["--resume", "latest"])
     assert (out / "final" / "model.safetensors").is_file()

@@ -56,13 +56,13 @@ def save_checkpoint(
     accelerator.wait_for_everyone()
 
     logging.getLogger("accelerate.utils.other").addFilter(_quiet_tied_weight_warning)  # once: filters are a set
-    with _disk_errors_as_user_errors(tmp, final):
+    with _disk_errors_as_user_errors(run, tmp, final):
         accelerator.save_state(str(tmp))
         (tmp / data_state_file(accelerator.process_index)).write_text(json.dumps(data_state, indent=2))
     accelerator.wait_for_everyone()  # every rank's files are in tmp
 
     if accelerator.is_main_process:
-        with _disk_errors_as_user_errors(tmp, final):
+        with _disk_errors_as_user_errors(run, tmp, final):
             (tmp / GPT_CONFIG).write_text(json.dumps(asdict(gpt_config), indent=2))
             run_state = {**asdict(progress), "world_size": accelerator.num_processes, "format": FORMAT,
                          "optimizers": list(optimizers)}
@@ -79,19 +79,22 @@ def save_checkpoint(
 
 
 @contextmanager
-def _disk_errors_as_user_errors(tmp: Path, final: Path) -> Iterator[None]:
-    """A full disk or a folder that became unwritable while saving: remove the partial checkpoint and say so in
-    one line (the published checkpoints are untouched: a save only ever renames a finished folder into place).
-    Under several processes only the rank that failed knows; the others stop at their next collective."""
+def _disk_errors_as_user_errors(run: RunDir, tmp: Path, final: Path) -> Iterator[None]:
+    """A full disk or a folder that became unwritable while saving `run`'s checkpoint `final`: remove the partial
+    checkpoint and say so in one line (the published checkpoints are untouched: a save only ever renames a finished
+    folder into place), and what there is to continue from. Under several processes only the rank that failed
+    knows; the others stop at their next collective."""
     try:
         yield
     except (OSError, SafetensorError, RuntimeError) as err:
         if (reason := write_failure(err)) is None:
             raise
         shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"could not write checkpoint {final.name} in {final.parent} ({reason}); the earlier "
-                        "checkpoints are intact: free disk space (or fix the folder) and continue with --resume "
-                        "latest") from None
+        kept = ("the earlier checkpoints are intact: free disk space (or fix the folder) and continue with --resume "
+                "latest" if run.list_checkpoints() else
+                "the run has no checkpoint yet (this was its first): free disk space (or fix the folder) and start it "
+                "again with --resume latest")
+        raise UserError(f"could not write checkpoint {final.name} in {final.parent} ({reason}); {kept}") from None
 
 
 def load_checkpoint(accelerator: Accelerator, point: ResumePoint, gpt_config: GPTConfig,

@@ -68,6 +68,9 @@ class Launch:
     dtype: str = "bf16"  # "bf16": accelerate's autocast (fp32 master weights), "fp32": no autocast
     accumulation: int = 1  # micro-steps per optimizer step: above 1 the gradients live through the forward
     device: str = "cuda"  # "cpu" adds the process's own RSS (Python, torch) and AdamW's for-loop temporaries
+    # The tokens of one optimizer step when the run fixes them (train.py --plan): the advice then names only the
+    # micro-batches the run accepts, with the accumulation each gives (`resized`). None: any micro-batch.
+    total_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "processes", "accumulation"):
@@ -254,16 +257,27 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.3f} GiB" if n < GiB / 10 else f"{n / GiB:.2f} GiB"
 
 
+def resized(config: GPTConfig, launch: Launch, micro_batch_size: int, processes: int | None = None) -> Launch | None:
+    """`launch` at another micro-batch (and number of processes). With a fixed total batch only a micro-batch the
+    run accepts (`BatchGeometry`'s rule), at the accumulation it gives; None for one the run would refuse."""
+    processes = launch.processes if processes is None else processes
+    if launch.total_batch_size is None:
+        return replace(launch, micro_batch_size=micro_batch_size, processes=processes)
+    if not BatchGeometry.divides(launch.total_batch_size, micro_batch_size, config.block_size, processes):
+        return None
+    geometry = BatchGeometry.for_total(launch.total_batch_size, micro_batch_size, config.block_size, processes)
+    return replace(launch, micro_batch_size=micro_batch_size, processes=processes, accumulation=geometry.accumulation)
+
+
 def largest_micro_batch(config: GPTConfig, launch: Launch, device_bytes: int, limit: int = 1024) -> int:
-    """The largest micro-batch (<= limit) whose plan fits in `device_bytes`; 0 when not even 1 does."""
-    best, low, high = 0, 1, limit
-    while low <= high:  # the peak grows with the micro-batch
-        mid = (low + high) // 2
-        if plan_memory(config, replace(launch, micro_batch_size=mid)).fits(device_bytes):
-            best, low = mid, mid + 1
-        else:
-            high = mid - 1
-    return best
+    """The largest micro-batch (<= limit) that the run accepts and whose plan fits in `device_bytes`; 0 when none
+    does. Every candidate is planned, from the largest down: with a fixed total batch the accumulation changes with
+    the micro-batch (and with it whether the gradients are held between micro-steps), so the peak is not monotone."""
+    for micro_batch_size in range(limit, 0, -1):
+        candidate = resized(config, launch, micro_batch_size)
+        if candidate is not None and plan_memory(config, candidate).fits(device_bytes):
+            return micro_batch_size
+    return 0
 
 
 @dataclass(frozen=True)
@@ -301,9 +315,13 @@ def advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: Spell
     if launch.optimizer == "muon" and launch.processes > 1:
         return f"micro-batch {B} {where}, even at micro-batch 1; use --optimizer adamw with {spelling.fsdp} " \
                "(Muon is refused under FSDP)"
-    sharded = replace(launch, fsdp=True, activation_checkpointing=True, micro_batch_size=1)
-    devices = next((n for n in (2**k for k in range(1, 11)) if n > launch.processes
-                    and plan_memory(config, replace(sharded, processes=n)).fits(device_bytes)), None)
+    sharded = replace(launch, fsdp=True, activation_checkpointing=True)
+
+    def fits_on(processes: int) -> bool:
+        candidate = resized(config, sharded, 1, processes)
+        return candidate is not None and plan_memory(config, candidate).fits(device_bytes)
+
+    devices = next((n for n in (2**k for k in range(1, 11)) if n > launch.processes and fits_on(n)), None)
     return f"micro-batch {B} {where}, even at micro-batch 1 with {spelling.checkpointing}" + \
            (f" and {spelling.fsdp}" if launch.fsdp else "") + \
            (f"; shard it with {spelling.fsdp} over {devices} devices ({spelling.processes} {devices})"
@@ -361,13 +379,20 @@ def launch_environment() -> dict[str, object]:
             "device": "cpu" if env.get("ACCELERATE_USE_CPU", "false").lower() == "true" else "cuda"}
 
 
-def device_bytes_here() -> int:
-    """This machine's first GPU's memory, else the default 80 GB device."""
+def device_here(device: str) -> tuple[int, str]:
+    """The bytes of the device a plan for a `device` ("cuda" or "cpu") launch is made against, and a line that
+    says which: this machine's first GPU, else the default 80 GB (a plan for a GPU run is often made on a machine
+    without one, which has no size to read)."""
     import torch
 
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory
-    return int(DEFAULT_DEVICE_GB * GB)
+    if device == "cuda" and torch.cuda.is_available():
+        gpu = torch.cuda.get_device_properties(0)
+        return gpu.total_memory, f"  planned for cuda:0 of this machine: {gpu.name}, {gpu.total_memory / GB:.1f} GB"
+    what = (f"an {DEFAULT_DEVICE_GB:g} GB CUDA device (an H100 / A100 80 GB), as this machine has none"
+            if device == "cuda" else f"{DEFAULT_DEVICE_GB:g} GB of memory (the planner's default, not this machine's)")
+    return int(DEFAULT_DEVICE_GB * GB), (
+        f"  planned for {what}; for another size, python -m benchmarks.memory_plan --device {device} --device_memory "
+        "GB (with --model, --micro_batch_size, --processes), or --plan on the machine that trains")
 
 
 def exit_after_plan(cfg):
@@ -391,8 +416,11 @@ def exit_after_plan(cfg):
     launch = Launch(micro_batch_size=geometry.micro_batch_size, processes=geometry.world_size,
                     fsdp=bool(env["fsdp"]), activation_checkpointing=cfg.training.activation_checkpointing,
                     optimizer=plan_optimizers(cfg.optim, model).kind,  # --optimizer auto resolved as a run does
-                    dtype=str(env["dtype"]), accumulation=geometry.accumulation, device=str(env["device"]))
+                    dtype=str(env["dtype"]), accumulation=geometry.accumulation, device=str(env["device"]),
+                    total_batch_size=cfg.training.total_batch_size)  # so that advised micro-batches divide it
     if int(os.environ.get("RANK", "0")) == 0:
-        print(render(plan_memory(config, launch), device_bytes_here(),
+        device_bytes, which = device_here(launch.device)
+        print(render(plan_memory(config, launch), device_bytes,
                      Spelling(fsdp="accelerate_configs/fsdp_8gpu.yaml (FSDP2)", processes="--num_processes")))
+        print(which)
     raise SystemExit(0)

@@ -40,12 +40,18 @@ class BatchGeometry:
         """The geometry of this launch (its world size is known before any Accelerator) for `--total_batch_size`."""
         return cls.for_total(cfg.total_batch_size, cfg.micro_batch_size, block_size, process_state().num_processes)
 
+    @staticmethod
+    def divides(total_batch_size: int, micro_batch_size: int, block_size: int, world_size: int) -> bool:
+        """Whether some accumulation makes `total_batch_size` tokens per step from these micro-batches (the rule
+        `for_total` enforces, and the memory planner's advice follows)."""
+        return total_batch_size % (micro_batch_size * block_size * world_size) == 0
+
     @classmethod
     def for_total(cls, total_batch_size: int, micro_batch_size: int, block_size: int,
                   world_size: int) -> BatchGeometry:
         """The accumulation that makes `total_batch_size` tokens per step; a UserError when none does."""
         per_micro_step = micro_batch_size * block_size * world_size
-        if total_batch_size % per_micro_step:
+        if not cls.divides(total_batch_size, micro_batch_size, block_size, world_size):
             raise UserError(
                 f"total_batch_size {total_batch_size} is not a multiple of micro_batch_size x block_size x processes "
                 f"= {micro_batch_size} x {block_size} x {world_size} = {per_micro_step}; change one of them")

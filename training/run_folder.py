@@ -22,6 +22,7 @@ from training.manifest import verify_checkpoint
 from training.metrics import MetricsLog
 from training.optim import OptimizerPlan
 from training.preflight import check_out_dir_writable, warn_if_low_disk
+from training.recipe import Recipe
 from training.resume import Progress, ResumePoint, find_resume_point, set_aside_superseded
 
 
@@ -102,17 +103,20 @@ def recorded_config(cfg: TrainConfig, arch: GPTConfig, plan: OptimizerPlan, data
 
 
 def open_run_folder(accelerator: Accelerator, run: RunDir, resume: ResumePoint | None, progress: Progress,
-                    record: dict[str, Any], wandb_project: str, run_name: str | None) -> MetricsLog:
-    """Set aside what an older resume point supersedes, record the config and start the trackers (once the
-    resume was accepted and loaded, so that a refused one leaves the folder untouched); the run's metrics log."""
+                    recipe: Recipe, wandb_project: str, run_name: str | None) -> MetricsLog:
+    """Set aside what an older resume point supersedes, announce what this resume changed, record the config (with
+    the changes each resume made, `training.recipe`) and start the trackers (once the resume was accepted and
+    loaded, so that a refused one leaves the folder untouched); the run's metrics log."""
     if accelerator.is_main_process:
         aside = set_aside_superseded(resume, run) if resume is not None else None
         if aside is not None:
             newer = ", ".join(p.name for p in resume.superseded)
             print(f"resuming from {resume.path.name}: the newer checkpoints ({newer}) and final/, if any, were moved "
                   f"to {aside} (with a copy of metrics.jsonl); nothing was deleted", flush=True)
-        write_run_config(record, run.config_file)
-    accelerator.init_trackers(wandb_project, config=record,
+        for line in recipe.announcements:
+            print(line, flush=True)
+        write_run_config(recipe.config_yaml(), run.config_file)
+    accelerator.init_trackers(wandb_project, config=recipe.values,
                               init_kwargs={"wandb": {"id": progress.run_id, "resume": "allow",
                                                      "name": run_name or run.path.name, "dir": str(run.path)}})
     return MetricsLog(accelerator, run.path, resume_step=progress.step)

@@ -28,6 +28,17 @@ class LRSchedule:
     max_steps: int
     min_lr_ratio: float
 
+    def warmup_warning(self) -> str | None:
+        """What to say when the warmup is longer than the run: its learning rate never reaches the peak it was given
+        (it ends at max_steps / warmup_steps of it). A warning, not a refusal: the default warmup (10 steps)
+        outlasts a short smoke run (`--max_steps 3`), which checks the pipeline, not the schedule. None otherwise."""
+        if self.warmup_steps <= self.max_steps:
+            return None
+        return (f"--warmup_steps {self.warmup_steps} is longer than the run (--max_steps {self.max_steps}): the "
+                f"learning rate never reaches its peak (it ends at {self.max_steps / self.warmup_steps:.0%} of it); "
+                f"pass --warmup_steps {self.max_steps} or less (e.g. a tenth of the run) or a larger --max_steps for "
+                "the schedule you meant")
+
     def factor(self, step: int) -> float:
         """The fraction of the peak learning rate at optimizer step `step` (0-based)."""
         if step < self.warmup_steps:

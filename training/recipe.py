@@ -1,0 +1,167 @@
+"""What a resume may change of the run it continues, and how `config.yaml` keeps the record of every change.
+
+A resume compares the run's resolved settings (`training.run_folder.recorded_config`: the flags with `--lr` and
+`--optimizer` resolved, the architecture the weights have, Hub data and weights pinned) with the `config.yaml` of
+the checkpoint's run folder, field by field, before anything is written:
+
+- REFUSED fields: one line naming the field, the recorded and the new value and the fix (resume with the recorded
+  value, or start a new run in another `--out_dir`, from these weights with `--init_from <checkpoint>`); the run
+  folder is left byte for byte as it was.
+- Every other compared field may change: each change is announced in one line once the checkpoint is loaded and
+  recorded. A change of the learning-rate schedule (`--max_steps`, `--lr`, `--muon_lr`, `--warmup_steps`,
+  `--min_lr_ratio`) changes the LR from the resumed step on (the LR is a function of the step: extending
+  `--max_steps` stretches the cosine, so the LR jumps up); that is announced in one line too, old -> new at the
+  first step the resume trains.
+- NOT_COMPARED fields say how this command was given (`--config`, `--out_dir`, `--resume`, `--plan`), not what
+  the run does.
+
+`config.yaml` keeps one key per flag (the contract its readers rely on: `eval.val_loss`, the model card), holding
+the settings of the run's latest stretch, and a `resumes:` list, one entry per resume that changed something: the
+step it resumed at, the checkpoint, each changed field `{old, new}`, and the LR jump. The settings of any earlier
+step are the top-level values with the later entries' changes undone; nothing is overwritten without a trace.
+
+Some fields are refused by the checkpoint's own files rather than here, and pass this check when they pass those:
+the architecture and the optimizers (`gpt_config.json`, `run_state.json`: `training.checkpoint.load_checkpoint`),
+the LoRA settings and base (`adapter_config.json`: `training.lora.check_resume`) and the data (the saved data
+position: its kind, shard hash, sequence count, block size, seed and Hub commit, in the loaders' `load_state_dict`;
+a local path spelled another way passes, and is recorded as a change).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Any
+
+from common.errors import UserError
+from common.run_dir import RunDir
+from configs import read_run_config
+from training.optim import OptimizerPlan
+from training.resume import ResumePoint
+from training.step import LRSchedule
+
+# A different value would make the steps before and after the resume two different runs under one name.
+REFUSED = {
+    "total_batch_size": "the batch of every step, in tokens",
+    "seed": "the data order",
+    "init_from": "the weights the run started from",
+    # Restored with the optimizer state (torch's load_state_dict puts the saved param_groups back), so a new
+    # value would not even be used, while config.yaml would say it was.
+    "weight_decay": "restored with the optimizer state", "beta1": "restored with the optimizer state",
+    "beta2": "restored with the optimizer state", "muon_momentum": "restored with the optimizer state",
+    "muon_weight_decay": "restored with the optimizer state",
+}
+# How this command was given, not what the run does.
+NOT_COMPARED = frozenset({"config", "out_dir", "resume", "plan"})
+# The learning-rate schedule (`LRSchedule`, each optimizer's peak): a change moves the LR from the resumed step on.
+SCHEDULE = ("max_steps", "lr", "muon_lr", "warmup_steps", "min_lr_ratio")
+# Accepted, announced and recorded: the schedule (to extend a run, or to lower the LR after a blow-up as the NaN
+# advice says), the clip and the non-finite policy, how the batch is cut (micro_batch_size: the batch is set in
+# tokens, the accumulation follows), memory (activation_checkpointing), evaluation, logging, checkpoints and the
+# Hub; and the fields the checkpoint's own files check (see the module docstring). The code accepts whatever is
+# neither refused nor left out: this set is the decision, field by field, that a test holds every field to.
+ACCEPTED = frozenset({
+    *SCHEDULE, "grad_clip", "on_nan", "max_nan_skips", "micro_batch_size", "activation_checkpointing",
+    "save_every", "keep_last", "val_tokens", "eval_every", "eval_batch_size", "hellaswag_every", "hellaswag_data",
+    "hellaswag_limit", "sample_tokens", "sample_prompt", "log_every", "report_to", "wandb_project", "run_name",
+    "mfu_peak_flops", "push_to_hub", "hub_model_id", "hub_push_every",
+    "n_layer", "n_head", "n_embd", "block_size", "dropout", "bias",  # gpt_config.json
+    "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",  # adapter_config.json
+    "optimizer",  # run_state.json's optimizers
+    "dataset", "dataset_config", "text_column", "prompt_field", "completion_field",  # the saved data position
+})
+RESUMES = "resumes"  # config.yaml's list of what each resume changed
+_COMMIT = re.compile(r"[0-9a-f]{40}")  # a Hub revision that is a commit
+
+
+@dataclass(frozen=True)
+class Change:
+    """One field whose value differs from the recorded one."""
+
+    name: str
+    old: Any
+    new: Any
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.old!r} -> {self.new!r}"
+
+
+def changed_fields(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
+    """The fields of `new` whose value `old` records otherwise (fields `old` lacks, from an older version, are not
+    compared)."""
+    return [Change(name, old[name], value) for name, value in new.items() if name in old and old[name] != value]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What the run records: `values`, one key per flag (the trackers' config too), and `resumes`, what each
+    resume changed, this one's last; `announcements`, the lines that say this resume's changes."""
+
+    values: dict[str, Any]
+    resumes: tuple[dict[str, Any], ...] = ()
+    announcements: tuple[str, ...] = ()
+
+    def config_yaml(self) -> dict[str, Any]:
+        """config.yaml's content: the flags' keys, then `resumes` when a resume changed something."""
+        return {**self.values, RESUMES: list(self.resumes)} if self.resumes else dict(self.values)
+
+
+def _same_hub_weights(old: Any, new: str) -> bool:
+    """Whether `--init_from new` may name the weights config.yaml records as `old` (`id@commit`). A resume that
+    downloads no weights (a full fine-tune: its checkpoint holds them) cannot resolve a branch or tag to a commit:
+    without a commit only the repo ids can be compared (a same command, requeued, must resume)."""
+    new_id, _, revision = new.partition("@")
+    return isinstance(old, str) and not _COMMIT.fullmatch(revision) and old.partition("@")[0] == new_id
+
+
+def _lrs(values: dict[str, Any], plan: OptimizerPlan, step: int) -> list[float] | None:
+    """Each optimizer's learning rate at the 0-based `step` under the schedule `values` record (None when they
+    lack a part of it, as configs from older versions may)."""
+    if not all(isinstance(values.get(name), (int, float)) for name in SCHEDULE):
+        return None
+    factor = LRSchedule(values["warmup_steps"], values["max_steps"], values["min_lr_ratio"]).factor(step)
+    return replace(plan, lr=values["lr"], muon_lr=values["muon_lr"]).lrs_at(factor)
+
+
+def resume_recipe(record: dict[str, Any], resume: ResumePoint | None, plan: OptimizerPlan) -> Recipe:
+    """The run's `Recipe`: `record` for a new run; for a resume, `record` compared with the config.yaml of the
+    checkpoint's run folder: a refused change is a UserError (nothing written yet), the others are announced and
+    appended to its `resumes`. `plan`: the run's optimizers (whose learning rates the announcement gives)."""
+    if resume is None:
+        return Recipe(record)
+    step, config_file = resume.progress.step, RunDir(resume.path.parent.parent).config_file
+    entry: dict[str, Any] = {"step": step, "checkpoint": str(resume.path)}
+    if not config_file.is_file():
+        return Recipe(record, ({**entry, "earlier_settings": f"not recorded (no {config_file})"},),
+                      (f"note: no {config_file} records the settings of the steps before {step}; config.yaml "
+                       f"records this run's from step {step} on",))
+    recorded = read_run_config(config_file)
+    earlier = recorded.get(RESUMES, [])
+    if not isinstance(earlier, list):
+        raise UserError(f"{config_file}: '{RESUMES}' is not a list; fix it or remove the key")
+    values = dict(record)
+    changes = []
+    for change in changed_fields(recorded, {k: v for k, v in record.items() if k not in NOT_COMPARED}):
+        if change.name == "init_from" and _same_hub_weights(change.old, change.new):
+            values["init_from"] = change.old  # the pin stays: the same weights, at the commit the run read
+        elif change.name in REFUSED:
+            raise UserError(
+                f"{config_file} records {change.name} {change.old!r} and this resume passes {change.new!r}: a "
+                f"resume continues the run's recipe ({change.name}: {REFUSED[change.name]}); resume with "
+                f"--{change.name} {change.old} as recorded, or start a new run in another --out_dir (with "
+                f"--init_from {resume.path} to start from these weights)")
+        else:
+            changes.append(change)
+    if not changes:
+        return Recipe(values, tuple(earlier))
+    entry["changed"] = {c.name: {"old": c.old, "new": c.new} for c in changes}
+    lines = [f"resuming at step {step} with {c} (config.yaml records it under '{RESUMES}')" for c in changes]
+    old_lrs, new_lrs = _lrs(recorded, plan, step), _lrs(values, plan, step)
+    if old_lrs is not None and new_lrs is not None and old_lrs != new_lrs:
+        entry["lr_jump"] = {"step": step + 1, **{name: {"old": o, "new": n}
+                                                 for name, o, n in zip(plan.names, old_lrs, new_lrs)}}
+        jumps = ", ".join(f"{o:.4g} -> {n:.4g} ({name})" for name, o, n in zip(plan.names, old_lrs, new_lrs))
+        schedule = ", ".join(c.name for c in changes if c.name in SCHEDULE)
+        lines.append(f"the learning rate changes at step {step + 1}: {jumps}, the LR being a function of the step "
+                     f"and of {schedule} (config.yaml records it under '{RESUMES}')")
+    return Recipe(values, (*earlier, entry), tuple(lines))
+
