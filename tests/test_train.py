@@ -269,10 +269,11 @@ def test_bad_preset_values(monkeypatch, capsys, tmp_path):
     preset.write_text("n_layer: 2\nlearning_rate: 1e-3\n")
     assert "unknown field(s) learning_rate" in run_in_process(monkeypatch, capsys, ["--config", str(preset)])
     preset.write_text("bias: 3\n")
-    assert "bias must be bool, got 3" in run_in_process(monkeypatch, capsys, ["--config", str(preset)])
+    assert "bias: 3 is not a bool; fix that key in the file" in run_in_process(monkeypatch, capsys,
+                                                                               ["--config", str(preset)])
     preset.write_text("n_layer: two\n")
     err = run_in_process(monkeypatch, capsys, ["--config", str(preset)])
-    assert "n_layer/--n-layer: invalid int value: 'two'" in err
+    assert "p.yaml: n_layer: 'two' is not an int; fix that key in the file" in err  # the file's key, no flag
 
 
 def test_resume_from_a_folder_that_is_not_a_checkpoint(monkeypatch, capsys, tmp_path):
