@@ -5,12 +5,15 @@ Library code raises `UserError("what is wrong; what to do")`; entry points (`tra
 one line and exits with status 2 instead of showing a traceback from deep inside a library.
 
 Under a multi-process launch every rank exits 2; an error that every rank raised alike (marked
-`on_every_rank`) is printed by rank 0 only, so the user reads it once.
+`on_every_rank`) is printed by rank 0 only, so the user reads it once, and the other ranks wait for the launcher
+to stop them once rank 0 has exited (see `_leave_the_report_to_rank_0`).
 """
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, NoReturn
 
@@ -63,11 +66,26 @@ def run_cli(main: Callable[[], object]) -> None:
         main()
     except UserError as err:
         rank = launch_rank()
+        if err.on_every_rank and rank != 0:
+            _leave_the_report_to_rank_0()
         if err.on_every_rank or rank == 0:
             fail(str(err), quiet=rank != 0)
         fail(f"(rank {rank}) {err}")
     except KeyboardInterrupt:
         fail("interrupted")
+
+
+# The longest a quiet rank waits for rank 0 to print an error they share; rank 0 normally prints it within a second
+# of the others, and the launcher stops the waiting ranks as soon as rank 0 has exited.
+REPORT_WAIT_S = 60
+
+
+def _leave_the_report_to_rank_0() -> None:
+    """A rank other than 0 holding an error that rank 0 prints: wait until the launcher stops it (SIGTERM, once rank
+    0 has exited), at most `REPORT_WAIT_S`. Exiting at once, a quick rank made torchrun's agent stop a slower rank 0
+    before it had printed the line, and the user read no error at all (seen on a busy 2-core machine)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the run's preemption handler would only set a flag
+    time.sleep(REPORT_WAIT_S)
 
 
 def _no_library_progress_bars() -> None:

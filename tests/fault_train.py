@@ -13,6 +13,7 @@ FAULT (environment) picks the fault; without it this is plain train.py:
 - `ctrl_c_in_step:N`   Ctrl-C as a terminal gives it (SIGINT to the launcher under `accelerate launch`, else to this
                        process) as optimizer step N (1-based) begins, from rank 0
 - `ctrl_c_twice_in_step:N`  the same, twice in a row
+- `slow_rank_0:S`      rank 0 starts S seconds after the others (a busy machine, a slow node's imports)
 
 NO_RETRY_WAIT (environment): no sleeping between the retries of huggingface_hub, datasets and data.streaming (the
 number of attempts is unchanged), for the tests that exhaust them.
@@ -111,6 +112,11 @@ elif kind == "kill_in_export":
         os.kill(os.getpid(), signal.SIGKILL)
 
     export.rename_into_place = die_before_final_is_published
+elif kind == "slow_rank_0":
+    if os.environ.get("RANK", "0") == "0":
+        import time
+
+        time.sleep(at)
 elif kind == "nan_at_step":
     from model import GPT
 

@@ -320,6 +320,18 @@ def test_a_lock_file_left_by_a_dead_run_is_no_obstacle(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_an_error_of_every_rank_is_printed_when_rank_0_is_the_slowest(tmp_path):
+    """Rank 1 finds the error 5 s before rank 0 (a busy machine): it waits for rank 0 to print it instead of exiting
+    first, which made the launcher stop rank 0 (SIGTERM) before its line, and the user read no error at all."""
+    proc = launch(TINY + ["--out_dir", str(tmp_path / "r"), "--lr", "-1"], nproc=2, fault="slow_rank_0:5",
+                  check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "error: --lr must be positive" in errors[0], proc.stderr[-3000:]
+    assert proc.returncode != 0
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_two_process_errors_print_once(reference, tmp_path):
     """A config error (every rank parses it alike) and a refusal found during setup (the ranks agree on it)."""
     finished = tmp_path / "finished"
