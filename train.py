@@ -17,7 +17,7 @@ from contextlib import ExitStack
 from functools import partial
 
 import torch
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import set_seed
 
 from common.console import TerminalBar
 from common.errors import computed_alike_on_every_rank, run_cli
@@ -26,21 +26,21 @@ from configs import parse_config
 from data.source import open_source
 from publish.card import write_card
 from publish.uploads import HubUploads
-from training.checkpoint import Checkpointer, restore
+from training.checkpoint import Checkpointer, refuse_another_engine, restore
 from training.draw import draw_step
+from training.engines import Engine, fit_deepspeed, refuse_unsupported
 from training.evaluation import TrainingEvals
 from training.export import export_final
 from training.lora import lora_summary, use_adapter_checkpoints
 from training.memory_plan import exit_after_plan
 from training.metrics import StepReport, run_header, trackers_for
 from training.network import build_model
-from training.optim import build_optimizer, plan_optimizers, refuse_unsupported
+from training.optim import build_optimizer, plan_optimizers
 from training.preemption import PreemptionFlag
 from training.preflight import checkpoint_bytes
 from training.processes import (
     BatchGeometry,
     close_process_group,
-    refuse_double_checkpointing,
     shared_across_ranks,
     start_accelerator,
 )
@@ -61,9 +61,11 @@ def main() -> None:
             geometry = BatchGeometry.of_launch(cfg.training, cfg.model.block_size)  # of the batch, in tokens
         accelerator = start_accelerator(geometry.accumulation, trackers_for(cfg.log.report_to), run)
         with shared_across_ranks(accelerator):
-            refuse_unsupported(plan, sharded=accelerator.distributed_type == DistributedType.FSDP)
-            refuse_double_checkpointing(accelerator, cfg.training.activation_checkpointing)  # ours or accelerate's
+            engine = Engine.of(accelerator)  # DDP, FSDP2 or DeepSpeed ZeRO-n: the accelerate config's
+            refuse_unsupported(engine, accelerator, plan.kind, bool(cfg.model.lora_rank), cfg.training.on_nan,
+                               cfg.training.activation_checkpointing)  # what we do not run under it, in one line
             resume = find_resume_point(cfg.run.resume, run.path)  # never over another run's files
+            refuse_another_engine(resume, engine, accelerator.num_processes)  # each engine reads only its own format
             uploads = HubUploads(cfg.hub, run, cfg.run.save_every, accelerator.is_main_process)  # token checked now
             set_seed(cfg.training.seed)  # identical initial weights on every rank
             model, init_weights = build_model(cfg.model, resume, cfg.training.activation_checkpointing)
@@ -80,6 +82,9 @@ def main() -> None:
             on_exit.enter_context(claim_run_folder(accelerator, cfg.run, resume, max_steps,
                                                    checkpoint_bytes(n_params)))  # one run per folder, locked
         optimizers = build_optimizer(model, plan, accelerator.device.type)  # [AdamW] or [AdamW, Muon]
+        if engine.kind == "deepspeed":  # DeepSpeed's config gets the batch and clipping of this run's flags
+            fit_deepspeed(accelerator, geometry.micro_batch_size, geometry.accumulation, cfg.training.grad_clip,
+                          arch.n_embd)
         model, *optimizers = accelerator.prepare(model, *optimizers)  # no scheduler: the LR is computed from the step
         torch.manual_seed(cfg.training.seed + accelerator.process_index)  # each rank its own dropout masks from here
         progress = restore(accelerator, resume, cfg.run, arch, plan.names, loader)  # weights, optimizers, RNGs, data

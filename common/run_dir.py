@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME, RNG_STATE_NAME, SAFE_WEIGHTS_NAME
+from accelerate.utils.constants import FSDP_MODEL_NAME, MODEL_NAME, OPTIMIZER_NAME, RNG_STATE_NAME, SAFE_WEIGHTS_NAME
 
 # Files inside a checkpoint folder that we write.
 GPT_CONFIG = "gpt_config.json"  # the architecture, `dataclasses.asdict(GPTConfig)`
@@ -34,6 +34,8 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"  # the adapter weights only
 MODEL_WEIGHTS = SAFE_WEIGHTS_NAME  # model.safetensors: the (possibly wrapped) model's state dict
 FSDP_MODEL_DIR = f"{FSDP_MODEL_NAME}_0"  # pytorch_model_fsdp_0/: the model's shards under FSDP's sharded state
 FSDP_OPTIMIZER_DIR = f"{OPTIMIZER_NAME}_0"  # optimizer_0/: the optimizer's shards under FSDP's sharded state
+DEEPSPEED_DIR = MODEL_NAME  # pytorch_model/: DeepSpeed's checkpoint (model states, one optimizer partition per rank)
+DEEPSPEED_LATEST = "latest"  # the name of the DeepSpeed checkpoint folder beside it, as DeepSpeed writes it
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 

@@ -18,6 +18,9 @@ FAULT (environment) picks the fault; without it this is plain train.py:
 NO_RETRY_WAIT (environment): no sleeping between the retries of huggingface_hub, datasets and data.streaming (the
 number of attempts is unchanged), for the tests that exhaust them.
 
+ENGINE_SHIM=1 (environment): a DeepSpeed or FSDP accelerate config runs on this CPU machine, on gloo
+(tests/engine_shim.py); ENGINE_PROBE (a folder) then receives each rank's parameter and optimizer-state sizes.
+
 FAKE_HUB_PARQUET (environment, comma-separated files): any Hub dataset id streams these local parquet files
 instead (the streaming path of train.py, offline).
 """
@@ -30,6 +33,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+if os.environ.get("ENGINE_SHIM") == "1":  # a DeepSpeed or FSDP launch on this CPU machine (tests/engine_shim.py)
+    sys.path.insert(0, str(ROOT / "tests"))
+    import engine_shim
+
+    engine_shim.install()
+    if os.environ.get("ENGINE_PROBE"):  # a folder: what each rank holds, written at each checkpoint
+        engine_shim.probe_shards(os.environ["ENGINE_PROBE"])
 
 spec = importlib.util.spec_from_file_location("train", ROOT / "train.py")
 train = importlib.util.module_from_spec(spec)

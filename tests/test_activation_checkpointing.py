@@ -12,17 +12,14 @@ import dataclasses
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import DDP_ARGS, REPO_ROOT, RESUME_ARGS, assert_same_weights, launch, read_metrics
 
-from common.errors import UserError
 from configs import ModelConfig, OptimConfig
 from model import GPT, GPTConfig
 from training.optim import build_optimizer, plan_optimizers
-from training.processes import refuse_double_checkpointing
 
 TINY_GPT = GPTConfig(vocab_size=100, n_layer=3, n_head=2, n_embd=32, block_size=16)
 
@@ -130,18 +127,6 @@ def test_under_torch_compile_the_same_gradients():
     compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
     _, grads_ours, _ = one_step(ours, x, y, forward=compiled)
     assert_same_gradients(grads, grads_ours)
-
-
-def test_fsdp_activation_checkpointing_too_is_refused_in_one_line():
-    def accelerator(fsdp_ac: bool | None):
-        plugin = None if fsdp_ac is None else SimpleNamespace(activation_checkpointing=fsdp_ac)
-        return SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin))
-
-    for fsdp_ac, ours in [(None, True), (False, True), (True, False), (None, False)]:
-        refuse_double_checkpointing(accelerator(fsdp_ac), ours)  # one of the two, or neither: fine
-    with pytest.raises(UserError) as err:
-        refuse_double_checkpointing(accelerator(True), True)
-    assert "fsdp_activation_checkpointing: false" in str(err.value) and "\n" not in str(err.value)
 
 
 RETENTION = """

@@ -9,8 +9,8 @@ virtual environment inside the clone (the README's `.venv/`) holds other package
 for the project's modules and whose imports are not the project's:
 
 - product code (everything outside tests/ and benchmarks/): the core `dependencies`, so that
-  `pip install -e .` runs every feature; the one exception is an optional bridge whose package stays in an
-  extra (`OPTIONAL`), and which says in one line what to install when it is missing;
+  `pip install -e .` runs every feature; the exceptions are optional bridges whose packages stay in an
+  extra (`OPTIONAL`: lm-eval, DeepSpeed), and which say in one line what to install when it is missing;
 - tests/ and benchmarks/: the core dependencies or the `dev` extra (what `.ci/run` installs).
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ else:  # Python 3.10: the same parser, from PyPI (the dev extra)
     import tomli as tomllib
 
 # Imported by product code but installed only with an extra: {top-level module: extra}.
-OPTIONAL = {"lm_eval": "harness"}
+OPTIONAL = {"lm_eval": "harness", "deepspeed": "deepspeed"}
 DEV_ONLY_FOLDERS = ("tests", "benchmarks")
 
 

@@ -166,17 +166,6 @@ def test_muon_with_accumulation_applies_the_big_batch_update():
             torch.testing.assert_close(b.detach(), a.detach(), atol=1e-5, rtol=0, msg=name)
 
 
-def test_muon_under_fsdp_is_refused_in_one_line():
-    from common.errors import UserError
-    from training.optim import refuse_unsupported
-
-    refuse_unsupported(MUON, sharded=False)
-    refuse_unsupported(ADAMW, sharded=True)  # AdamW shards fine
-    with pytest.raises(UserError) as err:
-        refuse_unsupported(MUON, sharded=True)
-    assert "not supported under FSDP" in str(err.value) and "\n" not in str(err.value)
-
-
 # ---- train.py with --optimizer muon ---------------------------------------------------------------------
 
 # 4 steps of 256 tokens: 1 process x accumulation 4, or 2 processes x accumulation 2. No dropout, so that

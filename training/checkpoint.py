@@ -28,6 +28,7 @@ from common.errors import UserError
 from common.run_dir import GPT_CONFIG, RUN_STATE, RunDir, checkpoint_step, data_state_file
 from configs import RunConfig
 from model import GPTConfig
+from training.engines import Engine
 from training.manifest import FORMAT, write_manifest
 from training.resume import Progress, ResumePoint, read_json
 
@@ -65,7 +66,7 @@ def save_checkpoint(
         with _disk_errors_as_user_errors(run, tmp, final):
             (tmp / GPT_CONFIG).write_text(json.dumps(asdict(gpt_config), indent=2))
             run_state = {**asdict(progress), "world_size": accelerator.num_processes, "format": FORMAT,
-                         "optimizers": list(optimizers)}
+                         "optimizers": list(optimizers), "engine": Engine.of(accelerator).as_record()}
             (tmp / RUN_STATE).write_text(json.dumps(run_state, indent=2))
             write_manifest(tmp)
             rename_into_place(tmp, final)  # replaces a same-step checkpoint of an earlier attempt
@@ -133,6 +134,24 @@ def load_checkpoint(accelerator: Accelerator, point: ResumePoint, gpt_config: GP
     # (after a change of world size or micro-batch) would put every sync mid-window and silently stop updates.
     accelerator.step = 0
     return data_state
+
+
+def refuse_another_engine(point: ResumePoint | None, engine: Engine, world_size: int) -> None:
+    """Each engine saves in its own format (DDP: whole files; FSDP: sharded folders; DeepSpeed: one optimizer
+    partition per rank, laid out by its ZeRO stage), which no other loads: a resume runs the engine that saved
+    the checkpoint, and under DeepSpeed also as many processes (its partitions do not reshard)."""
+    if point is None:
+        return
+    saved = Engine(str(point.engine.get("kind")), int(point.engine.get("zero_stage") or 0))
+    if saved != engine:
+        raise UserError(f"{point.path} was saved under {saved.name}, this launch runs {engine.name}, whose checkpoints "
+                        f"have another format; resume it with the accelerate config it was trained with"
+                        + (f" (accelerate_configs/zero{saved.zero_stage}_8gpu.yaml)" if saved.kind == "deepspeed" else
+                           " (accelerate_configs/fsdp_8gpu.yaml)" if saved.kind == "fsdp" else " (a DDP config)"))
+    if engine.kind == "deepspeed" and point.world_size != world_size:
+        raise UserError(f"{point.path} was saved by {point.world_size} process(es) under {engine.name}, which "
+                        f"partitions the optimizer state per process; resume it with --num_processes "
+                        f"{point.world_size}")
 
 
 class Checkpointer:

@@ -72,6 +72,7 @@ class TrainingEvals:
             scores = evaluate_hellaswag(plain, self.hellaswag_items, batch_size=cfg.eval_batch_size,
                                         accelerator=self.accelerator, bf16=bf16)
             results.update(hellaswag_acc=scores["acc"], hellaswag_acc_norm=scores["acc_norm"])
+        _reshard(plain)
         plain.train()
         if self.accelerator.is_main_process:
             write(f"step {step}: " + " ".join(f"{k} {v:.4f}" for k, v in results.items())
@@ -86,4 +87,13 @@ class TrainingEvals:
         first = self.val_tokens[:1] if self.pairs else self.val_tokens[:block + 1]
         loss = evaluate_loss(plain, first, block_size=block, batch_size=1,
                              accelerator=self.accelerator, bf16=self.accelerator.mixed_precision == "bf16")
+        _reshard(plain)
         return math.isfinite(loss)
+
+
+def _reshard(module: torch.nn.Module) -> None:
+    """After forwards without a backward: FSDP2 keeps the root's parameters (embeddings, ln_f) gathered on every rank
+    until the next backward; give them back now (checkpoint saves, the next step's forward gathers them again).
+    Nothing for a module FSDP does not shard."""
+    if hasattr(module, "reshard"):
+        module.reshard()

@@ -16,15 +16,16 @@ from common.run_dir import RunDir
 from common.weights import Weights
 from model import GPT, GPTConfig
 from model.pretrained import strip_wrapper_prefixes
+from training.engines import full_state_dict
 
 
 def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConfig, run: RunDir,
                  last_val: tuple[int, float] | None = None, init_weights: Weights | None = None) -> None:
-    """Write `final/` from the trained weights (gathered from every rank under FSDP), atomically; call on every rank.
-    Then say where it is, the run's last validation loss (`last_val`: step, loss) and what to run next.
+    """Write `final/` from the trained weights (gathered from every rank under FSDP and ZeRO), atomically; call on
+    every rank. Then say where it is, the run's last validation loss (`last_val`: step, loss) and what to run next.
     `init_weights`: what `--init_from` resolved to, the base a LoRA run's `final_adapter/` names."""
     module = accelerator.unwrap_model(model, keep_torch_compile=False)
-    if hasattr(module, "peft_config"):  # a LoRA run (never FSDP): the adapter first, final/ last marks the end
+    if hasattr(module, "peft_config"):  # LoRA (DDP only): the adapter first, final/ last marks the end
         if accelerator.is_main_process:
             from model.lora import merged, save_adapter_folder
             from training.lora import loadable_base
@@ -36,8 +37,9 @@ def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConf
                               f"{run.final_adapter}")
             accelerator.print(_next_steps(run, last_val))
         return
-    state_dict = strip_wrapper_prefixes(accelerator.get_state_dict(model))  # full weights on the main process
+    state_dict = full_state_dict(accelerator, model)  # whole weights on the main process, gathered under FSDP/ZeRO
     if accelerator.is_main_process:
+        state_dict = strip_wrapper_prefixes(state_dict)
         export = GPT(arch)
         export.load_state_dict(state_dict)
         _write(run, run.final, lambda tmp: export.save_pretrained(tmp, overwrite=True))

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
 
 from common.errors import UserError
 from common.run_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS
@@ -93,9 +92,6 @@ def use_adapter_checkpoints(accelerator: Accelerator, cfg: ModelConfig) -> None:
     base weights); nothing for any other run."""
     if not cfg.lora_rank:
         return
-    if accelerator.distributed_type == DistributedType.FSDP:
-        raise UserError("--lora_rank is not supported with FSDP (its checkpoints would gather and shard the frozen "
-                        "base); use a DDP or single-process accelerate config")
 
     def adapted(model: torch.nn.Module) -> GPT | None:
         module = accelerator.unwrap_model(model, keep_torch_compile=False)

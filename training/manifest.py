@@ -18,6 +18,8 @@ from common.errors import UserError
 from common.run_dir import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
+    DEEPSPEED_DIR,
+    DEEPSPEED_LATEST,
     FSDP_MODEL_DIR,
     FSDP_OPTIMIZER_DIR,
     GPT_CONFIG,
@@ -58,6 +60,8 @@ def _required_files(point: ResumePoint) -> list[str]:
         return names + [ADAPTER_CONFIG, ADAPTER_WEIGHTS, optimizer_file(0)]
     if (point.path / FSDP_MODEL_DIR).is_dir():
         return names + [FSDP_MODEL_DIR, FSDP_OPTIMIZER_DIR]
+    if (point.path / DEEPSPEED_DIR).is_dir():
+        return names + [DEEPSPEED_DIR, DEEPSPEED_LATEST]
     return names + [MODEL_WEIGHTS] + [optimizer_file(i) for i in range(len(point.optimizers))]
 
 

@@ -21,6 +21,7 @@ from accelerate import Accelerator
 
 from common.run_dir import RunDir
 from configs import LogConfig
+from training.engines import Engine, precision
 from training.mfu import estimate_mfu, peak_flops
 from training.optim import OptimizerPlan, describe_optimizers
 from training.processes import BatchGeometry
@@ -173,9 +174,11 @@ def run_header(accelerator: Accelerator, model: torch.nn.Module, n_params: int, 
         params = list(model.parameters())
         trainable = sum(p.numel() for p in params if p.requires_grad)
         adapters = f" ({lora}: {trainable:,} trainable, {trainable / sum(p.numel() for p in params):.2%} of all)"
+    engine = Engine.of(accelerator)
+    zero = f" (ZeRO-{engine.zero_stage})" if engine.kind == "deepspeed" else ""
     g = geometry
     return (f"GPT {n_params / 1e6:.2f}M params{adapters} | {g.world_size} process(es) x {g.accumulation} "
             f"accumulation x {g.micro_batch_size} x {g.block_size} = {g.tokens_per_step:,} tokens per step | "
-            f"distributed: {accelerator.distributed_type.value} | precision: {accelerator.mixed_precision} | "
+            f"distributed: {accelerator.distributed_type.value}{zero} | precision: {precision(accelerator)} | "
             f"{compiled} | {accelerator.device}\n"
             f"{describe_optimizers(network, plan)}\n{data}")

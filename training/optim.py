@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from common.errors import UserError
 from configs import ModelConfig, OptimConfig
 from configs.schema import DEFAULT_LRS
+from training.engines import full_numel
 
 
 @dataclass(frozen=True)
@@ -159,23 +159,15 @@ def build_optimizer(model: torch.nn.Module, plan: OptimizerPlan, device_type: st
     return [adamw, muon]
 
 
-def refuse_unsupported(plan: OptimizerPlan, sharded: bool) -> None:
-    """Muon orthogonalises whole matrices; FSDP shards them, and torch.optim.Muon on FSDP's sharded (DTensor)
-    parameters is not verified here: refuse the combination rather than train something untested."""
-    if sharded and plan.kind == "muon":
-        raise UserError("--optimizer muon is not supported under FSDP (Muon orthogonalises whole matrices, FSDP "
-                        "shards them); use --optimizer adamw with FSDP, or Muon with a DDP launch config")
-
-
 def describe_optimizers(model: torch.nn.Module, plan: OptimizerPlan) -> str:
     """Which optimizer trains which parameters, for the run's header; for Muon also the dtype it orthogonalises
     in on the device that holds the model."""
-    total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
     lr = f"lr {plan.lr:g}" + (f", the default for {plan.job}" if plan.lr_is_default else "")
     if plan.kind == "adamw":
         return f"optimizer: AdamW ({lr}) on all {total / 1e6:.2f}M trainable params"
     named = dict(model.named_parameters())
-    muon = sum(named[name].numel() for name in muon_parameter_names(model))
+    muon = sum(full_numel(named[name]) for name in muon_parameter_names(model))
     ns_dtype = str(newton_schulz_dtype(next(model.parameters()).device.type)).removeprefix("torch.")
     return (f"optimizer: Muon (lr {plan.muon_lr:g}, Newton-Schulz in {ns_dtype}) on the blocks' 2-D weights "
             f"({muon / 1e6:.2f}M params), "

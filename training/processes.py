@@ -19,6 +19,13 @@ from accelerate.utils import ProjectConfiguration, gather_object
 from common.errors import UserError
 from common.run_dir import RunDir
 from configs import TrainingConfig
+from training.engines import (
+    check_engine,
+    check_world_size,
+    deepspeed_missing,
+    refuse_engine_on_cpu,
+    requested_engine,
+)
 
 
 @dataclass(frozen=True)
@@ -60,22 +67,34 @@ class BatchGeometry:
 
 def process_state() -> PartialState:
     """This process's place in the launch, before any Accelerator exists (so that the batch geometry is known
-    first). A multi-process launch on a machine without CUDA runs on gloo; otherwise every process would
-    believe it is rank 0."""
-    return PartialState(cpu=_cpu_launch())
+    first). A multi-process DDP launch on a machine without CUDA runs on gloo; otherwise every process would
+    believe it is rank 0. A launch whose ranks still come up alone (a DeepSpeed or FSDP config without a device
+    for it) is refused (`training.engines.check_world_size`)."""
+    if (missing := deepspeed_missing()) is not None:
+        raise UserError(missing)
+    refuse_engine_on_cpu()  # accelerate would train DDP instead
+    state = PartialState(cpu=_cpu_launch())
+    check_world_size(int(os.environ.get("WORLD_SIZE", "1")), state.num_processes)
+    return state
 
 
 def _cpu_launch() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+    """Whether to tell accelerate that a launch runs on the CPU: a multi-process launch on a machine without CUDA,
+    unless its config asks for an engine, which accelerate would then silently replace by DDP (the engine's own
+    launch is left to accelerate, and checked: `training.engines`)."""
+    return (int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+            and requested_engine() == "ddp")
 
 
 def start_accelerator(accumulation: int, trackers: list[str] | None, run: RunDir) -> Accelerator:
-    """The Accelerator of this process: devices, precision, compile and FSDP come from accelerate's config,
+    """The Accelerator of this process: devices, precision, compile and the engine (DDP, FSDP, DeepSpeed) come
+    from accelerate's config,
     micro-steps per optimizer step from the batch geometry, trackers (`--report_to`) write into the run folder. On a
     CPU, glibc's mmap threshold is fixed so that freed activation memory goes back to the OS, and large tensors get
     huge pages (see below)."""
     accelerator = Accelerator(cpu=_cpu_launch(), gradient_accumulation_steps=accumulation, log_with=trackers,
                               project_config=ProjectConfiguration(str(run.path), logging_dir=str(run.tensorboard)))
+    check_engine(accelerator)  # the engine the config asked for, not accelerate's silent fallback
     if accelerator.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -130,18 +149,6 @@ def use_transparent_huge_pages() -> bool:
     if allowed:
         os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     return allowed and os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
-
-
-def refuse_double_checkpointing(accelerator: Accelerator, activation_checkpointing: bool) -> None:
-    """`--activation_checkpointing` checkpoints each block inside `GPT.forward`. Accelerate's FSDP plugin with
-    `fsdp_activation_checkpointing: true` wraps the same blocks once more (`fsdp2_apply_ac`), so the backward would
-    recompute each block twice, the outer recomputation without the forward's RNG state (`preserve_rng_state=False`:
-    other dropout masks). Refused, in one line: one of the two is enough, and ours keeps the dropout masks."""
-    plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    if activation_checkpointing and plugin is not None and plugin.activation_checkpointing:
-        raise UserError("--activation_checkpointing and the accelerate config's fsdp_activation_checkpointing would "
-                        "each recompute every block (twice in all); keep --activation_checkpointing and set "
-                        "fsdp_activation_checkpointing: false in the accelerate config")
 
 
 def close_process_group() -> None:

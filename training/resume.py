@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import UserError
-from common.run_dir import GPT_CONFIG, RUN_STATE, RunDir, checkpoint_step
+from common.run_dir import FSDP_MODEL_DIR, GPT_CONFIG, RUN_STATE, RunDir, checkpoint_step
 
 # Optimizers a checkpoint was saved with, in accelerate's order (optimizer.bin, optimizer_1.bin, ...). Checkpoints
 # record their names; older ones recorded only how many there were, which meant these.
@@ -61,6 +61,15 @@ class ResumePoint:
     @property
     def world_size(self) -> int:
         return int(self.run_state.get("world_size", 1))
+
+    @property
+    def engine(self) -> dict[str, Any]:
+        """The engine that wrote the checkpoint (`Engine.as_record`); for checkpoints from before it was recorded,
+        read from their files (FSDP's sharded folders, else DDP's replica files)."""
+        saved = self.run_state.get("engine")
+        if isinstance(saved, dict) and isinstance(saved.get("kind"), str):
+            return saved
+        return {"kind": "fsdp" if (self.path / FSDP_MODEL_DIR).is_dir() else "ddp", "zero_stage": 0}
 
     @property
     def progress(self) -> Progress:

@@ -1,0 +1,211 @@
+"""The sharding engines, run by train.py itself on 2 CPU processes: accelerate's FSDP2 plugin and DeepSpeed ZeRO-1,
+2 and 3, each from its shipped config in accelerate_configs/ (fp32, gloo, through tests/engine_shim.py).
+
+Each engine's run of DDP_ARGS is held against one process on the same global batch, proven to shard (what each
+rank holds, written at every checkpoint by the shim's probe), killed while saving and resumed bit-exact. Then the
+refusals: an engine's checkpoint under another engine, an engine launch that accelerate would silently run as
+something else, and the features not supported under an engine.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import DDP_ARGS, assert_same_weights, launch, read_metrics, shared_once
+
+from common.errors import UserError
+from training.engines import Engine, fit_deepspeed, refuse_unsupported
+
+ENGINES = ["fsdp_8gpu", "zero1_8gpu", "zero2_8gpu", "zero3_8gpu"]
+
+
+@pytest.fixture(scope="session")
+def single_run(tmp_path_factory) -> Path:
+    """DDP_ARGS on one process (accumulation 4): the reference every engine's 2-process run is held against."""
+    return shared_once(tmp_path_factory, "single",
+                       lambda folder: launch(DDP_ARGS + ["--out_dir", str(folder / "run")])) / "run"
+
+
+def _engine_run(tmp_path_factory, engine: str) -> Path:
+    def build(folder: Path) -> None:
+        (folder / "probe").mkdir()
+        launch(DDP_ARGS + ["--out_dir", str(folder / "run")], nproc=2, engine=engine,
+               extra_env={"ENGINE_PROBE": str(folder / "probe")})
+
+    return shared_once(tmp_path_factory, f"engine_{engine}", build)
+
+
+@pytest.fixture(scope="session", params=ENGINES)
+def engine_run(request, tmp_path_factory) -> tuple[str, Path]:
+    """(config name, folder): the run in folder/run, each rank's probe in folder/probe."""
+    return request.param, _engine_run(tmp_path_factory, request.param)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_engine_run_equals_one_process(engine_run, single_run):
+    engine, folder = engine_run
+    run = folder / "run"
+    assert_same_weights(single_run, run, atol=1e-6)  # final/: the whole weights, gathered from the shards
+    single, sharded = read_metrics(single_run), read_metrics(run)
+    assert [m["step"] for m in sharded] == [m["step"] for m in single]
+    for a, b in zip(single, sharded):
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)  # fp32 sums of 1.6M squares, reordered
+        if "val_loss" in a:
+            assert b["val_loss"] == pytest.approx(a["val_loss"], abs=1e-5)
+
+
+# What each engine holds per rank, of 2: (parameters, AdamW moments) sharded or whole.
+SHARDS = {"fsdp_8gpu": ("FSDP", True, True), "zero1_8gpu": ("DEEPSPEED", False, True),
+          "zero2_8gpu": ("DEEPSPEED", False, True), "zero3_8gpu": ("DEEPSPEED", True, True)}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_engine_really_shards(engine_run):
+    """accelerate falls back silently (to DDP, or to lone processes): the run's own ranks say what they held."""
+    engine, folder = engine_run
+    distributed_type, params_sharded, moments_sharded = SHARDS[engine]
+    reports = [json.loads((folder / "probe" / f"rank{r}.json").read_text()) for r in range(2)]
+    whole = reports[0]["params_whole"]
+    for report in reports:
+        assert report["engine"] == distributed_type and report["world"] == 2
+        for key, sharded in (("params_local", params_sharded), ("moments_local", moments_sharded)):
+            if sharded:  # half each, give or take the padding of a partition
+                assert 0.4 * whole < report[key] < 0.6 * whole, (key, report)
+            else:
+                assert report[key] == whole, (key, report)
+    assert sum(r["moments_local"] for r in reports) >= whole  # between them, every parameter's state
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_engine_resume_after_kill_in_save_is_bit_exact(engine_run, tmp_path):
+    """SIGKILL to every process while the checkpoint of step 4 is written (step 2's published), then --resume
+    latest in the engine's own format: the final weights equal the uninterrupted run's, bit for bit."""
+    engine, folder = engine_run
+    out = tmp_path / "run"
+    killed = launch(DDP_ARGS + ["--out_dir", str(out)], nproc=2, engine=engine, fault="kill_in_save:4", check=False)
+    assert killed.returncode != 0 and not (out / "final").exists()
+    launch(DDP_ARGS + ["--out_dir", str(out), "--resume", "latest"], nproc=2, engine=engine)
+    assert_same_weights(folder / "run", out)
+    assert [m["step"] for m in read_metrics(out)] == [m["step"] for m in read_metrics(folder / "run")]
+
+
+def _error_line(proc) -> str:
+    """The one error line of a 2-process launch that stopped (no rank's traceback; the launcher prints its own)."""
+    output = proc.stdout + proc.stderr
+    lines = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and len(lines) == 1 and "]: Traceback" not in output, output[-3000:]
+    return lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_zero2_checkpoint_is_refused_under_ddp_and_another_stage(tmp_path_factory, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(_engine_run(tmp_path_factory, "zero2_8gpu") / "run", run)
+    shutil.rmtree(run / "final")
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    args = DDP_ARGS + ["--out_dir", str(run), "--resume", "latest", "--max_steps", "6"]
+    line = _error_line(launch(args, nproc=2, check=False))
+    assert "saved under DeepSpeed ZeRO-2, this launch runs DDP" in line and "zero2_8gpu.yaml" in line
+    line = _error_line(launch(args, nproc=2, engine="zero3_8gpu", check=False))
+    assert "saved under DeepSpeed ZeRO-2, this launch runs DeepSpeed ZeRO-3" in line
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before  # nothing written, nothing lost
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("engine", ["zero2_8gpu", "fsdp_8gpu"])
+def test_an_engine_launch_accelerate_cannot_run_here_is_refused(engine, tmp_path):
+    """As shipped, accelerate brings each rank of a DeepSpeed or FSDP launch on a CPU up alone (each would train
+    the whole batch); where the engine's backend exists (here the shim's), use_cpu makes it run plain DDP instead
+    (FSDP: exit 0) or fail inside accelerate (DeepSpeed: an AttributeError traceback)."""
+    out = tmp_path / "run"
+    alone = launch(DDP_ARGS + ["--out_dir", str(out)], nproc=2, engine=engine, check=False,
+                   extra_env={"ENGINE_SHIM": "0"})
+    assert "started 2 processes but accelerate brought up 1 as a group" in _error_line(alone)
+    as_ddp = launch(DDP_ARGS + ["--out_dir", str(out)], nproc=2, engine=engine, check=False,
+                    extra_env={"ACCELERATE_USE_CPU": "1"})
+    assert "asks for DeepSpeed and for the CPU" in _error_line(as_ddp) if engine.startswith("zero") else \
+        "asks for FSDP and for the CPU" in _error_line(as_ddp)
+    assert not out.exists()
+
+
+# ---- refusals, in process ------------------------------------------------------------------------------------
+
+def _accelerator(engine: Engine, config: dict | None = None, fsdp_ac: bool = False) -> SimpleNamespace:
+    plugin = SimpleNamespace(deepspeed_config=config or {}, zero_stage=engine.zero_stage)
+    return SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin,
+                                                 fsdp_plugin=SimpleNamespace(activation_checkpointing=fsdp_ac)),
+                           num_processes=2)
+
+
+ZERO = {stage: Engine("deepspeed", stage) for stage in (1, 2, 3)}
+FSDP, DDP = Engine("fsdp"), Engine("ddp")
+
+
+@pytest.mark.parametrize("engine", [FSDP, *ZERO.values()], ids=lambda e: e.name)
+def test_muon_and_lora_are_refused_under_a_sharding_engine(engine):
+    for optimizer, lora, words in (("muon", False, "--optimizer muon is not supported under"),
+                                   ("adamw", True, "--lora_rank is not supported under")):
+        with pytest.raises(UserError) as err:
+            refuse_unsupported(engine, _accelerator(engine), optimizer, lora, "stop", False)
+        assert words in str(err.value) and engine.name in str(err.value) and "\n" not in str(err.value)
+    refuse_unsupported(engine, _accelerator(engine), "adamw", False, "stop", True)  # AdamW, ours: fine
+    refuse_unsupported(DDP, _accelerator(DDP), "muon", True, "skip", True)  # DDP runs everything
+
+
+@pytest.mark.parametrize(("config", "on_nan", "words"), [
+    ({"optimizer": {"type": "AdamW"}}, "stop", 'has an "optimizer" block'),
+    ({"scheduler": {"type": "WarmupLR"}}, "stop", 'has a "scheduler" block'),
+    ({"activation_checkpointing": {"partition_activations": True}}, "stop", '"activation_checkpointing" block'),
+    ({}, "skip", "--on_nan skip is not supported under DeepSpeed"),
+])
+def test_what_deepspeed_does_not_run_is_refused(config, on_nan, words):
+    with pytest.raises(UserError) as err:
+        refuse_unsupported(ZERO[2], _accelerator(ZERO[2], config), "adamw", False, on_nan, False)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_both_activation_checkpointings_under_fsdp_are_refused():
+    for ours, accelerates in ((True, False), (False, True), (False, False)):
+        refuse_unsupported(FSDP, _accelerator(FSDP, fsdp_ac=accelerates), "adamw", False, "stop", ours)
+    with pytest.raises(UserError, match="would each recompute every block"):
+        refuse_unsupported(FSDP, _accelerator(FSDP, fsdp_ac=True), "adamw", False, "stop", True)
+
+
+def test_deepspeed_config_gets_the_runs_geometry_and_refuses_a_conflict():
+    accelerator = _accelerator(ZERO[3], {"gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 3}})
+    fit_deepspeed(accelerator, micro_batch_size=4, accumulation=3, grad_clip=0.5, n_embd=64)
+    config = accelerator.state.deepspeed_plugin.deepspeed_config
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
+            config["train_batch_size"], config["gradient_clipping"]) == (4, 3, 4 * 3 * 2, 0.5)
+    assert config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+    assert config["zero_optimization"]["reduce_bucket_size"] == 64 * 64
+    with pytest.raises(UserError) as err:
+        fit_deepspeed(_accelerator(ZERO[2], {"gradient_clipping": 1.0}), 4, 3, 0.5, 64)
+    assert "sets gradient_clipping 1.0, this run's --grad_clip makes it 0.5" in str(err.value)
+
+
+def test_a_deepspeed_launch_without_deepspeed_installed_is_one_line(monkeypatch):
+    import training.engines as engines
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setattr(engines, "find_spec", lambda name: None)
+    assert 'pip install -e ".[deepspeed]"' in engines.deepspeed_missing()
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")
+    assert engines.deepspeed_missing() is None
+
+
+def test_the_shim_stops_on_versions_it_was_not_written_for(monkeypatch):
+    import engine_shim
+
+    monkeypatch.setitem(engine_shim.WRITTEN_FOR, "accelerate", (0, 1))
+    with pytest.raises(RuntimeError, match="written for accelerate 0.1.x, found"):
+        engine_shim.install()

@@ -1,0 +1,208 @@
+"""The engine a launch trains with, chosen by its accelerate config: DDP (every process a full replica; also a
+single process), accelerate's FSDP2 plugin, or DeepSpeed ZeRO-1/2/3; and what each needs from the run.
+
+accelerate falls back silently: a DeepSpeed or FSDP config on a machine where accelerate finds no device for it
+(or with `use_cpu`) trains plain DDP, or one lone process per rank, and exits 0. A run here refuses that in one
+line (`check_engine`, `check_world_size`): the engine that runs is the one the config asked for.
+
+Under DeepSpeed the run keeps its own optimizer (AdamW, built by `training.optim`) and its own learning rate per
+step (set into the optimizer's groups, as under DDP); DeepSpeed's config gets the batch geometry and the
+clipping from the run's flags (`fit_deepspeed`), so that one set of flags means one run under every engine.
+DeepSpeed applies the update inside `accelerator.backward` of a step's last micro-batch (accelerate's wrapper
+calls `engine.step()`), clipped by its `gradient_clipping`; `clip_grad_norm_` then returns the norm it measured.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from importlib.util import find_spec
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+from common.errors import UserError
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "false").lower() == "true"
+
+
+@dataclass(frozen=True)
+class Engine:
+    """How the launch's processes hold the model: `kind` "ddp" (full replicas: DDP, or one process), "fsdp"
+    (accelerate's FSDP2 plugin: parameters, gradients and optimizer state sharded) or "deepspeed" (ZeRO
+    `zero_stage`: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters)."""
+
+    kind: str = "ddp"
+    zero_stage: int = 0
+
+    @property
+    def name(self) -> str:
+        return {"ddp": "DDP", "fsdp": "FSDP2"}.get(self.kind, f"DeepSpeed ZeRO-{self.zero_stage}")
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Whether no rank holds the whole model between forwards (every rank must then run every forward)."""
+        return self.kind == "fsdp" or (self.kind == "deepspeed" and self.zero_stage == 3)
+
+    @classmethod
+    def of(cls, accelerator: Accelerator) -> Engine:
+        """The engine this process's Accelerator runs."""
+        if accelerator.distributed_type == DistributedType.DEEPSPEED:
+            return cls("deepspeed", int(accelerator.state.deepspeed_plugin.zero_stage))
+        if accelerator.distributed_type == DistributedType.FSDP:
+            return cls("fsdp")
+        return cls("ddp")
+
+    def as_record(self) -> dict[str, object]:
+        """How a checkpoint records the engine that wrote it (run_state.json's "engine")."""
+        return {"kind": self.kind, "zero_stage": self.zero_stage}
+
+
+def precision(accelerator: Accelerator) -> str:
+    """The run's precision as the header names it: accelerate's mixed precision, or under DeepSpeed (for which
+    accelerate reports "no") what DeepSpeed's config enables: "bf16" or "fp16" weights with an fp32 master copy."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return accelerator.mixed_precision
+    config = accelerator.state.deepspeed_plugin.deepspeed_config
+    enabled = [dtype for dtype in ("bf16", "fp16") if str(config.get(dtype, {}).get("enabled")).lower() == "true"]
+    return enabled[0] if enabled else "no"
+
+
+def requested_engine() -> str:
+    """The engine the accelerate config asked for, as `accelerate launch` tells its processes: "deepspeed", "fsdp"
+    or "ddp" (any other config, and no launch at all)."""
+    if _env_flag("ACCELERATE_USE_DEEPSPEED"):
+        return "deepspeed"
+    if _env_flag("ACCELERATE_USE_FSDP"):
+        return "fsdp"
+    return "ddp"
+
+
+_FIX = ("DeepSpeed and FSDP run on GPUs; on a CPU, launch with accelerate_configs/cpu_2proc.yaml (DDP on gloo), "
+        "which trains the same run")
+
+
+def refuse_engine_on_cpu() -> None:
+    """A DeepSpeed or FSDP config that also asks for the CPU (`use_cpu: true`, ACCELERATE_USE_CPU): accelerate
+    would train plain DDP (FSDP) or stop with an AttributeError of its own (DeepSpeed)."""
+    asked = requested_engine()
+    if asked != "ddp" and os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes"):
+        name = "DeepSpeed" if asked == "deepspeed" else "FSDP"
+        raise UserError(f"the accelerate config asks for {name} and for the CPU (use_cpu / ACCELERATE_USE_CPU), "
+                        f"which accelerate runs as plain DDP, not {name}; {_FIX}")
+
+
+def check_world_size(launched: int, joined: int) -> None:
+    """A launch of `launched` processes whose ranks each came up alone (`joined` 1): accelerate found no
+    backend for the config's engine on this machine, and every rank would train the whole batch by itself."""
+    if launched > 1 and joined != launched:
+        engine = {"deepspeed": "DeepSpeed", "fsdp": "FSDP"}.get(requested_engine(), "its engine")
+        raise UserError(f"this launch started {launched} processes but accelerate brought up {joined} as a group "
+                        f"(it found no device for {engine} on this machine); {_FIX}")
+
+
+def check_engine(accelerator: Accelerator) -> Engine:
+    """The engine that runs, which must be the one the config asked for (accelerate falls back silently; the
+    cases known are refused earlier, with their causes: `refuse_engine_on_cpu`, `check_world_size`)."""
+    asked, engine = requested_engine(), Engine.of(accelerator)
+    if asked != "ddp" and engine.kind != asked:
+        raise UserError(f"the accelerate config asks for {'DeepSpeed' if asked == 'deepspeed' else 'FSDP'}, but "
+                        f"accelerate runs this launch as {accelerator.distributed_type.value} on "
+                        f"{accelerator.device.type}; {_FIX}")
+    return engine
+
+
+def deepspeed_missing() -> str | None:
+    """The line to print when the launch asks for DeepSpeed and it is not installed; None otherwise. Checked
+    before accelerate imports it (its own message is a traceback from inside the Accelerator)."""
+    if requested_engine() == "deepspeed" and find_spec("deepspeed") is None:
+        return ("the accelerate config asks for DeepSpeed, which is not installed; pip install -e \".[deepspeed]\" "
+                "(or use a DDP or FSDP config)")
+    return None
+
+
+def refuse_unsupported(engine: Engine, accelerator: Accelerator, optimizer: str, lora: bool, on_nan: str,
+                       activation_checkpointing: bool) -> None:
+    """What this project does not run under `engine`, refused in one line before anything is built."""
+    sharded = {"fsdp": "FSDP shards them", "deepspeed": "ZeRO flattens and partitions them"}.get(engine.kind)
+    if optimizer == "muon" and sharded:
+        raise UserError(f"--optimizer muon is not supported under {engine.name} (Muon orthogonalises whole matrices; "
+                        f"{sharded}); use --optimizer adamw with {engine.name}, or Muon with a DDP launch config")
+    if lora and engine.kind != "ddp":
+        raise UserError(f"--lora_rank is not supported under {engine.name} (the adapters are a few MB: there is "
+                        "nothing worth sharding, and its checkpoints would gather and shard the frozen base); use a "
+                        "DDP or single-process accelerate config")
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if activation_checkpointing and engine.kind == "fsdp" and plugin is not None and plugin.activation_checkpointing:
+        # accelerate's fsdp2_apply_ac wraps the blocks GPT.forward already checkpoints: each would be recomputed twice,
+        # the outer time without the forward's RNG state (preserve_rng_state=False: other dropout masks).
+        raise UserError("--activation_checkpointing and the accelerate config's fsdp_activation_checkpointing would "
+                        "each recompute every block (twice in all); keep --activation_checkpointing and set "
+                        "fsdp_activation_checkpointing: false in the accelerate config")
+    if engine.kind != "deepspeed":
+        return
+    config = accelerator.state.deepspeed_plugin.deepspeed_config
+    for block, ours in (("an \"optimizer\"", "--optimizer/--lr/--weight_decay"), ("a \"scheduler\"", "--warmup_steps")):
+        if block.split('"')[1] in config:
+            raise UserError(f"the DeepSpeed config has {block} block; train.py trains with its own ({ours}), so one "
+                            "set of flags means one run under every engine: remove the block")
+    if "activation_checkpointing" in config:
+        raise UserError("the DeepSpeed config has an \"activation_checkpointing\" block, which acts only on models "
+                        "that call deepspeed.checkpointing; remove it and pass --activation_checkpointing")
+    if on_nan == "skip":
+        raise UserError("--on_nan skip is not supported under DeepSpeed (it applies the update inside the step's "
+                        "backward, before the gradient norm is known here); use --on_nan stop")
+
+
+def fit_deepspeed(accelerator: Accelerator, micro_batch_size: int, accumulation: int, grad_clip: float,
+                  n_embd: int) -> None:
+    """Write the run's batch geometry and clipping into the DeepSpeed config before `accelerator.prepare` (train.py
+    passes no DataLoader from which accelerate could read them); the config's own values, where set, must agree.
+    ZeRO-3's bucket sizes follow the width (accelerate reads them from a Hugging Face config, which our GPT has
+    not), and ZeRO-3 gathers the full weights for `final/`."""
+    plugin = accelerator.state.deepspeed_plugin
+    config = plugin.deepspeed_config
+    ours = {"train_micro_batch_size_per_gpu": (micro_batch_size, "--micro_batch_size"),
+            "gradient_accumulation_steps": (accumulation, "--total_batch_size (the accumulation it implies)"),
+            "train_batch_size": (micro_batch_size * accumulation * accelerator.num_processes, "--total_batch_size"),
+            "gradient_clipping": (grad_clip, "--grad_clip")}
+    for key, (value, flag) in ours.items():
+        given = config.get(key, "auto")
+        if given not in ("auto", None) and given != value:
+            raise UserError(f"the DeepSpeed config sets {key} {given}, this run's {flag} makes it {value}; set it to "
+                            "\"auto\" (or remove it) in the DeepSpeed config: train.py fills it from its flags")
+        config[key] = value
+    zero = config.setdefault("zero_optimization", {})
+    if plugin.zero_stage == 3:
+        for key, value in (("reduce_bucket_size", n_embd * n_embd),
+                           ("stage3_prefetch_bucket_size", int(0.9 * n_embd * n_embd)),
+                           ("stage3_param_persistence_threshold", 10 * n_embd)):
+            if zero.get(key, "auto") == "auto":
+                zero[key] = value
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+
+
+def full_numel(parameter) -> int:
+    """A parameter's number of elements, also under ZeRO-3, which leaves a partitioned parameter empty on every
+    rank and keeps its size in `ds_numel`."""
+    return getattr(parameter, "ds_numel", parameter.numel())
+
+
+def full_state_dict(accelerator: Accelerator, model) -> dict | None:
+    """The trained weights, whole, on the main process (None elsewhere); call on every rank (a collective under
+    FSDP and ZeRO). Under DeepSpeed these are the fp32 master weights its optimizer keeps, gathered tensor by
+    tensor (under bf16 the module itself holds bf16 copies, which `accelerator.get_state_dict` would export);
+    the same weights a DDP run exports."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return accelerator.get_state_dict(model)
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    full = {}
+    for name, tensor in accelerator.unwrap_model(model).state_dict(keep_vars=True).items():  # same order on every rank
+        master = safe_get_full_fp32_param(tensor) if isinstance(tensor, torch.nn.Parameter) else None
+        value = (master if master is not None else tensor).detach()
+        if accelerator.is_main_process:
+            full[name] = value.cpu().clone()
+    return full if accelerator.is_main_process else None
