@@ -55,7 +55,10 @@ HELLASWAG_NAME = "hellaswag_val_approx.jsonl.gz"
 # shared/ folder inside the checkout travels, so it is looked for there too.
 HELLASWAG_PLACES = [ROOT.parent / "shared" / "assets" / HELLASWAG_NAME, ROOT / "shared" / "assets" / HELLASWAG_NAME]
 HELLASWAG_TINY = ROOT / "tests" / "fixtures" / "eval" / "hellaswag_tiny.jsonl"
-FSDP_SKIP = "skipped: FSDP needs an accelerator (accelerate falls back to DDP on CPU)"
+ENGINE_SKIP = ("skipped: {} needs an accelerator (on a CPU accelerate falls back to DDP or to lone processes, which "
+               "train.py refuses; tests/test_engines.py runs it on CPU through a test-only shim)")
+# The sharded engines' stages: the accelerate config and the `distributed:` value the run header must show.
+ENGINE_STAGES = {"fsdp": ("fsdp_8gpu.yaml", "FSDP"), "zero3": ("zero3_8gpu.yaml", "DEEPSPEED")}
 
 # --smoke ends a stage only as a hang, at this many times its smoke budget (the module docstring, "Time limits").
 SMOKE_HANG_FACTOR = 5
@@ -204,39 +207,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_args(ctx: Ctx, fsdp: bool) -> tuple[list[str], int, int]:
+def train_args(ctx: Ctx, sharded: bool) -> tuple[list[str], int, int]:
     """train.py flags, the step the first launch is killed after, and the checkpoint it resumes from."""
     if ctx.smoke:
         return (["--n_layer", "2", "--n_head", "2", "--n_embd", "64", "--block_size", "64", "--micro_batch_size", "2",
                  "--total_batch_size", "256", "--max_steps", "6", "--save_every", "2", "--log_every", "1",
                  "--eval_every", "3", "--val_tokens", "256", "--eval_batch_size", "4", "--sample_tokens", "4"], 3, 2)
-    steps, save, kill = (20, 10, 15) if fsdp else (40, 20, 30)
+    steps, save, kill = (20, 10, 15) if sharded else (40, 20, 30)
     return (["--n_layer", "12", "--n_head", "12", "--n_embd", "768", "--block_size", "1024",
-             "--micro_batch_size", "16", "--total_batch_size", str(65536 if fsdp else 131072),
+             "--micro_batch_size", "16", "--total_batch_size", str(65536 if sharded else 131072),
              "--max_steps", str(steps), "--save_every", str(save), "--log_every", "5", "--eval_every", str(save),
              "--val_tokens", "65536", "--sample_tokens", "16"], kill, save)
 
 
-def train_stage(name: str, fsdp: bool) -> Callable[[Ctx, float], dict]:
-    """accelerate launch: train, SIGKILL between checkpoints (tests/fault_train.py), resume with --resume latest."""
+def train_stage(name: str) -> Callable[[Ctx, float], dict]:
+    """accelerate launch: train, SIGKILL between checkpoints (tests/fault_train.py), resume with --resume latest.
+    `name` "train_resume": single_gpu.yaml; an ENGINE_STAGES name: that engine's config."""
+    config, engine = ENGINE_STAGES.get(name, ("single_gpu.yaml", None))
+    sharded = engine is not None
+
     def run(ctx: Ctx, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
-        config = "fsdp_8gpu.yaml" if fsdp else "single_gpu.yaml"
         launch = [PY, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}",
                   "--num_processes", "1", "--main_process_port", str(free_port())]
         if ctx.smoke:
             launch += ["--cpu", "--dynamo_backend", "no"]  # bf16 autocast from the config stays on
-        args, kill_at, resume_at = train_args(ctx, fsdp)
-        # Muon (the from-scratch default) refuses FSDP; activation checkpointing inside accelerate's FSDP2 blocks
-        # is checked here only (tests/test_fsdp2_on_cpu.py shards with torch's fully_shard, not the plugin).
-        args += ["--optimizer", "adamw", "--activation_checkpointing"] if fsdp else []
+        args, kill_at, resume_at = train_args(ctx, sharded)
+        # Muon (the from-scratch default) is refused under FSDP and ZeRO; our activation checkpointing inside the
+        # engines' sharded blocks and bf16 are checked here only (tests/test_engines.py runs fp32 without it).
+        args += ["--optimizer", "adamw", "--activation_checkpointing"] if sharded else []
         out_dir = ctx.work / name
         args += ["--out_dir", str(out_dir)]
         figures: dict = {"config": config, "kill_after_step": kill_at}
         killed = ctx.sh(name, [*launch, "tests/fault_train.py", *args], deadline - time.monotonic(),
                         env={"FAULT": f"kill_after_step:{kill_at}"}, check=False)
         figures["killed_exit_code"] = killed.returncode
-        header = re.search(r"distributed: (\S+) \| precision: (\S+) \| (.+?) \| (\S+)\s*$", killed.stdout, re.M)
+        header = re.search(r"distributed: (\S+)(?: \(ZeRO-\d\))? \| precision: (\S+) \| (.+?) \| (\S+)\s*$",
+                           killed.stdout, re.M)
         if header:
             figures.update(distributed=header[1], precision=header[2], compiled=header[3], device=header[4])
         if killed.returncode == 0:
@@ -268,16 +275,18 @@ def train_stage(name: str, fsdp: bool) -> Callable[[Ctx, float], dict]:
             raise StageError(f"metrics.jsonl steps are {steps}", figures)
         if "model.safetensors" not in figures["final_files"]:
             raise StageError("no final/model.safetensors (export)", figures)
-        if fsdp and figures.get("distributed") != "FSDP":
-            raise StageError(f"the run was not FSDP: {figures.get('distributed')}", figures)
+        if sharded and figures.get("distributed") != engine:
+            raise StageError(f"the run was not {engine}: {figures.get('distributed')}", figures)
         return figures
     return run
 
 
-def stage_fsdp(ctx: Ctx, timeout: float) -> dict:
-    if ctx.smoke:
-        return {"skip_reason": FSDP_SKIP}
-    return train_stage("fsdp", fsdp=True)(ctx, timeout)
+def engine_stage(name: str) -> Callable[[Ctx, float], dict]:
+    def run(ctx: Ctx, timeout: float) -> dict:
+        if ctx.smoke:
+            return {"skip_reason": ENGINE_SKIP.format(ENGINE_STAGES[name][1])}
+        return train_stage(name)(ctx, timeout)
+    return run
 
 
 def stage_hellaswag(ctx: Ctx, timeout: float) -> dict:
@@ -359,9 +368,12 @@ STAGES = [
           420, 90, step_stage("step_compile", compile_=True), STEP_FIGURES),
     Stage("train_resume", "accelerate launch single_gpu.yaml train.py (bf16, inductor): train, SIGKILL after a "
           "checkpoint, --resume latest, export. --smoke: --cpu, no dynamo",
-          360, 150, train_stage("train_resume", fsdp=False), TRAIN_FIGURES),
+          360, 150, train_stage("train_resume"), TRAIN_FIGURES),
     Stage("fsdp", "accelerate launch fsdp_8gpu.yaml --num_processes 1: FSDP2 train, sharded checkpoint, kill, "
-          "resume, full-state-dict export", 300, 10, stage_fsdp, ("skip_reason", *TRAIN_FIGURES)),
+          "resume, full-state-dict export", 300, 10, engine_stage("fsdp"), ("skip_reason", *TRAIN_FIGURES)),
+    Stage("zero3", "accelerate launch zero3_8gpu.yaml --num_processes 1 (pip install -e \".[deepspeed]\"): DeepSpeed "
+          "ZeRO-3 bf16 train, its checkpoint, kill, resume, the fp32 master weights gathered into final/", 300, 10,
+          engine_stage("zero3"), ("skip_reason", *TRAIN_FIGURES)),
     Stage("hellaswag", "all 10,042 HellaSwag items (approximate offline copy), GPT-2 124M random weights: speed "
           "only. --smoke: the 7-item fixture", 240, 60, stage_hellaswag,
           ("items", "best_seconds", "best_batch_size", "accuracy_metric", "target_met")),
