@@ -63,8 +63,11 @@ def _walk(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid:
     # Under autocast, matmul's result is in the autocast dtype and cannot be accumulated in place
     # into the fp32 weight gradient by addmm_; a separate product + add keeps that sum in fp32.
     autocast = torch.is_autocast_enabled(x.device.type)
+    # bf16 parameters without autocast (DeepSpeed's bf16): the matmuls in bf16 as under autocast, the logits and
+    # the weight gradient's sum in fp32 (cast to the weight's dtype at the end).
+    low = None if autocast or x.dtype == torch.float32 else x.dtype
     grad_x = torch.empty_like(x) if need_x else None
-    grad_w = torch.zeros_like(weight) if need_w else None
+    grad_w = torch.zeros_like(weight, dtype=torch.float32 if low else weight.dtype) if need_w else None
     losses = torch.empty(x.size(0), device=x.device, dtype=torch.float32)
     # One fp32 logits buffer for every chunk, and no other (rows x V) tensor: each one is a fresh
     # allocation, which on a CPU costs zero-filling its pages again (100 MB a chunk for GPT-2).
@@ -72,7 +75,7 @@ def _walk(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid:
     for start in range(0, x.size(0), LOSS_CHUNK_ROWS):
         xc, tc = x[start:start + LOSS_CHUNK_ROWS], targets[start:start + LOSS_CHUNK_ROWS]
         logits = buffer[:xc.size(0)]  # (rows, V) in fp32, as F.cross_entropy would upcast them
-        if autocast:
+        if autocast or low:
             logits.copy_(F.linear(xc, weight))
         else:
             torch.mm(xc, weight.t(), out=logits)
@@ -91,14 +94,15 @@ def _walk(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid:
         # d loss / d logits = softmax - one_hot(target); an ignored row contributes no gradient (x 0).
         logits.mul_(torch.where(valid.unsqueeze(1), sums.reciprocal(), 0.0))
         logits.scatter_add_(1, safe_tc, -valid.unsqueeze(1).to(logits.dtype))
+        grad_logits = logits if low is None else logits.to(low)
         if need_x:
-            grad_x[start:start + LOSS_CHUNK_ROWS] = logits @ weight
+            grad_x[start:start + LOSS_CHUNK_ROWS] = grad_logits @ weight
         if need_w:
-            if autocast:
-                grad_w += logits.t() @ xc
+            if autocast or low:
+                grad_w += grad_logits.t() @ xc
             else:
                 grad_w.addmm_(logits.t(), xc)
-    return _Walk(losses, grad_x, grad_w)
+    return _Walk(losses, grad_x, None if grad_w is None else grad_w.to(weight.dtype))
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):

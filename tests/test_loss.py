@@ -76,6 +76,18 @@ def test_bf16_autocast_matches_plain_within_bf16_rounding(reduction):
         assert rel_err(a, e) <= 1.5 * rel_err(b, e) + 1e-3, name
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_bf16_parameters_without_autocast_match_plain_within_bf16_rounding(reduction):
+    """DeepSpeed's bf16: the hidden states and the output weight are bf16 themselves, no autocast (a matmul into the
+    fp32 logits buffer would fail). Gradients come back in bf16, as close to the fp32 result as bf16 autocast's."""
+    x, w, targets = inputs(2)
+    exact = loss_and_grads(plain, x, w, targets, reduction)
+    ours = loss_and_grads(chunked, x.bfloat16(), w.bfloat16(), targets, reduction)
+    assert ours[1].dtype == ours[2].dtype == torch.bfloat16
+    for name, a, e in zip(("loss", "grad x", "grad weight"), ours, exact):
+        assert rel_err(a, e) <= 1e-2, name
+
+
 def test_large_logits_stay_finite_and_exact():
     """Logits in the hundreds (exp overflows fp32 beyond 88): the softmax is taken relative to each row's max."""
     x, w, targets = inputs(3)
