@@ -77,14 +77,13 @@ def main() -> None:
                                          seed=cfg.training.seed)
             evals = TrainingEvals(cfg.eval, source, geometry.block_size, cfg.training.seed, accelerator)
             arch, n_params, flops_per_token = model.config, model.num_params(False), model.flops_per_token()  # all
+            fit_deepspeed(accelerator, geometry.micro_batch_size, geometry.accumulation, cfg.training.grad_clip,
+                          arch.n_embd)  # DeepSpeed's config gets this run's batch and clipping (other engines: no-op)
             record = recorded_config(cfg, arch, plan, source.pinned, init_weights)  # Hub data, weights at commits
             recipe = resume_recipe(record, resume, plan)  # what a resume may not change is refused here
             on_exit.enter_context(claim_run_folder(accelerator, cfg.run, resume, max_steps,
                                                    checkpoint_bytes(n_params)))  # one run per folder, locked
         optimizers = build_optimizer(model, plan, accelerator.device.type)  # [AdamW] or [AdamW, Muon]
-        if engine.kind == "deepspeed":  # DeepSpeed's config gets the batch and clipping of this run's flags
-            fit_deepspeed(accelerator, geometry.micro_batch_size, geometry.accumulation, cfg.training.grad_clip,
-                          arch.n_embd)
         model, *optimizers = accelerator.prepare(model, *optimizers)  # no scheduler: the LR is computed from the step
         torch.manual_seed(cfg.training.seed + accelerator.process_index)  # each rank its own dropout masks from here
         progress = restore(accelerator, resume, cfg.run, arch, plan.names, loader)  # weights, optimizers, RNGs, data

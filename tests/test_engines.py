@@ -14,7 +14,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import DDP_ARGS, assert_same_weights, launch, read_metrics, shared_once
+import torch
+from accelerate.utils import DistributedType
+from conftest import DDP_ARGS, assert_same_weights, final_weights, launch, read_metrics, shared_once
 
 from common.errors import UserError
 from training.engines import Engine, fit_deepspeed, refuse_unsupported
@@ -96,6 +98,26 @@ def test_engine_resume_after_kill_in_save_is_bit_exact(engine_run, tmp_path):
     assert [m["step"] for m in read_metrics(out)] == [m["step"] for m in read_metrics(folder / "run")]
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_bf16_zero3_trains_exports_its_fp32_master_weights_and_resumes_exactly(single_run, tmp_path):
+    """DeepSpeed's bf16 (bf16 weights, no autocast, an fp32 master copy in the optimizer): the chunked loss runs on
+    bf16 weights, final/ holds the fp32 master weights (not bf16 values: what DDP's bf16 autocast run would export),
+    close to the fp32 run; killed while saving and resumed, bit for bit."""
+    out, killed_run = tmp_path / "run", tmp_path / "killed"
+    proc = launch(DDP_ARGS + ["--out_dir", str(out)], nproc=2, engine="zero3_8gpu", mixed_precision="bf16")
+    assert "distributed: DEEPSPEED (ZeRO-3) | precision: bf16" in proc.stdout
+    weights = final_weights(out)
+    assert all(w.dtype == torch.float32 for w in weights.values())
+    assert not all(torch.equal(w, w.bfloat16().float()) for w in weights.values())  # the master copy, not bf16
+    assert_same_weights(single_run, out, atol=1e-2)
+    launch(DDP_ARGS + ["--out_dir", str(killed_run)], nproc=2, engine="zero3_8gpu", mixed_precision="bf16",
+           fault="kill_in_save:4", check=False)
+    launch(DDP_ARGS + ["--out_dir", str(killed_run), "--resume", "latest"], nproc=2, engine="zero3_8gpu",
+           mixed_precision="bf16")
+    assert_same_weights(out, killed_run)
+
+
 def _error_line(proc) -> str:
     """The one error line of a 2-process launch that stopped (no rank's traceback; the launcher prints its own)."""
     output = proc.stdout + proc.stderr
@@ -141,9 +163,11 @@ def test_an_engine_launch_accelerate_cannot_run_here_is_refused(engine, tmp_path
 
 def _accelerator(engine: Engine, config: dict | None = None, fsdp_ac: bool = False) -> SimpleNamespace:
     plugin = SimpleNamespace(deepspeed_config=config or {}, zero_stage=engine.zero_stage)
+    kind = {"deepspeed": DistributedType.DEEPSPEED, "fsdp": DistributedType.FSDP}.get(engine.kind,
+                                                                                      DistributedType.MULTI_CPU)
     return SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin,
                                                  fsdp_plugin=SimpleNamespace(activation_checkpointing=fsdp_ac)),
-                           num_processes=2)
+                           num_processes=2, distributed_type=kind)
 
 
 ZERO = {stage: Engine("deepspeed", stage) for stage in (1, 2, 3)}

@@ -161,7 +161,9 @@ def fit_deepspeed(accelerator: Accelerator, micro_batch_size: int, accumulation:
     """Write the run's batch geometry and clipping into the DeepSpeed config before `accelerator.prepare` (train.py
     passes no DataLoader from which accelerate could read them); the config's own values, where set, must agree.
     ZeRO-3's bucket sizes follow the width (accelerate reads them from a Hugging Face config, which our GPT has
-    not), and ZeRO-3 gathers the full weights for `final/`."""
+    not), and ZeRO-3 gathers the full weights for `final/`. Nothing under another engine."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return
     plugin = accelerator.state.deepspeed_plugin
     config = plugin.deepspeed_config
     ours = {"train_micro_batch_size_per_gpu": (micro_batch_size, "--micro_batch_size"),
