@@ -13,9 +13,11 @@ calls `engine.step()`), clipped by its `gradient_clipping`; `clip_grad_norm_` th
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from importlib.util import find_spec
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -78,6 +80,24 @@ def requested_engine() -> str:
     if _env_flag("ACCELERATE_USE_FSDP"):
         return "fsdp"
     return "ddp"
+
+
+def launch_engine() -> Engine:
+    """The engine the launch's accelerate config asks for, read before any Accelerator exists (the memory plan of
+    `train.py --plan`): its kind, and for DeepSpeed the ZeRO stage of the config (`zero_stage`, or the
+    `zero_optimization.stage` of its `deepspeed_config_file`)."""
+    kind = requested_engine()
+    if kind != "deepspeed":
+        return Engine(kind)
+    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if stage is None and config_file:
+        try:
+            stage = json.loads(Path(config_file).read_text()).get("zero_optimization", {}).get("stage")
+        except (OSError, ValueError) as err:
+            raise UserError(f"cannot read the DeepSpeed config {config_file} ({err}); fix the path in the "
+                            "accelerate config") from None
+    return Engine("deepspeed", int(stage or 0))
 
 
 _FIX = ("DeepSpeed and FSDP run on GPUs; on a CPU, launch with accelerate_configs/cpu_2proc.yaml (DDP on gloo), "
