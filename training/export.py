@@ -14,8 +14,8 @@ from common.atomic import fresh_temp_dir, rename_into_place, write_failure
 from common.errors import UserError
 from common.run_dir import RunDir
 from common.weights import Weights
-from model import GPT, GPTConfig
-from model.pretrained import strip_wrapper_prefixes
+from model import GPTConfig
+from model.pretrained import save_state_dict, strip_wrapper_prefixes
 
 
 def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConfig, run: RunDir,
@@ -36,11 +36,11 @@ def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConf
                               f"{run.final_adapter}")
             accelerator.print(_next_steps(run, last_val))
         return
-    state_dict = strip_wrapper_prefixes(accelerator.get_state_dict(model))  # full weights on the main process
+    # The full weights on the main process: the parameters themselves (gathered to the CPU under FSDP), written as
+    # they are, with no second model built to hold a copy of them.
+    state_dict = strip_wrapper_prefixes(accelerator.get_state_dict(model))
     if accelerator.is_main_process:
-        export = GPT(arch)
-        export.load_state_dict(state_dict)
-        _write(run, run.final, lambda tmp: export.save_pretrained(tmp, overwrite=True))
+        _write(run, run.final, lambda tmp: save_state_dict(state_dict, arch, tmp, overwrite=True))
         accelerator.print(f"final model written to {run.final}")
         accelerator.print(_next_steps(run, last_val))
 
