@@ -349,3 +349,25 @@ def test_train_plan_prints_every_phase_of_the_run(monkeypatch, capsys):
     out = train_plan(monkeypatch, capsys, "--micro_batch_size", "32", "--eval_batch_size", "2048")
     assert "(the peak: validation)" in out
     assert re.search(r"fits: NO: the validation needs .* lower --eval_batch_size to \d+ \(now 2048\)", out)
+
+
+@pytest.mark.slow
+def test_the_run_level_probe_records_every_phase_of_a_real_run(tmp_path):
+    """benchmarks.run_phases runs train.py itself and records each phase's peak RSS (every call it wraps is one
+    train.py still makes: a renamed one fails here, not silently in the benchmark); the whole process's is the
+    kernel's high-water mark, at least every phase's."""
+    import json
+
+    from benchmarks.bench_run_memory import Shape
+
+    shape = Shape("tiny", 4, 64, hellaswag_items=7)
+    reports = tmp_path / "phases"
+    args = shape.train_args(tmp_path / "run", REPO_ROOT / "tests" / "fixtures" / "eval" / "hellaswag_tiny.jsonl")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run_phases", str(reports), *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=900, env={**os.environ, **OFFLINE})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((reports / "rank0.json").read_text())
+    assert report["device"] == "cpu"
+    assert set(report["phases"]) == {"other", "step", "validation", "sample", "hellaswag", "checkpoint save", "export"}
+    assert all(0 < peak <= report["whole"] for peak in report["phases"].values())
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
