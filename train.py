@@ -35,7 +35,7 @@ from training.lora import lora_summary, use_adapter_checkpoints
 from training.memory_plan import exit_after_plan
 from training.metrics import StepReport, run_header, trackers_for
 from training.network import build_model
-from training.optim import build_optimizer, plan_optimizers
+from training.optim import build_optimizer, plan_optimizers, release_optimizer_state
 from training.preemption import PreemptionFlag
 from training.preflight import checkpoint_bytes
 from training.processes import (
@@ -127,6 +127,7 @@ def main() -> None:
         # Shutdown: final/, an orderly end (gloo processes exiting with live tensors and an open group abort now and
         # then), then the final push once the group is gone (no rank waits in a collective during the upload).
         if finished := progress.step == max_steps:
+            release_optimizer_state(optimizers)  # in the last checkpoint: the export gets the memory
             export_final(accelerator, model, arch, run, metrics.last_val, init_weights)  # and what to run next
             if accelerator.is_main_process:  # final/ gets the card and curves the Hub push would upload
                 write_card(run.path, hub_model_id=cfg.hub.hub_model_id if cfg.hub.push_to_hub else None)

@@ -6,8 +6,10 @@
     python -m benchmarks.memory_plan --table             # the README's "what fits where" table (computed)
     python -m benchmarks.memory_plan --check --device cuda --model gpt2 --micro_batch_size 16   # one shape, GPU
 
-It prints parameters, gradients, optimizer state, activations (per layer), the loss and the total against
-the device, and whether it fits; when it does not, one line names the setting to change (exit status 1).
+It prints each phase of the run (the training step, validation, HellaSwag with --hellaswag, a checkpoint save, the
+export, the Hub staging of checkpoints with --hub_push_every), what the largest holds (parameters, gradients,
+optimizer state, activations per layer, the loss, ...) against the device, and whether the run fits; when it does
+not, one line names the phase that decides and the setting that lowers it (exit status 1).
 The arithmetic is `training.memory_plan` (train.py's `--plan` prints the same table for a run's config).
 
 `--measure` (what `--validate` runs, each shape in its own subprocess so its ru_maxrss is its own) builds the
@@ -22,7 +24,6 @@ import os
 import resource
 import subprocess
 import sys
-from dataclasses import replace
 
 from common.cli import CliParser
 from common.errors import UserError, run_cli
@@ -36,11 +37,12 @@ from training.memory_plan import (
     OPTIMIZERS,
     GiB,
     Launch,
-    advice,
+    RunPhases,
     largest_micro_batch,
     model_config,
     plan_memory,
     render,
+    run_advice,
 )
 
 # glibc returns a freed block to the system only when it was mmapped, and raises its mmap threshold (up to 32 MB)
@@ -190,6 +192,11 @@ def main() -> int:
                         "the gradients are held through the forward)")
     parser.add_argument("--device", default="cuda", choices=DEVICES, help="cpu adds the process's own RSS")
     parser.add_argument("--device_memory", type=float, default=DEFAULT_DEVICE_GB, help="GB (10^9 bytes) per device")
+    parser.add_argument("--eval_batch_size", type=int, default=None, help="validation windows or HellaSwag items "
+                        "per evaluation forward; default: --micro_batch_size (train.py's default)")
+    parser.add_argument("--hellaswag", action="store_true", help="the run scores HellaSwag (--hellaswag_every)")
+    parser.add_argument("--hub_push_every", action="store_true", help="the run stages checkpoints for the Hub "
+                        "(--push_to_hub with --hub_push_every)")
     parser.add_argument("--validate", action="store_true", help="planned vs measured peak RSS, CPU, 5 shapes")
     parser.add_argument("--table", action="store_true", help="the largest micro-batch by model and layout")
     parser.add_argument("--measure", action="store_true", help="measure this one shape in this process (JSON)")
@@ -221,8 +228,10 @@ def main() -> int:
                                  args.activation_checkpointing)))
         return 0
     device = int(args.device_memory * GB)
-    print(render(plan_memory(config, launch), device))
-    return 0 if advice(config, replace(launch), device) is None else 1
+    run = RunPhases(eval_batch_size=args.eval_batch_size or args.micro_batch_size, hellaswag=args.hellaswag,
+                    hub_staging=args.hub_push_every)
+    print(render(plan_memory(config, launch), device, run=run))
+    return 0 if run_advice(config, launch, run, device) is None else 1
 
 
 def cli() -> None:

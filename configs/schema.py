@@ -250,7 +250,8 @@ class EvalConfig:
     _argument_group_name = "evaluation"
 
     eval_every: int = _field(50, "validation loss and a sample every N steps (and at the last)")
-    eval_batch_size: int = _field(16, "sequences (validation) or HellaSwag items per evaluation forward pass")
+    eval_batch_size: int | None = _field(None, "sequences (validation) or HellaSwag items per evaluation forward pass; "
+                                               "default: --micro_batch_size (an evaluation then peaks under a step)")
     hellaswag_every: int = _field(0, "HellaSwag every N steps; 0 = never; needs the eval package")
     hellaswag_data: str | None = _field(None, "local HellaSwag jsonl; default: the Hub split")
     hellaswag_limit: int | None = _field(None, "score only the first N HellaSwag items; default: all 10,042")
@@ -258,7 +259,7 @@ class EvalConfig:
     sample_prompt: str = _field("\n", "prompt of that sample")
 
     def __post_init__(self) -> None:
-        _positive(self, "eval_every", "eval_batch_size")
+        _positive(self, "eval_every", *(["eval_batch_size"] if self.eval_batch_size is not None else []))
         _non_negative(self, "hellaswag_every", "sample_tokens")
         _non_empty(self, "hellaswag_data")
         if self.hellaswag_limit is not None and self.hellaswag_limit < 1:
@@ -349,6 +350,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_val_tokens(self.data.val_tokens, self.model.block_size)
+        if self.eval.eval_batch_size is None:  # resolved once: config.yaml records the number (eval.val_loss reads it)
+            self.eval.eval_batch_size = self.training.micro_batch_size
         if self.model.lora_rank and self.optim.optimizer == "muon":
             raise UserError(f"--lora_rank trains its adapters with AdamW only (Muon orthogonalises whole hidden "
                             f"matrices, not rank-{self.model.lora_rank} factors); drop --optimizer muon or "

@@ -164,7 +164,9 @@ class GPT(nn.Module):
                 x, _ = checkpoint(block, x, use_reentrant=False)
                 continue
             x, kv = block(x, kv_cache[i] if past else None)
-            if kv_cache is not None:
+            if kv_cache is None:
+                del kv  # its k and v are views of the block's (B, T, 3C) projection: not kept through the next block
+            else:
                 if past:
                     kv_cache[i] = kv
                 else:

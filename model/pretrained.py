@@ -144,6 +144,13 @@ def build(cls: type[torch.nn.Module], config: GPTConfig, state: dict[str, torch.
 
 def save_pretrained(model: torch.nn.Module, directory: str | Path, overwrite: bool = False) -> None:
     """Export `model` as a Hugging Face GPT-2 folder that transformers loads with no code of ours."""
+    save_state_dict(model.state_dict(), model.config, directory, overwrite)
+
+
+def save_state_dict(state: dict[str, torch.Tensor], config: GPTConfig, directory: str | Path,
+                    overwrite: bool = False) -> None:
+    """`save_pretrained` of a GPT of `config` holding `state` (our keys), without building that GPT: a trainer exports
+    its own weights with no second copy of them (the file's transposed block matrices are the only copies)."""
     from transformers import GenerationConfig
 
     directory = Path(directory)
@@ -151,8 +158,7 @@ def save_pretrained(model: torch.nn.Module, directory: str | Path, overwrite: bo
     if not overwrite and any(p.exists() for p in (directory / CONFIG_NAME, weights_file)):
         raise UserError(f"{directory} already holds a model; choose a new folder or pass overwrite=True")
     directory.mkdir(parents=True, exist_ok=True)
-    config = model.config
-    save_file(state_dict_to_hf(model.state_dict(), config), weights_file, metadata={"format": "pt"})
+    save_file(state_dict_to_hf(state, config), weights_file, metadata={"format": "pt"})
     config_to_hf(config).save_pretrained(directory)
     GenerationConfig(bos_token_id=EOT_ID, eos_token_id=EOT_ID, pad_token_id=EOT_ID, do_sample=True,
                      top_k=50).save_pretrained(directory)

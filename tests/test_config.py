@@ -131,3 +131,15 @@ def test_good_paths_pass(tmp_path: Path):
     cfg = parse_config(["--out_dir", paths["folder"], "--resume", paths["folder"], "--init_from", "gpt2",
                         "--hellaswag_data", paths["file"], "--hellaswag_limit", "1", "--mfu_peak_flops", "1e12"])
     assert (cfg.run.resume, cfg.model.init_from, cfg.eval.hellaswag_data) == (paths["folder"], "gpt2", paths["file"])
+
+
+def test_the_evaluation_batch_defaults_to_the_micro_batch():
+    """Left out, --eval_batch_size is the run's --micro_batch_size (an evaluation forward then holds no more tokens
+    than a training one: its peak stays under the step's, issue 32), resolved once so config.yaml records the number
+    eval.val_loss reproduces the run's loss with; given, it keeps its value."""
+    cfg = parse_config(["--micro_batch_size", "4", "--total_batch_size", "512"])
+    assert cfg.eval.eval_batch_size == 4 and cfg.flat()["eval_batch_size"] == 4
+    given = parse_config(["--micro_batch_size", "4", "--total_batch_size", "512", "--eval_batch_size", "16"])
+    assert given.eval.eval_batch_size == 16
+    with pytest.raises(UserError, match="--eval_batch_size must be positive"):
+        parse_config(["--eval_batch_size", "0"])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from common.errors import UserError
 from data import get_tokenizer
@@ -291,3 +291,35 @@ def test_fsdp_sharded_and_damaged_checkpoints_are_user_errors(tmp_path):
     (damaged / "model.safetensors").write_bytes(b"\x00\x01 not a safetensors file")
     with pytest.raises(UserError, match="are damaged"):
         GPT.from_pretrained(damaged)
+
+
+def test_the_trainers_export_builds_no_second_model(tmp_path, monkeypatch):
+    """train.py's export writes final/ from the trained parameters themselves (issue 32: it built a second GPT to
+    hold a copy of them, 0.46 GiB more for GPT-2 124M at the end of a run); the file is the one save_pretrained
+    writes, tensor for tensor. And the optimizer state is freed before it (the last checkpoint holds it)."""
+    from accelerate import Accelerator
+
+    from common.run_dir import RunDir
+    from training.export import export_final
+    from training.optim import release_optimizer_state
+
+    model = trained_like()
+    accelerator = Accelerator(cpu=True)
+    optimizer = torch.optim.AdamW(model.parameters())
+    prepared, optimizer = accelerator.prepare(model, optimizer)
+    prepared(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))[1].backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    assert len(optimizer.state) == len(list(model.parameters()))  # AdamW's state: every parameter (wte once)
+    release_optimizer_state([optimizer])
+    assert not optimizer.state and not optimizer.optimizer.state
+    model.save_pretrained(tmp_path / "reference")  # the trained weights, as GPT.save_pretrained writes them
+
+    def no_second_model(*args, **kwargs):
+        raise AssertionError("the export built a GPT")
+
+    monkeypatch.setattr(GPT, "__init__", no_second_model)
+    run = RunDir(tmp_path / "run")
+    export_final(accelerator, prepared, model.config, run)
+    ref, got = (load_file(folder / "model.safetensors") for folder in (tmp_path / "reference", run.final))
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)

@@ -387,11 +387,11 @@ def test_a_full_disk_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path, mon
 
         monkeypatch.setattr(Accelerator, "save_state", save_state_until_full)
     else:
-        def full_export(self, directory, overwrite=False):
+        def full_export(state, config, directory, overwrite=False):
             (Path(directory) / "model.safetensors").write_bytes(b"partial")
             raise full
 
-        monkeypatch.setattr(training.export.GPT, "save_pretrained", full_export)
+        monkeypatch.setattr(training.export, "save_state_dict", full_export)
     last = train_until_error(monkeypatch, capsys, args)
     assert last.startswith("error: could not write ") and "No space left on device" in last
     assert not list(out.rglob(".tmp-*")) and not (out / "final").exists()

@@ -21,11 +21,15 @@ from training.memory_plan import (
     GiB,
     Launch,
     ParamCounts,
+    RunPhases,
     activation_bytes_per_layer,
     advice,
+    evaluation_bytes,
     largest_micro_batch,
     model_config,
     plan_memory,
+    plan_run,
+    run_advice,
 )
 
 PRESETS = ["gpt2_350m_fineweb_edu.yaml", "gpt2_774m_fineweb_edu.yaml", "gpt2_1558m_fineweb_edu.yaml"]
@@ -235,3 +239,135 @@ def test_train_plan_prints_before_anything_is_built(tmp_path):
     assert proc.returncode == 0 and "fits: NO: micro-batch 64 needs" in proc.stdout
     assert "lower --micro_batch_size to 8" in proc.stdout and not out.exists()  # 64 / 8: it divides the batch
     assert plan_memory(model_config("gpt2-xl", 1024), Launch(8, processes=8, accumulation=8)).peak < 80 * GiB
+
+
+# ---- the run: every phase, not the step alone (issue 32) ------------------------------------------------------
+
+def test_a_run_plan_has_every_phase_and_its_peak_is_the_largest():
+    """Step, validation, HellaSwag (when on), checkpoint save, export; the run's peak is the largest phase, and what
+    lives between steps is what the step keeps: parameters and optimizer state (gradients freed), DDP's buckets."""
+    config = model_config("gpt2", 1024)
+    launch = Launch(8, dtype="fp32", device="cpu", activation_checkpointing=True)
+    plan = plan_run(config, launch, RunPhases(eval_batch_size=8))
+    assert list(plan.phases) == ["step", "validation", "checkpoint save", "export"]
+    assert list(plan_run(config, launch, RunPhases(8, hellaswag=True)).phases) == \
+        ["step", "validation", "hellaswag", "checkpoint save", "export"]
+    assert plan.peak == max(plan.phases.values()) and plan.phases[plan.phase] == plan.peak
+    P = ParamCounts.of(config).total
+    kept = {i.name: i.bytes for i in plan.by_phase["validation"]}
+    assert kept["parameters"] == 4 * P and kept["optimizer state"] == 8 * P and "gradients" not in kept
+    export = {i.name: i.bytes for i in plan.by_phase["export"]}  # the optimizer state freed before it
+    assert "optimizer state" not in export and export["export's transposed matrices"] == 4 * 12 * 12 * 768 ** 2
+    ddp = plan_run(config, replace(launch, processes=2), RunPhases(8))
+    assert {i.name for i in ddp.by_phase["validation"]} >= {"DDP gradient buckets"}
+    # An evaluation batch tied to the micro-batch stays under the step, with activation checkpointing too.
+    for checkpointing in (False, True):
+        for mb in (1, 8, 32):
+            run = plan_run(config, replace(launch, micro_batch_size=mb, activation_checkpointing=checkpointing),
+                           RunPhases(eval_batch_size=mb, hellaswag=True))
+            assert run.phase == "step", (mb, checkpointing, run.phases)
+
+
+def test_the_sharded_terms_come_from_the_engine():
+    """Every phase takes the parameters, gradients and optimizer state from `Launch.shards` (one place an engine
+    such as a ZeRO stage will change): FSDP2 over 8 splits all three in the step and in the evaluations alike."""
+    config = model_config("gpt2-xl", 1024)
+    alone, sharded = Launch(4, processes=8), Launch(4, processes=8, fsdp=True)
+    assert (sharded.shards.parameters, sharded.shards.gradients, sharded.shards.optimizer_state) == (8, 8, 8)
+    assert (alone.shards.parameters, alone.shards.optimizer_state) == (1, 1)
+    for phase in ("validation", "checkpoint save"):
+        a = {i.name: i.bytes for i in plan_run(config, alone, RunPhases(4)).by_phase[phase]}
+        b = {i.name: i.bytes for i in plan_run(config, sharded, RunPhases(4)).by_phase[phase]}
+        assert b["parameters"] == a["parameters"] // 8 and b["optimizer state"] == a["optimizer state"] // 8
+
+
+def test_the_advice_names_the_setting_of_the_phase_that_decides_the_peak():
+    """A run whose evaluation batch decides its peak is told to lower --eval_batch_size, to a value that fits; one
+    whose step decides it gets the step's advice; a Hub staging of every checkpoint, --hub_push_every 0."""
+    config = model_config("gpt2", 1024)
+    launch = Launch(1, activation_checkpointing=True)
+    run = RunPhases(eval_batch_size=64)
+    plan = plan_run(config, launch, run)
+    assert plan.phase == "validation"
+    device = (plan.phases["step"] + plan.phases["validation"]) // 2 + plan.reserve  # fits the step, not the eval
+    line = run_advice(config, launch, run, device)
+    smaller = int(re.search(r"lower --eval_batch_size to (\d+) \(now 64\)", line).group(1))
+    assert line.startswith("the validation needs") and smaller < 64
+    assert plan_run(config, launch, replace(run, eval_batch_size=smaller)).fits(device)
+    assert not plan_run(config, launch, replace(run, eval_batch_size=smaller + 1)).fits(device)
+    step_decides = Launch(32, processes=8, optimizer="adamw")
+    assert run_advice(model_config("gpt2-xl", 1024), step_decides, RunPhases(1), 80 * GB) == \
+        advice(model_config("gpt2-xl", 1024), step_decides, 80 * GB)
+    xl, cpu = model_config("gpt2-xl", 1024), Launch(1, dtype="fp32", device="cpu", activation_checkpointing=True)
+    staged = plan_run(xl, cpu, RunPhases(1, hub_staging=True))
+    assert staged.phase == "Hub staging"
+    assert "--hub_push_every 0" in run_advice(xl, cpu, RunPhases(1, hub_staging=True), staged.peak - 1)
+
+
+EVAL_PROBE = """
+import sys, torch
+from model import GPT, GPTConfig
+def status(field):
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(field))
+B, V = int(sys.argv[1]), int(sys.argv[2])
+model = GPT(GPTConfig(n_layer=2, n_head=12, n_embd=768, block_size=1024, vocab_size=V)).eval()
+x = torch.randint(0, V, (B, 1024))
+with torch.no_grad():
+    model(x[:1, :8], x[:1, :8])  # the kernels' workspaces, before the baseline
+    open("/proc/self/clear_refs", "w").write("5")  # VmHWM from here
+    base = status("VmRSS")
+    model(x, x, loss_reduction="sum")
+print(status("VmHWM") - base)
+"""
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 50257), (12, 1024)])
+def test_an_evaluation_forward_adds_what_the_plan_says(rows, vocab):
+    """A no-grad forward with the chunked loss, GPT-2's width, every tensor mmapped (so the RSS counts the bytes
+    tensors hold), in a fresh process: what it adds over the model is `evaluation_bytes` within 15%. One window of
+    GPT-2's vocabulary: the loss's working set decides; 12 windows (a small vocabulary, to be quick): a block's live
+    tensors (the q/k/v of the block before used to stay alive through the next one too: 18 of them, not 15)."""
+    proc = subprocess.run([sys.executable, "-c", EVAL_PROBE, str(rows), str(vocab)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=600, env={**os.environ,
+                                                                            "MALLOC_MMAP_THRESHOLD_": "65536"})
+    assert proc.returncode == 0, proc.stderr
+    measured = int(proc.stdout.split()[-1])
+    config = GPTConfig(n_layer=2, n_head=12, n_embd=768, block_size=1024, vocab_size=vocab)
+    planned = evaluation_bytes(config, Launch(rows, dtype="fp32", device="cpu"), rows, 1024)
+    assert abs(planned / measured - 1) <= 0.15, (planned / GiB, measured / GiB)
+
+
+def test_train_plan_prints_every_phase_of_the_run(monkeypatch, capsys):
+    """train.py --plan plans the run: each phase's peak (HellaSwag only when on), the largest named; an evaluation
+    batch that decides the peak gets the advice to lower --eval_batch_size."""
+    out = train_plan(monkeypatch, capsys, "--micro_batch_size", "32")  # the preset scores HellaSwag
+    for phase in ("step", "validation", "hellaswag", "checkpoint save", "export"):
+        assert re.search(rf"^    {phase} +\d+\.\d\d GiB", out, re.M), phase
+    assert "evaluation batch 16, HellaSwag on" in out and "(the peak: step)" in out  # the preset's eval_batch_size
+    out = train_plan(monkeypatch, capsys, "--micro_batch_size", "32", "--hellaswag_every", "0")
+    assert "HellaSwag off" in out and not re.search(r"^    hellaswag ", out, re.M)
+    out = train_plan(monkeypatch, capsys, "--micro_batch_size", "32", "--eval_batch_size", "2048")
+    assert "(the peak: validation)" in out
+    assert re.search(r"fits: NO: the validation needs .* lower --eval_batch_size to \d+ \(now 2048\)", out)
+
+
+@pytest.mark.slow
+def test_the_run_level_probe_records_every_phase_of_a_real_run(tmp_path):
+    """benchmarks.run_phases runs train.py itself and records each phase's peak RSS (every call it wraps is one
+    train.py still makes: a renamed one fails here, not silently in the benchmark); the whole process's is the
+    kernel's high-water mark, at least every phase's."""
+    import json
+
+    from benchmarks.bench_run_memory import Shape
+
+    shape = Shape("tiny", 4, 64, hellaswag_items=7)
+    reports = tmp_path / "phases"
+    args = shape.train_args(tmp_path / "run", REPO_ROOT / "tests" / "fixtures" / "eval" / "hellaswag_tiny.jsonl")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run_phases", str(reports), *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=900, env={**os.environ, **OFFLINE})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((reports / "rank0.json").read_text())
+    assert report["device"] == "cpu"
+    assert set(report["phases"]) == {"other", "step", "validation", "sample", "hellaswag", "checkpoint save", "export"}
+    assert all(0 < peak <= report["whole"] for peak in report["phases"].values())
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()

@@ -14,8 +14,8 @@ from common.atomic import fresh_temp_dir, rename_into_place, write_failure
 from common.errors import UserError
 from common.run_dir import RunDir
 from common.weights import Weights
-from model import GPT, GPTConfig
-from model.pretrained import strip_wrapper_prefixes
+from model import GPTConfig
+from model.pretrained import save_state_dict, strip_wrapper_prefixes
 from training.engines import full_state_dict
 
 
@@ -37,12 +37,12 @@ def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConf
                               f"{run.final_adapter}")
             accelerator.print(_next_steps(run, last_val))
         return
-    state_dict = full_state_dict(accelerator, model)  # whole weights on the main process, gathered under FSDP/ZeRO
+    # The whole weights on the main process (gathered to the CPU under FSDP and ZeRO; DeepSpeed's fp32 master copy),
+    # written as they are, with no second model built to hold a copy of them.
+    state_dict = full_state_dict(accelerator, model)
     if accelerator.is_main_process:
         state_dict = strip_wrapper_prefixes(state_dict)
-        export = GPT(arch)
-        export.load_state_dict(state_dict)
-        _write(run, run.final, lambda tmp: export.save_pretrained(tmp, overwrite=True))
+        _write(run, run.final, lambda tmp: save_state_dict(state_dict, arch, tmp, overwrite=True))
         accelerator.print(f"final model written to {run.final}")
         accelerator.print(_next_steps(run, last_val))
 

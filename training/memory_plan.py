@@ -54,6 +54,31 @@ CPU_PROCESS_BYTES = int(0.31 * GiB)
 # caching allocator's fragmentation (blocks cached but not reusable at another size): 10% of the peak.
 CUDA_CONTEXT_BYTES = GiB
 ALLOCATOR_SLACK = 0.10
+# The RSS of a train.py process on the CPU beside its tensors: torch, accelerate, the tokenizer, the data and
+# evaluation modules. Measured by benchmarks/bench_run_memory.py (docs/benchmarks.md): a run's resident set between
+# its phases less its parameters and AdamW's state, 0.45 GiB for GPT-2 124M and for `small` alike (2-core EPYC,
+# torch 2.13); with HellaSwag on, 0.28 GiB more (the `evaluate` package and its metric, the items).
+TRAIN_PROCESS_BYTES = int(0.45 * GiB)
+HELLASWAG_PROCESS_BYTES = int(0.28 * GiB)
+# The longest HellaSwag row (context + ending) in tokens, rounded up to eval.hellaswag's padding multiple of 16: the
+# length a batch with the longest item pads to: 150 tokens at most over the 10,042 validation items (the copy in
+# /work/shared/assets, block_size 1024).
+HELLASWAG_ROW_TOKENS = 160
+
+
+@dataclass(frozen=True)
+class Shards:
+    """Over how many processes the parameters, their gradients and the optimizer state are split (each process holds
+    1/n of the term). One process and DDP: 1, 1, 1 (every rank holds everything); FSDP2: N, N, N. An engine that
+    splits them otherwise (DeepSpeed's ZeRO-1 shards the optimizer state only, ZeRO-2 the gradients too, ZeRO-3 all
+    three) is one more case of `Launch.shards`: every phase of the plan takes these terms from here."""
+
+    parameters: int = 1
+    gradients: int = 1
+    optimizer_state: int = 1
+
+    def note(self, n: int) -> str:
+        return f", sharded over {n}" if n > 1 else ""
 
 
 @dataclass(frozen=True)
@@ -71,6 +96,12 @@ class Launch:
     # The tokens of one optimizer step when the run fixes them (train.py --plan): the advice then names only the
     # micro-batches the run accepts, with the accumulation each gives (`resized`). None: any micro-batch.
     total_batch_size: int | None = None
+
+    @property
+    def shards(self) -> Shards:
+        """Over how many processes each per-process term is split: the engine's say (see `Shards`)."""
+        n = self.processes if self.fsdp else 1
+        return Shards(parameters=n, gradients=n, optimizer_state=n)
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "processes", "accumulation"):
@@ -181,26 +212,19 @@ def _compute_param_bytes(launch: Launch) -> int:
     return 2 if launch.dtype == "bf16" and launch.fsdp else 4
 
 
-def plan_memory(config: GPTConfig, launch: Launch) -> MemoryPlan:
-    """The per-process peak of a training step of `config` under `launch`, by item (see the module docstring)."""
+def plan_memory(config: GPTConfig, launch: Launch, process_bytes: int = CPU_PROCESS_BYTES) -> MemoryPlan:
+    """The per-process peak of a training step of `config` under `launch`, by item (see the module docstring).
+    `process_bytes`: the process's own RSS on a CPU (a bare step's by default; `plan_run` gives train.py's)."""
     counts = ParamCounts.of(config)
     P, N = counts.total, launch.processes
-    shard = N if launch.fsdp else 1
+    shards = launch.shards
     B, T, C, L, V = launch.micro_batch_size, config.block_size, config.n_embd, config.n_layer, config.padded_vocab_size
     ddp = N > 1 and not launch.fsdp
     bf16 = launch.dtype == "bf16"
     pc = _compute_param_bytes(launch)
     btc = B * T * C
 
-    params = Item("parameters", 4 * P // shard, f"{P / 1e6:,.1f}M fp32" + (f", sharded over {N}" if shard > 1 else ""))
-    grads = Item("gradients", 4 * P // shard, "fp32" + (f", sharded over {N}" if shard > 1 else ""))
-    if launch.optimizer == "muon":
-        muon = counts.block_matrices
-        state = Item("optimizer state", (4 * muon + 8 * (P - muon)) // shard,
-                     "Muon momentum on the blocks' matrices, AdamW's 2 on the rest")
-    else:
-        state = Item("optimizer state", 8 * P // shard, "AdamW: 2 fp32 tensors per parameter"
-                     + (f", sharded over {N}" if shard > 1 else ""))
+    params, grads, state = _weights_and_state(counts, launch)
     static = [params, state]
     if ddp:
         static.append(Item("DDP gradient buckets", 4 * P, "a flat copy of the gradients for the all-reduce"))
@@ -243,14 +267,144 @@ def plan_memory(config: GPTConfig, launch: Launch) -> MemoryPlan:
                                if launch.fsdp else []),
         "optimizer step": [params, grads, state] + [i for i in static if i.name in
                                                      ("DDP gradient buckets",)]
-                          + ([Item("step temporaries", 2 * 4 * V * C // shard,
+                          + ([Item("step temporaries", 2 * 4 * V * C // shards.optimizer_state,
                                    "AdamW's for-loop on the CPU: 2 copies of the largest parameter")]
                              if launch.device == "cpu" else []),
     }
     if launch.device == "cpu":
         for items in moments.values():
-            items.append(Item("process", CPU_PROCESS_BYTES, "Python, torch, its kernels' workspaces (measured)"))
+            items.append(_process_item(process_bytes))
     return MemoryPlan(config, launch, counts, per_layer, moments)
+
+
+def _process_item(process_bytes: int) -> Item:
+    return Item("process", process_bytes, "Python, torch, its kernels' workspaces (measured)")
+
+
+def _weights_and_state(counts: ParamCounts, launch: Launch) -> tuple[Item, Item, Item]:
+    """This process's parameters, gradients and optimizer state (fp32), each split as `launch.shards` says."""
+    P, shards = counts.total, launch.shards
+    params = Item("parameters", 4 * P // shards.parameters, f"{P / 1e6:,.1f}M fp32" + shards.note(shards.parameters))
+    grads = Item("gradients", 4 * P // shards.gradients, "fp32" + shards.note(shards.gradients))
+    if launch.optimizer == "muon":
+        muon = counts.block_matrices
+        state = Item("optimizer state", (4 * muon + 8 * (P - muon)) // shards.optimizer_state,
+                     "Muon momentum on the blocks' matrices, AdamW's 2 on the rest")
+    else:
+        state = Item("optimizer state", 8 * P // shards.optimizer_state, "AdamW: 2 fp32 tensors per parameter"
+                     + shards.note(shards.optimizer_state))
+    return params, grads, state
+
+
+@dataclass(frozen=True)
+class RunPhases:
+    """What a run does besides its steps, as far as its memory goes (train.py's evaluation and saving settings)."""
+
+    eval_batch_size: int  # validation windows (of block_size tokens) or HellaSwag items per evaluation forward
+    hellaswag: bool = False
+    hellaswag_tokens: int = HELLASWAG_ROW_TOKENS  # a HellaSwag batch's rows are padded to its longest
+    hub_staging: bool = False  # --push_to_hub with --hub_push_every: a checkpoint converted on the main process
+
+    def __post_init__(self) -> None:
+        if self.eval_batch_size < 1:
+            raise UserError(f"--eval_batch_size must be positive, got {self.eval_batch_size}; pass at least 1")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Each phase of a run (the step, validation, HellaSwag, a checkpoint save, the export): what one process holds
+    at that phase's peak. The run's peak is the largest; `phase` names it, `settings` the flag that lowers each."""
+
+    step: MemoryPlan
+    by_phase: dict[str, list[Item]]  # every phase but the step, in the run's order
+    settings: dict[str, str]  # phase -> what lowers it
+
+    @property
+    def phases(self) -> dict[str, int]:
+        """Every phase's peak, the step's first."""
+        return {"step": self.step.peak, **{name: sum(i.bytes for i in items) for name, items in self.by_phase.items()}}
+
+    @property
+    def phase(self) -> str:
+        totals = self.phases
+        return max(totals, key=totals.get)
+
+    @property
+    def items(self) -> list[Item]:
+        return self.step.items if self.phase == "step" else self.by_phase[self.phase]
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+    @property
+    def reserve(self) -> int:
+        return 0 if self.step.launch.device == "cpu" else CUDA_CONTEXT_BYTES + int(ALLOCATOR_SLACK * self.peak)
+
+    def fits(self, device_bytes: int) -> bool:
+        return self.peak + self.reserve <= device_bytes
+
+
+def evaluation_bytes(config: GPTConfig, launch: Launch, rows: int, tokens: int) -> int:
+    """What a no-grad evaluation forward of `rows` x `tokens` adds to what the process already holds: the larger of
+    a block's live tensors (15 x rows x tokens x n_embd: the residual stream in and out, the q/k/v projection the
+    block still holds, the second LayerNorm's output, the MLP's 4C-wide input and GELU output, its output) and the
+    chunked loss's working set (its logits buffer, a weight-sized fp32 copy of the output layer and 4 of those
+    tensors): measured with every tensor mmapped (docs/benchmarks.md), fp32; under bf16 autocast planned with the
+    same counts at 2 bytes, the residual stream at 4."""
+    a = 2 if launch.dtype == "bf16" else 4
+    btc = rows * tokens * config.n_embd
+    block = btc * (2 * 4 + 13 * a)
+    loss = 4 * min(rows * tokens, LOSS_CHUNK_ROWS) * config.padded_vocab_size + 4 * config.padded_vocab_size * \
+        config.n_embd + 4 * 4 * btc
+    return max(block, loss)
+
+
+def plan_run(config: GPTConfig, launch: Launch, run: RunPhases) -> RunPlan:
+    """The peak of each phase of a run of `config` under `launch` (see `RunPlan`); on a CPU with train.py's own
+    process RSS (`TRAIN_PROCESS_BYTES`, and `HELLASWAG_PROCESS_BYTES` when it scores HellaSwag).
+
+    Between steps a process keeps its parameters, the optimizer state and DDP's buckets (gradients are freed by
+    `zero_grad(set_to_none=True)`). Evaluations add `evaluation_bytes` to that: validation at `eval_batch_size`
+    windows of block_size tokens, HellaSwag at 4 rows (endings) per item of `hellaswag_tokens`. A checkpoint save
+    first checks the weights on one window (`Checkpointer`'s health check); its writers copy nothing
+    (safetensors and torch.save write from the tensors). The export follows the last save, which holds the optimizer
+    state, so that state is freed first (`training.optim.release_optimizer_state`): it holds the weights and, on the
+    main process, the file's transposed block matrices (GPT-2's Conv1D layout) - on a CPU; on CUDA these are host
+    copies. The Hub staging of a checkpoint loads it into a second model on the main process, and transposes too."""
+    process = TRAIN_PROCESS_BYTES + (HELLASWAG_PROCESS_BYTES if run.hellaswag else 0) if launch.device == "cpu" else 0
+    step = plan_memory(config, launch, process)
+    counts = ParamCounts.of(config)
+    params, _, state = _weights_and_state(counts, launch)
+    kept = [params, state]
+    if launch.processes > 1 and not launch.fsdp:
+        kept.append(Item("DDP gradient buckets", 4 * counts.total, "kept by DDP between steps"))
+    if process:
+        kept.append(_process_item(process))
+    B, T = run.eval_batch_size, config.block_size
+
+    def evaluation(rows: int, tokens: int, what: str) -> Item:
+        return Item("evaluation forward", evaluation_bytes(config, launch, rows, tokens), what)
+
+    phases = {"validation": kept + [evaluation(B, T, f"{B} windows x {T} tokens, no gradients")]}
+    settings = {"step": "", "validation": "--eval_batch_size"}
+    if run.hellaswag:
+        rows, tokens = 4 * B, min(run.hellaswag_tokens, T)
+        phases["hellaswag"] = kept + [evaluation(rows, tokens, f"{B} items x 4 endings x {tokens} tokens")]
+        settings["hellaswag"] = "--eval_batch_size"
+    phases["checkpoint save"] = kept + [evaluation(1, T, "the health check: one window")]
+    settings["checkpoint save"] = "the weights themselves"
+    host = launch.device == "cpu"
+    transposed = Item("export's transposed matrices", 4 * counts.block_matrices if host else 0,
+                      "GPT-2's Conv1D layout in the file" + ("" if host else " (host memory)"))
+    phases["export"] = [i for i in kept if i.name != "optimizer state"] + [transposed]
+    settings["export"] = "the weights themselves"
+    if run.hub_staging:
+        loaded = Item("staged checkpoint", 4 * counts.total if host else 0, "loaded into a model on the main process"
+                      + ("" if host else " (host memory)"))
+        phases["Hub staging"] = kept + [loaded, transposed]
+        settings["Hub staging"] = "--hub_push_every 0 (stage only the final model)"
+    return RunPlan(step, phases, settings)
 
 
 def _gib(n: int) -> str:
@@ -328,8 +482,37 @@ def advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: Spell
             if devices and launch.optimizer == "adamw" else "; use a larger device")
 
 
-def render(plan: MemoryPlan, device_bytes: int, spelling: Spelling = Spelling()) -> str:
-    """The plan as a table (GiB), the activations per layer, and the verdict against the device."""
+def run_advice(config: GPTConfig, launch: Launch, run: RunPhases, device_bytes: int,
+               spelling: Spelling = Spelling()) -> str | None:
+    """None when every phase of the run fits; else one line naming the phase that decides the peak and the setting
+    that lowers it: the step's own advice (`advice`), a smaller --eval_batch_size for an evaluation, the Hub staging
+    of every checkpoint, or, for the weights themselves (a save, the export), sharding or a larger device."""
+    plan = plan_run(config, launch, run)
+    if plan.fits(device_bytes):
+        return None
+    phase = plan.phase
+    where = f"the {phase} needs {_gib(plan.peak + plan.reserve)} per device, more than the {device_bytes / GB:g} GB " \
+            "device"
+    if phase == "step":  # (a CPU step fits in `advice`'s plan, with a bare process, and not with train.py's)
+        return advice(config, launch, device_bytes, spelling) or f"{where} (train.py's process included)"
+    if plan.settings[phase] == "--eval_batch_size":
+        smaller = next((b for b in range(run.eval_batch_size - 1, 0, -1)
+                        if plan_run(config, launch, replace(run, eval_batch_size=b)).fits(device_bytes)), 0)
+        if smaller:
+            return f"{where}; lower --eval_batch_size to {smaller} (now {run.eval_batch_size})"
+    if phase == "Hub staging":
+        return f"{where}; push only the final model (--hub_push_every 0)"
+    step_line = advice(config, launch, device_bytes, spelling)
+    if step_line is not None:  # what the step's advice changes (sharding, more devices) lowers what is kept too
+        return f"{where}, and the step does not fit either: {step_line}"
+    return f"{where} (the weights and optimizer state every rank keeps)" + \
+        (f"; shard them with {spelling.fsdp}" if launch.processes > 1 and not launch.fsdp else
+         "; use a larger device")
+
+
+def render(plan: MemoryPlan, device_bytes: int, spelling: Spelling = Spelling(), run: RunPhases | None = None) -> str:
+    """The plan as a table (GiB), the activations per layer, and the verdict against the device. With `run`, every
+    phase of the run is planned: each one's peak, then the items of the largest, and the verdict on the run."""
     c, l_ = plan.config, plan.launch
     how = "FSDP2" if l_.fsdp else ("DDP" if l_.processes > 1 else "one process")
     lines = [
@@ -340,20 +523,35 @@ def render(plan: MemoryPlan, device_bytes: int, spelling: Spelling = Spelling())
         f"{'on' if l_.activation_checkpointing else 'off'}, accumulation {l_.accumulation}, device {l_.device}",
         f"  activations per layer: {_gib(plan.activation_per_layer)} (one Block's saved tensors"
         + (", recomputed: only its input is kept" if l_.activation_checkpointing else "") + ")",
-        f"  per device, at the peak ({plan.moment}):",
     ]
-    width = max(len(i.name) for i in plan.items)
-    for item in plan.items:
+    whole = plan_run(c, l_, run) if run is not None else None
+    if whole is not None:
+        plan = whole.step  # with train.py's process RSS on a CPU
+        lines.append(f"  evaluation batch {run.eval_batch_size}, HellaSwag {'on' if run.hellaswag else 'off'}; "
+                     f"per device, by phase of the run (the peak: {whole.phase}):")
+        for name, total in whole.phases.items():
+            lowered = whole.settings[name] or "the step's moments: " + ", ".join(
+                f"{moment} {t / GiB:.2f}" for moment, t in plan.moments.items())
+            lines.append(f"    {name:<16}  {total / GiB:8.2f} GiB  {lowered}")
+    items, peak = (whole.items, whole.peak) if whole is not None else (plan.items, plan.peak)
+    at = plan.moment if whole is None or whole.phase == "step" else whole.phase
+    reserve = whole.reserve if whole is not None else plan.reserve
+    lines.append(f"  per device, at the peak ({at}):")
+    width = max(len(i.name) for i in items)
+    for item in items:
         lines.append(f"    {item.name:<{width}}  {item.bytes / GiB:8.2f} GiB  {item.note}")
-    lines.append(f"    {'total':<{width}}  {plan.peak / GiB:8.2f} GiB")
-    if plan.reserve:
-        lines.append(f"    {'reserve':<{width}}  {plan.reserve / GiB:8.2f} GiB  CUDA context (1 GiB) and allocator "
+    lines.append(f"    {'total':<{width}}  {peak / GiB:8.2f} GiB")
+    if reserve:
+        lines.append(f"    {'reserve':<{width}}  {reserve / GiB:8.2f} GiB  CUDA context (1 GiB) and allocator "
                      f"slack ({ALLOCATOR_SLACK:.0%} of the total)")
     lines.append(f"    {'device':<{width}}  {device_bytes / GiB:8.2f} GiB  ({device_bytes / GB:g} GB)")
-    others = ", ".join(f"{name} {total / GiB:.2f} GiB" for name, total in plan.moments.items() if name != plan.moment)
-    lines.append(f"  other moments: {others}")
-    line = advice(plan.config, plan.launch, device_bytes, spelling)
-    spare = device_bytes - plan.peak - plan.reserve
+    if whole is None:
+        others = ", ".join(f"{name} {t / GiB:.2f} GiB" for name, t in plan.moments.items() if name != plan.moment)
+        lines.append(f"  other moments: {others}")
+        line = advice(plan.config, plan.launch, device_bytes, spelling)
+    else:
+        line = run_advice(c, l_, run, device_bytes, spelling)
+    spare = device_bytes - peak - reserve
     lines.append("  fits: " + (f"yes, {spare / GiB:.2f} GiB to spare" if line is None else "NO: " + line))
     return "\n".join(lines)
 
@@ -396,9 +594,10 @@ def device_here(device: str) -> tuple[int, str]:
 
 
 def exit_after_plan(cfg):
-    """`python train.py ... --plan`: print the memory plan of this config and launch, exit 0 before anything is
-    built. Otherwise return `cfg` unchanged. The shapes come from the flags, or from `--init_from` when it names
-    one of GPT-2's sizes; processes, FSDP and precision from the accelerate launch (its environment)."""
+    """`python train.py ... --plan`: print the memory plan of this config and launch, every phase of the run
+    (`plan_run`: the step, its evaluations, checkpoint saves, the export), exit 0 before anything is built.
+    Otherwise return `cfg` unchanged. The shapes come from the flags, or from `--init_from` when it names one of
+    GPT-2's sizes; processes, FSDP and precision from the accelerate launch (its environment)."""
     if not cfg.run.plan:
         return cfg
     model = cfg.model
@@ -420,7 +619,9 @@ def exit_after_plan(cfg):
                     total_batch_size=cfg.training.total_batch_size)  # so that advised micro-batches divide it
     if int(os.environ.get("RANK", "0")) == 0:
         device_bytes, which = device_here(launch.device)
+        run = RunPhases(eval_batch_size=cfg.eval.eval_batch_size, hellaswag=cfg.eval.hellaswag_every > 0,
+                        hub_staging=cfg.hub.push_to_hub and cfg.hub.hub_push_every > 0)
         print(render(plan_memory(config, launch), device_bytes,
-                     Spelling(fsdp="accelerate_configs/fsdp_8gpu.yaml (FSDP2)", processes="--num_processes")))
+                     Spelling(fsdp="accelerate_configs/fsdp_8gpu.yaml (FSDP2)", processes="--num_processes"), run))
         print(which)
     raise SystemExit(0)

@@ -172,3 +172,10 @@ def describe_optimizers(model: torch.nn.Module, plan: OptimizerPlan) -> str:
     return (f"optimizer: Muon (lr {plan.muon_lr:g}, Newton-Schulz in {ns_dtype}) on the blocks' 2-D weights "
             f"({muon / 1e6:.2f}M params), "
             f"AdamW ({lr}) on embeddings/output layer, biases, LayerNorms ({(total - muon) / 1e6:.2f}M)")
+
+
+def release_optimizer_state(optimizers: list[torch.optim.Optimizer]) -> None:
+    """Free the optimizers' state (AdamW's two tensors per parameter: twice the weights) once the run's last
+    checkpoint holds it: the export that follows then peaks under the training step (docs/benchmarks.md)."""
+    for optimizer in optimizers:
+        optimizer.state.clear()
