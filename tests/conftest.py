@@ -138,8 +138,10 @@ DDP_ARGS = TINY + ["--max_steps", "4", "--micro_batch_size", "2", "--total_batch
 
 
 def launch(args: list[str], nproc: int = 1, fault: str | None = None, check: bool = True,
-           background: bool = False, grad_accum: int = 1, extra_env: dict[str, str] | None = None):
-    """Run tests/fault_train.py (train.py plus an optional injected fault) in 1 or 2 processes."""
+           background: bool = False, grad_accum: int = 1, extra_env: dict[str, str] | None = None,
+           launcher_args: tuple[str, ...] = ()):
+    """Run tests/fault_train.py (train.py plus an optional injected fault) in 1 or 2 processes; `launcher_args`:
+    more flags of `accelerate launch` (e.g. --max_restarts 1)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GRAD_ACCUM": str(grad_accum),
            **(extra_env or {})}
     env.pop("FAULT", None)
@@ -151,7 +153,7 @@ def launch(args: list[str], nproc: int = 1, fault: str | None = None, check: boo
     else:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(REPO_ROOT / "accelerate_configs" / "cpu_2proc.yaml"), "--num_processes", str(nproc),
-               "--main_process_port", str(free_port()), script, *args]
+               "--main_process_port", str(free_port()), *launcher_args, script, *args]
     if background:
         return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)

@@ -10,7 +10,7 @@ import ctypes
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -58,11 +58,12 @@ class BatchGeometry:
         return cls(micro_batch_size, block_size, world_size, total_batch_size // per_micro_step)
 
 
-def process_state() -> PartialState:
+def process_state(**process_group: Any) -> PartialState:
     """This process's place in the launch, before any Accelerator exists (so that the batch geometry is known
     first). A multi-process launch on a machine without CUDA runs on gloo; otherwise every process would
-    believe it is rank 0."""
-    return PartialState(cpu=_cpu_launch())
+    believe it is rank 0. `process_group`: `init_process_group`'s keyword arguments (`training.elastic`), used by
+    the first call, which opens the group."""
+    return PartialState(cpu=_cpu_launch(), **process_group)
 
 
 def _cpu_launch() -> bool:
