@@ -28,6 +28,7 @@ from publish.card import write_card
 from publish.uploads import HubUploads
 from training.checkpoint import Checkpointer, refuse_another_engine, restore
 from training.draw import draw_step
+from training.elastic import Attempt, open_process_group
 from training.engines import Engine, fit_deepspeed, refuse_unsupported
 from training.evaluation import TrainingEvals
 from training.export import export_final
@@ -57,6 +58,8 @@ def main() -> None:
         with computed_alike_on_every_rank():
             cfg = exit_after_plan(parse_config())  # --plan: print the memory plan and stop here
             run, max_steps = RunDir(cfg.run.out_dir), cfg.training.max_steps
+            # The process group, its waits bounded: a peer that dies or hangs ends the run in one line.
+            peers = on_exit.enter_context(open_process_group(cfg.run.collective_timeout, run.latest_checkpoint))
             plan = plan_optimizers(cfg.optim, cfg.model)  # what trains with what, at which learning rate
             geometry = BatchGeometry.of_launch(cfg.training, cfg.model.block_size)  # of the batch, in tokens
         accelerator = start_accelerator(geometry.accumulation, trackers_for(cfg.log.report_to), run)
@@ -87,13 +90,14 @@ def main() -> None:
         model, *optimizers = accelerator.prepare(model, *optimizers)  # no scheduler: the LR is computed from the step
         torch.manual_seed(cfg.training.seed + accelerator.process_index)  # each rank its own dropout masks from here
         progress = restore(accelerator, resume, cfg.run, arch, plan.names, loader)  # weights, optimizers, RNGs, data
+        peers.follow(progress)
         metrics = open_run_folder(accelerator, run, resume, progress, recipe, cfg.log.wandb_project, cfg.log.run_name)
         checkpoints = Checkpointer(accelerator, run, arch, plan.names, cfg.run.keep_last, healthy=evals.finite_loss)
         nan_policy = NonFinitePolicy(cfg.training.on_nan, cfg.training.max_nan_skips, run, accelerator)
         schedule = LRSchedule(cfg.optim.warmup_steps, max_steps, cfg.optim.min_lr_ratio)
         report = StepReport(cfg.log, accelerator, max_steps, progress.step, geometry.tokens_per_step, flops_per_token)
         accelerator.print(run_header(accelerator, model, n_params, geometry, plan, lora_summary(cfg.model),
-                                     source.describe()))
+                                     source.describe(), Attempt.of_launch().describe()))
         if accelerator.is_main_process and (warning := schedule.warmup_warning()):
             print(f"warning: {warning}", file=sys.stderr, flush=True)  # the run goes on (a smoke run, say)
         # The loop: one optimizer step, then what is due after it (log line, evals, checkpoint, a signal's stop).

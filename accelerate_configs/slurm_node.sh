@@ -8,6 +8,9 @@
 #   MAIN_ADDR, MAIN_PORT             the rendezvous of node 0 (its hostname and a port)
 #   ACCELERATE_CONFIG                default accelerate_configs/multinode_2x8.yaml
 #   TRAIN_SCRIPT                     default train.py
+#   MAX_RESTARTS                     default 3: a worker that dies restarts this node's group, which resumes from
+#                                    the newest checkpoint (the other nodes' groups restart too: their collectives
+#                                    fail); after 3 restarts the launcher gives up (docs/faults.md)
 # Arguments: passed to the training script after `--resume latest`.
 #
 # Signals: SIGTERM or SIGUSR1 to this script is handed to the training processes as SIGTERM; they finish
@@ -24,7 +27,7 @@ set -u
 
 launch=(accelerate launch --config_file "${ACCELERATE_CONFIG:-accelerate_configs/multinode_2x8.yaml}"
         --num_machines "$SLURM_NNODES" --machine_rank "$SLURM_NODEID"
-        --main_process_ip "$MAIN_ADDR" --main_process_port "$MAIN_PORT")
+        --main_process_ip "$MAIN_ADDR" --main_process_port "$MAIN_PORT" --max_restarts "${MAX_RESTARTS:-3}")
 per_node=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}
 if [ -n "$per_node" ]; then  # accelerate's --num_processes counts all nodes; without it the config's value holds
     launch+=(--num_processes "$((SLURM_NNODES * per_node))")

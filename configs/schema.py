@@ -23,7 +23,11 @@ from data.settings import DataConfig, check_val_tokens
 REPORT_TO = ("none", "tensorboard", "wandb", "all")
 OPTIMIZERS = ("auto", "adamw", "muon")
 ON_NAN = ("stop", "skip")
-MAX_SEED = 2**32 - 1  # numpy's seed range (accelerate's set_seed seeds numpy too)
+MAX_SEED = 2**32 - 1
+# --collective_timeout's default: GPT-2 1.5B's checkpoint (1.56e9 parameters x 16 bytes = 25 GB) is written, then read
+# back for its manifest's hashes, while the other processes wait in a barrier: 50 GB at 30 MB/s, a slow shared
+# filesystem, is 28 minutes. (torch's defaults: 30 minutes on gloo, 10 on NCCL.)
+COLLECTIVE_TIMEOUT_S = 1800  # numpy's seed range (accelerate's set_seed seeds numpy too)
 
 
 def _field(default: Any, help: str) -> Any:
@@ -75,11 +79,16 @@ class RunConfig:
     resume: str | None = _field(None, "'latest' or a checkpoint folder; default: start a new run")
     save_every: int = _field(100, "checkpoint every N steps (and at the last, and on SIGTERM/SIGUSR1)")
     keep_last: int = _field(3, "checkpoints kept; older ones are deleted")
+    collective_timeout: int = _field(
+        COLLECTIVE_TIMEOUT_S, "seconds a process waits for the others in a collective before the run ends with a "
+        "line naming the step, the process(es) that did not answer and the last checkpoint (a hung process); 1800 "
+        "lets the largest preset's checkpoint (GPT-2 1.5B: 25 GB with its optimizer state) be written and hashed at "
+        "30 MB/s while the others wait")
     plan: bool = _field(False, "print this config's per-device memory plan (computed from the shapes, not "
                                "measured) for the accelerate launch, and exit before anything is built")
 
     def __post_init__(self) -> None:
-        _positive(self, "save_every", "keep_last")
+        _positive(self, "save_every", "keep_last", "collective_timeout")
         _non_empty(self, "out_dir", "resume")
         out_dir = Path(self.out_dir).expanduser()
         if out_dir.exists() and not out_dir.is_dir():

@@ -139,10 +139,11 @@ DDP_ARGS = TINY + ["--max_steps", "4", "--micro_batch_size", "2", "--total_batch
 
 def launch(args: list[str], nproc: int = 1, fault: str | None = None, check: bool = True,
            background: bool = False, grad_accum: int = 1, extra_env: dict[str, str] | None = None,
-           engine: str | None = None, mixed_precision: str = "no"):
+           engine: str | None = None, mixed_precision: str = "no", launcher_args: tuple[str, ...] = ()):
     """Run tests/fault_train.py (train.py plus an optional injected fault) in 1 or 2 processes. `engine`: a config
     of accelerate_configs/ (e.g. "zero2_8gpu") launched as `nproc` processes on this CPU through tests/engine_shim.py,
-    in `mixed_precision` ("no": fp32); by default a multi-process launch is DDP on gloo (cpu_2proc.yaml)."""
+    in `mixed_precision` ("no": fp32); by default a multi-process launch is DDP on gloo (cpu_2proc.yaml).
+    `launcher_args`: more flags of `accelerate launch` (e.g. --max_restarts 1)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GRAD_ACCUM": str(grad_accum),
            **(extra_env or {})}
     env.pop("FAULT", None)
@@ -157,7 +158,8 @@ def launch(args: list[str], nproc: int = 1, fault: str | None = None, check: boo
             env.setdefault("ENGINE_SHIM", "1")  # extra_env may turn it off: accelerate as shipped
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(REPO_ROOT / "accelerate_configs" / f"{config}.yaml"), "--num_processes", str(nproc),
-               "--mixed_precision", mixed_precision, "--main_process_port", str(free_port()), script, *args]
+               "--mixed_precision", mixed_precision, "--main_process_port", str(free_port()), *launcher_args, script,
+               *args]
     if background:
         return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)

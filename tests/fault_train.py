@@ -14,6 +14,13 @@ FAULT (environment) picks the fault; without it this is plain train.py:
                        process) as optimizer step N (1-based) begins, from rank 0
 - `ctrl_c_twice_in_step:N`  the same, twice in a row
 - `slow_rank_0:S`      rank 0 starts S seconds after the others (a busy machine, a slow node's imports)
+- `kill_rank_1_after_step:N`  SIGKILL rank 1 alone once N steps are done, in the launch's first attempt
+- `kill_rank_1_every_attempt:N`  the same in every attempt of the launch (restarts never get past it)
+- `kill_rank_1_in_save:N`  SIGKILL rank 1 alone while it writes its files of the checkpoint of step N
+- `kill_rank_1_in_eval`  SIGKILL rank 1 alone inside its first validation evaluation
+- `stop_rank_1_after_step:N`  SIGSTOP rank 1 alone once N steps are done (a hung process), first attempt
+- `error_on_rank_1_at_step:N`  a UserError on rank 1 alone as step N+1 begins, in every attempt (a deterministic
+                       error)
 
 NO_RETRY_WAIT (environment): no sleeping between the retries of huggingface_hub, datasets and data.streaming (the
 number of attempts is unchanged), for the tests that exhaust them.
@@ -49,7 +56,54 @@ spec.loader.exec_module(train)
 kind, _, at = os.environ.get("FAULT", "").partition(":")
 at = int(at or 0)
 
-if kind == "kill_after_step":
+# Faults of rank 1 alone, in its launch's first attempt (torch's elastic agent's TORCHELASTIC_RESTART_COUNT 0), or in
+# every attempt for `kill_rank_1_every_attempt`. A restarted rank 1 starts 3 s late (a slow node), so that the other
+# rank always reaches the rendezvous first (it read the dead rank's address, left in the store, before issue 35).
+rank_1 = os.environ.get("RANK") == "1"
+first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+if kind.startswith(("kill_rank_1", "stop_rank_1", "error_on_rank_1")) and rank_1 and not first_attempt:
+    import time
+
+    time.sleep(3)
+faulty = rank_1 and (first_attempt or kind in ("kill_rank_1_every_attempt", "error_on_rank_1_at_step"))
+if kind in ("kill_rank_1_after_step", "kill_rank_1_every_attempt", "stop_rank_1_after_step",
+            "error_on_rank_1_at_step"):
+    from common.errors import UserError
+    from training.step import LRSchedule
+
+    factor = LRSchedule.factor
+
+    def factor_then_rank_1_fails(self, step):  # called at the start of step `step` (0-based)
+        if step == at and faulty:
+            if kind == "error_on_rank_1_at_step":
+                raise UserError(f"an error of rank 1 alone at step {step + 1}")
+            os.kill(os.getpid(), signal.SIGSTOP if kind == "stop_rank_1_after_step" else signal.SIGKILL)
+        return factor(self, step)
+
+    LRSchedule.factor = factor_then_rank_1_fails
+elif kind == "kill_rank_1_in_save":  # while writing the checkpoint of step N, before it is published
+    import accelerate.checkpointing as checkpointing
+
+    save = checkpointing.save
+
+    def save_then_rank_1_dies(obj, f, *args, **kwargs):
+        if faulty and Path(f).parent.name == f".tmp-step_{at:06d}":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return save(obj, f, *args, **kwargs)
+
+    checkpointing.save = save_then_rank_1_dies
+elif kind == "kill_rank_1_in_eval":  # inside the first validation evaluation (its text sample, after the loss)
+    import training.evaluation as evaluation
+
+    sample = evaluation.sample
+
+    def sample_then_rank_1_dies(*args, **kwargs):
+        if faulty:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return sample(*args, **kwargs)
+
+    evaluation.sample = sample_then_rank_1_dies
+elif kind == "kill_after_step":
     from training.step import LRSchedule
 
     factor = LRSchedule.factor

@@ -165,3 +165,22 @@ def test_usr1_to_the_job_checkpoints_exits_0_requeues_and_resumes_exactly(fake_s
     assert not log.exists()
     assert_node0_wrote_the_log(out, range(1, STEPS + 1))
     assert_same_weights(two_node_run, out)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_worker_killed_on_node_1_restarts_both_nodes_and_ends_exactly(fake_slurm, two_node_run, tmp_path):
+    """MAX_RESTARTS=1 (slurm_node.sh's `--max_restarts`), rank 1 (node 1's process) SIGKILLed after step 9 of 16,
+    a checkpoint every 5: node 1's agent restarts its process, node 0's restarts its own (its collective failed),
+    both with restart count 1, so they meet under the same attempt's keys of node 0's store; they resume from step 5
+    and end bit-identical to the uninterrupted two-node run, each step logged once, every task exiting 0."""
+    out = tmp_path / "run"
+    fault = {"MAX_RESTARTS": "1", "FAULT": "kill_rank_1_after_step:9", "TRAIN_SCRIPT": "tests/fault_train.py"}
+    output = finish(job := sbatch(fake_slurm, tmp_path / "scontrol.log",
+                                  ARGS + ["--out_dir", str(out), "--save_every", "5"], fault))
+    assert job.returncode == 0, output
+    assert "--max_restarts 1" in output and "restart 1 of 1" in output
+    assert f"resumed from {out / 'checkpoints' / 'step_000005'} at step 5" in output
+    assert "fake srun: task on node 0 exited 0" in output and "fake srun: task on node 1 exited 0" in output
+    assert_node0_wrote_the_log(out, range(1, STEPS + 1))
+    assert_same_weights(two_node_run, out)

@@ -157,11 +157,12 @@ def _clock(seconds: float) -> str:
 
 
 def run_header(accelerator: Accelerator, model: torch.nn.Module, n_params: int, geometry: BatchGeometry,
-               plan: OptimizerPlan, lora: str | None, data: str) -> str:
+               plan: OptimizerPlan, lora: str | None, data: str, restart: str | None = None) -> str:
     """The run's header: model size (`n_params`: every parameter, tied ones once, as the optimizer line counts
     them; and what LoRA trains), batch geometry, distribution, precision,
-    compilation, activation checkpointing (when on), device; which optimizer trains which parameters; `data`, the
-    data source's own line.
+    compilation, activation checkpointing (when on), device, and `restart` (`restart k of N` under a launch that may
+    restart, `training.elastic.Attempt`); which optimizer trains which parameters; `data`, the data source's own
+    line.
     `model`: as prepared."""
     # accelerate wraps the prepared model in torch.compile's OptimizedModule when a dynamo backend is set.
     compiled = f"torch.compile ({accelerator.state.dynamo_plugin.backend.value.lower()})" \
@@ -180,5 +181,5 @@ def run_header(accelerator: Accelerator, model: torch.nn.Module, n_params: int, 
     return (f"GPT {n_params / 1e6:.2f}M params{adapters} | {g.world_size} process(es) x {g.accumulation} "
             f"accumulation x {g.micro_batch_size} x {g.block_size} = {g.tokens_per_step:,} tokens per step | "
             f"distributed: {accelerator.distributed_type.value}{zero} | precision: {precision(accelerator)} | "
-            f"{compiled} | {accelerator.device}\n"
+            f"{compiled} | {accelerator.device}{f' | {restart}' if restart else ''}\n"
             f"{describe_optimizers(network, plan)}\n{data}")

@@ -10,7 +10,7 @@ import ctypes
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -65,15 +65,16 @@ class BatchGeometry:
         return cls(micro_batch_size, block_size, world_size, total_batch_size // per_micro_step)
 
 
-def process_state() -> PartialState:
+def process_state(**process_group: Any) -> PartialState:
     """This process's place in the launch, before any Accelerator exists (so that the batch geometry is known
     first). A multi-process DDP launch on a machine without CUDA runs on gloo; otherwise every process would
     believe it is rank 0. A launch whose ranks still come up alone (a DeepSpeed or FSDP config without a device
-    for it) is refused (`training.engines.check_world_size`)."""
+    for it) is refused (`training.engines.check_world_size`). `process_group`: `init_process_group`'s keyword
+    arguments (`training.elastic`), used by the first call, which opens the group."""
     if (missing := deepspeed_missing()) is not None:
         raise UserError(missing)
     refuse_engine_on_cpu()  # accelerate would train DDP instead
-    state = PartialState(cpu=_cpu_launch())
+    state = PartialState(cpu=_cpu_launch(), **process_group)
     check_world_size(int(os.environ.get("WORLD_SIZE", "1")), state.num_processes)
     return state
 

@@ -12,8 +12,8 @@ the checkpoint's run folder, field by field, before anything is written:
   `--min_lr_ratio`) changes the LR from the resumed step on (the LR is a function of the step: extending
   `--max_steps` stretches the cosine, so the LR jumps up); that is announced in one line too, old -> new at the
   first step the resume trains.
-- NOT_COMPARED fields say how this command was given (`--config`, `--out_dir`, `--resume`, `--plan`), not what
-  the run does.
+- NOT_COMPARED fields say how this command was given (`--config`, `--out_dir`, `--resume`, `--plan`), or how long
+  its processes wait for one another (`--collective_timeout`), not what the run does.
 
 `config.yaml` keeps one key per flag (the contract its readers rely on: `eval.val_loss`, the model card), holding
 the settings of the run's latest stretch, and a `resumes:` list, one entry per resume that changed something: the
@@ -51,7 +51,7 @@ REFUSED = {
     "muon_weight_decay": "restored with the optimizer state",
 }
 # How this command was given, not what the run does.
-NOT_COMPARED = frozenset({"config", "out_dir", "resume", "plan"})
+NOT_COMPARED = frozenset({"config", "out_dir", "resume", "plan", "collective_timeout"})
 # The learning-rate schedule (`LRSchedule`, each optimizer's peak): a change moves the LR from the resumed step on.
 SCHEDULE = ("max_steps", "lr", "muon_lr", "warmup_steps", "min_lr_ratio")
 # Accepted, announced and recorded: the schedule (to extend a run, or to lower the LR after a blow-up as the NaN

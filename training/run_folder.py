@@ -116,8 +116,11 @@ def open_run_folder(accelerator: Accelerator, run: RunDir, resume: ResumePoint |
         for line in recipe.announcements:
             print(line, flush=True)
         write_run_config(recipe.config_yaml(), run.config_file)
+    # TensorBoard hides the steps past the checkpoint that an earlier attempt logged (purge_step), so that the steps
+    # this run logs again replace them: each step once, as in metrics.jsonl.
     accelerator.init_trackers(wandb_project, config=recipe.values,
                               init_kwargs={"wandb": {"id": progress.run_id, "resume": "allow",
-                                                     "name": run_name or run.path.name, "dir": str(run.path)}})
+                                                     "name": run_name or run.path.name, "dir": str(run.path)},
+                                           "tensorboard": {"purge_step": progress.step + 1} if progress.step else {}})
     return MetricsLog(accelerator, run.path, resume_step=progress.step)
 

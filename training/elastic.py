@@ -1,0 +1,203 @@
+"""A launch that heals itself: restarts by torch's elastic agent, and a bound on how long a rank waits for the others.
+
+`accelerate launch --max_restarts N ... train.py ... --resume latest`: when a worker dies, torch's elastic agent
+(which `accelerate launch` runs in-process) stops the others and starts the whole group again, up to N times; each
+new attempt resumes from the newest complete checkpoint (docs/faults.md). This module holds what the workers do
+about it:
+
+- `Attempt`: which attempt this is (`restart k of N`, from the agent's TORCHELASTIC_RESTART_COUNT and
+  TORCHELASTIC_MAX_RESTARTS), for the run's header.
+- `process_group_settings`: the process group's timeout (`--collective_timeout`) and, under the agent, a key space
+  of this attempt's own in the agent's store. With accelerate's static rendezvous the agent keeps one TCPStore for
+  the whole launch and its workers write their gloo/NCCL addresses under the same keys at every attempt: a restarted
+  rank read the dead one's address, left from the attempt before, and failed to connect (`Connection refused` /
+  `Connection reset by peer`) unless the new peer had overwritten it first, which made the restart a race (1 in 3
+  failed in issue 35).
+- `PeerWatch`: what the ranks do when a collective fails because a peer died or hung (the gloo error, or the
+  timeout): a roll call in the agent's store finds the ranks that no longer answer, and one surviving rank prints
+  one line naming them, the step and the last checkpoint; the others exit quietly (status 2). A rank's own
+  `UserError` is recorded in the store first, so that the survivors stay quiet (its line is the one to read) and so
+  that the same error after a restart stops the launch instead of restarting it again (a deterministic error
+  would otherwise use up every restart, each after a full resume).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from common.errors import UserError, fail
+from training.engines import requested_engine
+from training.processes import process_state
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """This launch attempt: `restart` (0 for the first) of at most `max_restarts` restarts."""
+
+    restart: int = 0
+    max_restarts: int = 0
+
+    @classmethod
+    def of_launch(cls) -> Attempt:
+        """From torch's elastic agent's environment (the first and only attempt without it)."""
+        return cls(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+                   int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0))
+
+    def describe(self) -> str | None:
+        """`restart k of N` for a launch that may restart (k = 0 on its first attempt); None for one that may not."""
+        return f"restart {self.restart} of {self.max_restarts}" if self.max_restarts else None
+
+
+def _under_agent_store() -> bool:
+    """Whether torch's elastic agent serves this launch's store (torchrun / accelerate launch of several processes)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+@functools.cache
+def _agent_store(timeout_s: int) -> torch.distributed.Store:
+    """A client of the elastic agent's TCPStore (node 0's agent serves it for the whole launch, across restarts)."""
+    return torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                      int(os.environ["WORLD_SIZE"]), is_master=False,
+                                      timeout=timedelta(seconds=timeout_s))
+
+
+def process_group_settings(timeout_s: int) -> dict[str, Any]:
+    """The keyword arguments of `torch.distributed.init_process_group` for this launch (given to accelerate's
+    PartialState, which opens the group): a collective that waits longer than `timeout_s` seconds for a rank fails.
+
+    Under torch's elastic agent (TORCHELASTIC_USE_AGENT_STORE=True: the agent of node 0 serves the store), the group
+    rendezvouses through that store under a prefix of this attempt, `attempt_<k>/`, so that no key written by the
+    workers of an earlier attempt is read (see the module docstring). Elsewhere (one process, a launcher without an
+    agent store) the group opens as accelerate opens it, from MASTER_ADDR/MASTER_PORT. DeepSpeed opens its group
+    itself and takes no store."""
+    settings: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)}
+    if _under_agent_store() and requested_engine() != "deepspeed":
+        store = torch.distributed.PrefixStore(f"attempt_{Attempt.of_launch().restart}/", _agent_store(timeout_s))
+        settings.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    return settings
+
+
+def open_process_group(timeout_s: int, latest_checkpoint: Callable[[], Path | None]) -> PeerWatch:
+    """Open the launch's process group (`process_group_settings`) and return the `PeerWatch` to enter around the rest
+    of the run; `latest_checkpoint()`: the run's newest complete checkpoint, for the line."""
+    state = process_state(**process_group_settings(timeout_s))
+    return PeerWatch(state.process_index, state.num_processes, timeout_s, latest_checkpoint)
+
+
+# What gloo (and NCCL) say when a collective fails because a peer is gone or silent. A collective that fails for
+# another reason (a shape mismatch: a bug) keeps its traceback.
+_TIMED_OUT = ("Timed out waiting", "timed out", "Timeout", "timeout")
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Read error", "Broken pipe",
+              "Connection refused", "Socket closed", "NCCL communicator was aborted", "remote process exited")
+# How long a rank that saw a collective fail waits for the other survivors to answer the roll call. The survivors of
+# one failure see it within about a second of each other (all wait in the same collective).
+ROLL_CALL_S = 5.0
+
+
+def lost_peer(err: BaseException) -> str | None:
+    """'timeout' or 'gone' when `err` is a collective failing because a peer stopped answering; None otherwise."""
+    if not isinstance(err, RuntimeError):
+        return None
+    text = str(err)
+    if any(marker in text for marker in _PEER_GONE):
+        return "gone"
+    if any(marker in text for marker in _TIMED_OUT):
+        return "timeout"
+    return None
+
+
+class PeerWatch:
+    """Turns a collective that failed because a peer died or hung into one line (see the module docstring), and
+    records this rank's own `UserError`s for the others and for the next attempt. A context manager, entered once
+    the process group is open, around the rest of the run; `follow(progress)` gives it the step to name."""
+
+    def __init__(self, rank: int, world_size: int, timeout_s: int, latest_checkpoint: Callable[[], Path | None],
+                 attempt: Attempt | None = None) -> None:
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.latest_checkpoint = latest_checkpoint
+        self.attempt = attempt or Attempt.of_launch()
+        self.store = _agent_store(timeout_s) if _under_agent_store() and world_size > 1 else None
+        self.progress: Any = None  # training.resume.Progress, once the run knows where it starts
+
+    def follow(self, progress: Any) -> None:
+        """Name `progress.step` (the last completed step) in the line from now on."""
+        self.progress = progress
+
+    def _key(self, what: str, attempt: int | None = None) -> str:
+        return f"gpt2_accelerate/attempt_{self.attempt.restart if attempt is None else attempt}/{what}"
+
+    def __enter__(self) -> PeerWatch:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, err: BaseException | None, tb: object) -> None:
+        if isinstance(err, UserError):
+            self._record(err)
+        elif err is not None and self.world_size > 1 and (how := lost_peer(err)) is not None:
+            self._report(how, self.progress.step if self.progress is not None else 0)
+
+    def _record(self, err: UserError) -> None:
+        """Tell the other ranks (and the next attempt) that this rank stops on its own error. When the attempt before
+        ended on the same error, restarting does not help: the agent is told to stop (SIGTERM: it stops its workers
+        and exits 1) and the line says so."""
+        if self.store is None:
+            return
+        message = str(err)
+        previous = self._key("error", self.attempt.restart - 1)
+        try:
+            self.store.set(self._key("error"), message)
+            again = (self.attempt.restart > 0 and self.store.check([previous])
+                     and self.store.get(previous).decode() == message)
+            # One signal per agent (a node's processes share it): the first of its ranks to get here sends it.
+            stop = (again and self.attempt.restart < self.attempt.max_restarts
+                    and self.store.add(self._key(f"stop/{os.environ.get('GROUP_RANK', '0')}"), 1) == 1)
+        except (RuntimeError, OSError):  # the store's server (node 0's agent) is gone: nothing to tell
+            return
+        if again:
+            err.args = (f"{message} (again after restart {self.attempt.restart}: restarting does not help, so the "
+                        "launch stops here)",)
+        if stop:
+            os.kill(os.getppid(), signal.SIGTERM)  # our parent is the elastic agent
+
+    def _report(self, how: str, step: int) -> None:
+        """A peer died or hung: find out which (a roll call in the agent's store), then one surviving rank prints
+        the line; every survivor exits with status 2."""
+        silent: list[int] | None = None
+        own_error = False
+        if self.store is not None:
+            try:
+                self.store.set(self._key(f"answered/{self.rank}"), str(step))
+                time.sleep(ROLL_CALL_S)
+                answered = [r for r in range(self.world_size) if self.store.check([self._key(f"answered/{r}")])]
+                silent = [r for r in range(self.world_size) if r not in answered]
+                own_error = self.store.check([self._key("error")])
+                reporter = min(answered)
+            except (RuntimeError, OSError, ValueError):
+                silent, reporter = None, self.rank
+        else:
+            reporter = self.rank
+        if own_error or reporter != self.rank:
+            fail("", quiet=True)  # the rank with the error printed it, or another survivor prints the line
+        raise UserError(self.describe(how, step, silent))
+
+    def describe(self, how: str, step: int, silent: list[int] | None) -> str:
+        """The line of a run whose peers stopped answering after `step` (the last step every rank completed: the
+        failure came during the next one, or during the evaluations or the checkpoint after it)."""
+        who = (f"process{'es' if len(silent) > 1 else ''} {', '.join(str(r) for r in silent)}" if silent
+               else "another process")
+        what = (f"did not answer for {self.timeout_s} s (--collective_timeout)" if how == "timeout"
+                else "stopped (its connection closed: the process died or was killed)")
+        latest = self.latest_checkpoint()
+        kept = (f"the last checkpoint is {latest}" if latest is not None else "the run has no checkpoint yet")
+        if self.attempt.restart < self.attempt.max_restarts:
+            after = f"the launcher restarts the run ({self.attempt.restart + 1} of {self.attempt.max_restarts})"
+        else:
+            after = "continue with --resume latest"
+        return f"{who} {what} after step {step}; {kept}: {after}"
