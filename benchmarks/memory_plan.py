@@ -1,7 +1,8 @@
 """The memory planner: what one training process needs, per device, computed from the model's shapes.
 
     python -m benchmarks.memory_plan --model gpt2-xl --micro_batch_size 4 --block_size 1024 --processes 8 \
-        [--fsdp] [--activation_checkpointing] [--optimizer muon|adamw] [--dtype bf16] [--device_memory 80]
+        [--fsdp | --zero 1|2|3] [--activation_checkpointing] [--optimizer muon|adamw] [--dtype bf16] \
+        [--device_memory 80]
     python -m benchmarks.memory_plan --validate          # planned vs measured peak RSS on this CPU, 3+ shapes
     python -m benchmarks.memory_plan --table             # the README's "what fits where" table (computed)
     python -m benchmarks.memory_plan --check --device cuda --model gpt2 --micro_batch_size 16   # one shape, GPU
@@ -159,17 +160,20 @@ def validate(checkpointing: bool) -> int:
 def table(device_gb: float) -> None:
     """The largest micro-batch (x 1024 tokens) that fits per device, by model and layout: 8 processes, bf16."""
     device = int(device_gb * GB)
-    print(f"largest micro-batch (sequences of 1024 tokens) per {device_gb:g} GB device, 8 processes, bf16 autocast, "
+    print(f"largest micro-batch (sequences of 1024 tokens) per {device_gb:g} GB device, 8 processes, bf16 (autocast; "
+          "FSDP2 and DeepSpeed: bf16 parameters), "
           "AdamW, eager, gradients held between micro-steps; computed by benchmarks.memory_plan (1 GiB + 10% kept "
           "free), not measured")
-    print("| model | DDP | DDP + AC | FSDP2 | FSDP2 + AC |")
-    print("| --- | --- | --- | --- | --- |")
+    engines = {"DDP": {}, "FSDP2": {"fsdp": True}, "ZeRO-1": {"zero_stage": 1}, "ZeRO-2": {"zero_stage": 2},
+               "ZeRO-3": {"zero_stage": 3}}
+    print("| model | " + " | ".join(f"{e} | {e} + AC" for e in engines) + " |")
+    print("| --- " * (1 + 2 * len(engines)) + "|")
     for name in TABLE_MODELS:
         config = model_config(name, 1024)
         cells = []
-        for fsdp in (False, True):
+        for engine in engines.values():
             for checkpointing in (False, True):
-                launch = Launch(1, processes=8, fsdp=fsdp, activation_checkpointing=checkpointing, accumulation=2)
+                launch = Launch(1, processes=8, activation_checkpointing=checkpointing, accumulation=2, **engine)
                 mb = largest_micro_batch(config, launch, device, TABLE_CAP)
                 cells.append("does not fit" if not mb else f"{mb}+" if mb == TABLE_CAP else str(mb))
         params = plan_memory(config, Launch(1)).params.total
@@ -183,6 +187,9 @@ def main() -> int:
     parser.add_argument("--block_size", type=int, default=None, help="tokens per sequence; default: the size's own")
     parser.add_argument("--processes", type=int, default=1, help="processes (devices) of the launch")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2: parameters, gradients, optimizer state sharded")
+    parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3), help="DeepSpeed ZeRO stage: 1 shards "
+                        "the optimizer state, 2 also the gradients, 3 also the parameters (bf16: DeepSpeed's, bf16 "
+                        "weights and an fp32 master copy)")
     parser.add_argument("--activation_checkpointing", action="store_true", help="keep only each block's input")
     parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="muon: Muon on the blocks' "
                         "matrices, AdamW on the rest")
@@ -215,7 +222,7 @@ def main() -> int:
     if args.model not in SIZES:
         raise UserError(f"--model {args.model!r} is not a size the planner knows; choose one of {', '.join(SIZES)}")
     config = model_config(args.model, args.block_size)
-    launch = Launch(args.micro_batch_size, processes=args.processes, fsdp=args.fsdp,
+    launch = Launch(args.micro_batch_size, processes=args.processes, fsdp=args.fsdp, zero_stage=args.zero,
                     activation_checkpointing=args.activation_checkpointing, optimizer=args.optimizer,
                     dtype=args.dtype, accumulation=args.accumulation, device=args.device)
     if args.check:

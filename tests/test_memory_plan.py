@@ -281,6 +281,45 @@ def test_the_sharded_terms_come_from_the_engine():
         assert b["parameters"] == a["parameters"] // 8 and b["optimizer state"] == a["optimizer state"] // 8
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_zero_stage_shards_what_it_says_and_plans_by_hand(stage):
+    """DeepSpeed ZeRO-1 shards the optimizer state, ZeRO-2 also the gradients, ZeRO-3 also the parameters (over 8
+    processes). gpt2-xl fp32: each term by hand; ZeRO-1/2 reduce through DeepSpeed's buckets, ZeRO-3 gathers its
+    units as FSDP2 does. Under DeepSpeed's bf16 the parameters and gradients are bf16 and the optimizer keeps an
+    fp32 master copy (3 fp32 tensors per parameter, sharded)."""
+    config = model_config("gpt2-xl", 1024)
+    P = ParamCounts.of(config).total
+    launch = Launch(4, processes=8, zero_stage=stage, dtype="fp32")
+    assert (launch.shards.parameters, launch.shards.gradients, launch.shards.optimizer_state) == \
+        (8 if stage == 3 else 1, 8 if stage >= 2 else 1, 8)
+    step = {i.name: i.bytes for i in plan_memory(config, launch).by_moment["optimizer step"]}
+    assert step["parameters"] == 4 * P // launch.shards.parameters
+    assert step["gradients"] == 4 * P // launch.shards.gradients
+    assert step["optimizer state"] == 8 * P // 8
+    forward = {i.name: i.bytes for i in plan_memory(config, launch).by_moment["forward's end"]}
+    assert ("DeepSpeed reduce buckets" in forward) == (stage < 3) and "DDP gradient buckets" not in forward
+    assert ("ZeRO-3 unsharded in flight" in forward) == (stage == 3)
+    bf16 = {i.name: i.bytes for i in plan_memory(config, replace(launch, dtype="bf16")).by_moment["optimizer step"]}
+    assert bf16["parameters"] == 2 * P // launch.shards.parameters
+    assert bf16["optimizer state"] == (8 * P) // 8 + (4 * P) // 8
+
+
+def test_zero_with_muon_or_fsdp_is_refused_and_train_plan_reads_the_zero_stage(monkeypatch, capsys):
+    for kwargs in ({"zero_stage": 2, "optimizer": "muon"}, {"zero_stage": 3, "fsdp": True}, {"zero_stage": 4}):
+        with pytest.raises(UserError):
+            Launch(4, processes=8, **kwargs)
+    from training.memory_plan import exit_after_plan
+
+    for name, value in {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "WORLD_SIZE": "8",
+                        "RANK": "0"}.items():  # what accelerate launch tells a rank of zero3_8gpu.yaml
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_info:
+        exit_after_plan(parse_config(["--config", "gpt2_350m_fineweb_edu.yaml", "--plan", "--micro_batch_size", "8"]))
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "8 process(es), DeepSpeed ZeRO-3" in out and "sharded over 8" in out
+
+
 def test_the_advice_names_the_setting_of_the_phase_that_decides_the_peak():
     """A run whose evaluation batch decides its peak is told to lower --eval_batch_size, to a value that fits; one
     whose step decides it gets the step's advice; a Hub staging of every checkpoint, --hub_push_every 0."""

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from common.errors import UserError
 from model.config import SIZES, GPTConfig
 from model.loss import LOSS_CHUNK_ROWS
+from training.engines import launch_engine
 from training.network import scratch_architecture
 from training.optim import plan_optimizers
 from training.processes import BatchGeometry
@@ -64,6 +65,8 @@ HELLASWAG_PROCESS_BYTES = int(0.28 * GiB)
 # length a batch with the longest item pads to: 150 tokens at most over the 10,042 validation items (the copy in
 # /work/shared/assets, block_size 1024).
 HELLASWAG_ROW_TOKENS = 160
+# DeepSpeed's default reduce_bucket_size, in elements: ZeRO-1 and 2 reduce the gradients through buckets this large.
+DEEPSPEED_BUCKET_ELEMENTS = 500_000_000
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ class Launch:
     micro_batch_size: int
     processes: int = 1
     fsdp: bool = False
+    zero_stage: int = 0  # DeepSpeed ZeRO-1, 2 or 3; 0: not DeepSpeed
     activation_checkpointing: bool = False
     optimizer: str = "adamw"  # "adamw" or "muon" (training.optim's split)
     dtype: str = "bf16"  # "bf16": accelerate's autocast (fp32 master weights), "fp32": no autocast
@@ -100,8 +104,33 @@ class Launch:
     @property
     def shards(self) -> Shards:
         """Over how many processes each per-process term is split: the engine's say (see `Shards`)."""
-        n = self.processes if self.fsdp else 1
-        return Shards(parameters=n, gradients=n, optimizer_state=n)
+        n = self.processes
+        if self.zero_stage:
+            return Shards(parameters=n if self.zero_stage >= 3 else 1, gradients=n if self.zero_stage >= 2 else 1,
+                          optimizer_state=n)
+        return Shards(parameters=n, gradients=n, optimizer_state=n) if self.fsdp else Shards()
+
+    @property
+    def engine(self) -> str:
+        if self.zero_stage:
+            return f"DeepSpeed ZeRO-{self.zero_stage}"
+        return "FSDP2" if self.fsdp else ("DDP" if self.processes > 1 else "one process")
+
+    @property
+    def replicas(self) -> bool:
+        """Every process a full replica that all-reduces whole gradients in DDP's buckets (DDP, several processes)."""
+        return self.processes > 1 and not self.fsdp and not self.zero_stage
+
+    @property
+    def gathers_parameters(self) -> bool:
+        """Parameters sharded and gathered per unit for each forward and backward (FSDP2, ZeRO-3)."""
+        return self.fsdp or self.zero_stage >= 3
+
+    @property
+    def bf16_parameters(self) -> bool:
+        """The module's parameters themselves in bf16 (FSDP2's mixed precision, DeepSpeed's bf16), rather than
+        autocast's bf16 copies of fp32 parameters."""
+        return self.dtype == "bf16" and (self.fsdp or self.zero_stage > 0)
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "processes", "accumulation"):
@@ -113,9 +142,12 @@ class Launch:
             raise UserError(f"precision {self.dtype!r} is not one the planner knows; use bf16 or fp32")
         if self.device not in DEVICES:
             raise UserError(f"device {self.device!r} is not one the planner knows; use cuda or cpu")
-        if self.fsdp and self.optimizer == "muon":
-            raise UserError("Muon is refused under FSDP (it orthogonalises whole matrices, FSDP shards them); "
-                            "use --optimizer adamw with FSDP")
+        if self.zero_stage not in (0, 1, 2, 3) or (self.zero_stage and self.fsdp):
+            raise UserError(f"ZeRO stage {self.zero_stage} {'with FSDP ' if self.fsdp else ''}is not a launch the "
+                            "planner knows; use --zero 1, 2 or 3, or --fsdp, not both")
+        if (self.fsdp or self.zero_stage) and self.optimizer == "muon":
+            raise UserError(f"Muon is refused under {self.engine} (it orthogonalises whole matrices, which "
+                            f"{self.engine} shards); use --optimizer adamw with {self.engine}")
 
 
 @dataclass(frozen=True)
@@ -203,13 +235,13 @@ def activation_bytes_per_layer(config: GPTConfig, launch: Launch) -> int:
 
 
 def _residual_bytes(launch: Launch) -> int:
-    return 2 if launch.dtype == "bf16" and launch.fsdp else 4
+    return 2 if launch.bf16_parameters else 4
 
 
 def _compute_param_bytes(launch: Launch) -> int:
     """Bytes of a parameter as the forward uses it: FSDP2 all-gathers bf16 copies (accelerate's
     MixedPrecisionPolicy(param_dtype=bf16)); otherwise the fp32 parameter itself."""
-    return 2 if launch.dtype == "bf16" and launch.fsdp else 4
+    return 2 if launch.bf16_parameters else 4
 
 
 def plan_memory(config: GPTConfig, launch: Launch, process_bytes: int = CPU_PROCESS_BYTES) -> MemoryPlan:
@@ -219,21 +251,24 @@ def plan_memory(config: GPTConfig, launch: Launch, process_bytes: int = CPU_PROC
     P, N = counts.total, launch.processes
     shards = launch.shards
     B, T, C, L, V = launch.micro_batch_size, config.block_size, config.n_embd, config.n_layer, config.padded_vocab_size
-    ddp = N > 1 and not launch.fsdp
     bf16 = launch.dtype == "bf16"
     pc = _compute_param_bytes(launch)
     btc = B * T * C
 
     params, grads, state = _weights_and_state(counts, launch)
     static = [params, state]
-    if ddp:
+    if launch.replicas:
         static.append(Item("DDP gradient buckets", 4 * P, "a flat copy of the gradients for the all-reduce"))
+    if launch.zero_stage in (1, 2) and N > 1:
+        static.append(Item("DeepSpeed reduce buckets", pc * min(P, DEEPSPEED_BUCKET_ELEMENTS),
+                           f"its reduce_bucket_size ({DEEPSPEED_BUCKET_ELEMENTS:.0e} elements by default)"))
     block_params = (counts.block_matrices + counts.block_vectors) // L
     root_params = counts.embeddings + counts.final_norm
-    if launch.fsdp:
-        static.append(Item("FSDP2 unsharded in flight", pc * (root_params + 2 * block_params),
+    if launch.gathers_parameters:
+        static.append(Item(f"{'FSDP2' if launch.fsdp else 'ZeRO-3'} unsharded in flight",
+                           pc * (root_params + 2 * block_params),
                            "embeddings and ln_f (the root) + 2 blocks (this one and the prefetched one)"))
-    elif bf16:
+    elif bf16 and not launch.bf16_parameters:
         static.append(Item("bf16 weight copies", 2 * (counts.block_matrices + V * C),
                            "autocast's casts of the matrices, kept for the backward"))
     if launch.accumulation > 1:
@@ -250,23 +285,23 @@ def plan_memory(config: GPTConfig, launch: Launch, process_bytes: int = CPU_PROC
         dropout = btc if config.dropout > 0 else 0
         activations = Item("activations", L * per_layer + final_norm_input + dropout,
                            f"{L} layers x {_gib(per_layer)} + the final LayerNorm's input")
-    weight_grad = (2 if bf16 and launch.fsdp else 4) * V * C  # the loss's output-layer gradient, in wte's dtype
+    weight_grad = (2 if launch.bf16_parameters else 4) * V * C  # the loss's output-layer gradient, in wte's dtype
     rows = min(B * T, LOSS_CHUNK_ROWS)
     autocast_temps = 2 * rows * V + 2 * V * C if bf16 else 0  # bf16 logits and weight-gradient products
     loss_forward = 4 * rows * V + 8 * btc + weight_grad + autocast_temps
     loss_backward = 8 * btc + 2 * weight_grad  # its saved gradients and their scaled copies
-    fsdp_grads_in_flight = pc * (root_params + block_params) if launch.fsdp else 0
+    fsdp_grads_in_flight = pc * (root_params + block_params) if launch.gathers_parameters else 0
 
     moments: dict[str, list[Item]] = {
         "forward's end": [*static, activations, Item("loss (chunked)", loss_forward,
                                                      f"a {rows} x {V} fp32 logits buffer, its gradients")],
         "backward's start": [*static, activations,
                              Item("loss (chunked)", loss_backward, "its two gradients, scaled")]
-                            + ([Item("FSDP2 unsharded gradients", fsdp_grads_in_flight,
+                            + ([Item("unsharded gradients", fsdp_grads_in_flight,
                                      "the root's and one block's, before their reduce-scatter")]
-                               if launch.fsdp else []),
+                               if launch.gathers_parameters else []),
         "optimizer step": [params, grads, state] + [i for i in static if i.name in
-                                                     ("DDP gradient buckets",)]
+                                                     ("DDP gradient buckets", "DeepSpeed reduce buckets")]
                           + ([Item("step temporaries", 2 * 4 * V * C // shards.optimizer_state,
                                    "AdamW's for-loop on the CPU: 2 copies of the largest parameter")]
                              if launch.device == "cpu" else []),
@@ -282,17 +317,22 @@ def _process_item(process_bytes: int) -> Item:
 
 
 def _weights_and_state(counts: ParamCounts, launch: Launch) -> tuple[Item, Item, Item]:
-    """This process's parameters, gradients and optimizer state (fp32), each split as `launch.shards` says."""
+    """This process's parameters, gradients and optimizer state, each split as `launch.shards` says: fp32, but under
+    DeepSpeed's bf16 the module's parameters and gradients are bf16 and the optimizer keeps an fp32 master copy."""
     P, shards = counts.total, launch.shards
-    params = Item("parameters", 4 * P // shards.parameters, f"{P / 1e6:,.1f}M fp32" + shards.note(shards.parameters))
-    grads = Item("gradients", 4 * P // shards.gradients, "fp32" + shards.note(shards.gradients))
+    low = launch.zero_stage > 0 and launch.dtype == "bf16"
+    size, dtype = (2, "bf16") if low else (4, "fp32")
+    params = Item("parameters", size * P // shards.parameters,
+                  f"{P / 1e6:,.1f}M {dtype}" + shards.note(shards.parameters))
+    grads = Item("gradients", size * P // shards.gradients, dtype + shards.note(shards.gradients))
+    master = 4 * P // shards.optimizer_state if low else 0
     if launch.optimizer == "muon":
         muon = counts.block_matrices
         state = Item("optimizer state", (4 * muon + 8 * (P - muon)) // shards.optimizer_state,
                      "Muon momentum on the blocks' matrices, AdamW's 2 on the rest")
     else:
-        state = Item("optimizer state", 8 * P // shards.optimizer_state, "AdamW: 2 fp32 tensors per parameter"
-                     + shards.note(shards.optimizer_state))
+        state = Item("optimizer state", 8 * P // shards.optimizer_state + master, "AdamW: 2 fp32 tensors per parameter"
+                     + (" + the fp32 master copy" if master else "") + shards.note(shards.optimizer_state))
     return params, grads, state
 
 
@@ -377,7 +417,7 @@ def plan_run(config: GPTConfig, launch: Launch, run: RunPhases) -> RunPlan:
     counts = ParamCounts.of(config)
     params, _, state = _weights_and_state(counts, launch)
     kept = [params, state]
-    if launch.processes > 1 and not launch.fsdp:
+    if launch.replicas:
         kept.append(Item("DDP gradient buckets", 4 * counts.total, "kept by DDP between steps"))
     if process:
         kept.append(_process_item(process))
@@ -459,7 +499,7 @@ def advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: Spell
         if (mb := largest_micro_batch(config, checkpointed, device_bytes, B)) > 0:
             return f"micro-batch {B} {where}; add {spelling.checkpointing}" + \
                    (f" (it fits then at micro-batch {B})" if mb == B else f" and lower {spelling.micro_batch} to {mb}")
-    if not launch.fsdp and launch.processes > 1 and launch.optimizer == "adamw":
+    if launch.replicas and launch.optimizer == "adamw":
         for checkpointing in (launch.activation_checkpointing, True):
             sharded = replace(launch, fsdp=True, activation_checkpointing=checkpointing)
             if (mb := largest_micro_batch(config, sharded, device_bytes, B)) > 0:
@@ -469,7 +509,9 @@ def advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: Spell
     if launch.optimizer == "muon" and launch.processes > 1:
         return f"micro-batch {B} {where}, even at micro-batch 1; use --optimizer adamw with {spelling.fsdp} " \
                "(Muon is refused under FSDP)"
-    sharded = replace(launch, fsdp=True, activation_checkpointing=True)
+    # More devices under the launch's own sharding engine (FSDP2 for DDP and one process).
+    sharded = replace(launch, fsdp=not launch.zero_stage, activation_checkpointing=True)
+    engine = f"{spelling.fsdp}" if not launch.zero_stage else launch.engine
 
     def fits_on(processes: int) -> bool:
         candidate = resized(config, sharded, 1, processes)
@@ -477,8 +519,8 @@ def advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: Spell
 
     devices = next((n for n in (2**k for k in range(1, 11)) if n > launch.processes and fits_on(n)), None)
     return f"micro-batch {B} {where}, even at micro-batch 1 with {spelling.checkpointing}" + \
-           (f" and {spelling.fsdp}" if launch.fsdp else "") + \
-           (f"; shard it with {spelling.fsdp} over {devices} devices ({spelling.processes} {devices})"
+           (f" and {launch.engine}" if launch.fsdp or launch.zero_stage else "") + \
+           (f"; shard it with {engine} over {devices} devices ({spelling.processes} {devices})"
             if devices and launch.optimizer == "adamw" else "; use a larger device")
 
 
@@ -506,7 +548,7 @@ def run_advice(config: GPTConfig, launch: Launch, run: RunPhases, device_bytes: 
     if step_line is not None:  # what the step's advice changes (sharding, more devices) lowers what is kept too
         return f"{where}, and the step does not fit either: {step_line}"
     return f"{where} (the weights and optimizer state every rank keeps)" + \
-        (f"; shard them with {spelling.fsdp}" if launch.processes > 1 and not launch.fsdp else
+        (f"; shard them with {spelling.fsdp}" if launch.replicas else
          "; use a larger device")
 
 
@@ -514,12 +556,13 @@ def render(plan: MemoryPlan, device_bytes: int, spelling: Spelling = Spelling(),
     """The plan as a table (GiB), the activations per layer, and the verdict against the device. With `run`, every
     phase of the run is planned: each one's peak, then the items of the largest, and the verdict on the run."""
     c, l_ = plan.config, plan.launch
-    how = "FSDP2" if l_.fsdp else ("DDP" if l_.processes > 1 else "one process")
+    how = l_.engine
+    precision = "fp32" if l_.dtype == "fp32" else ("bf16 parameters" if l_.bf16_parameters else "bf16 autocast")
     lines = [
         f"Memory plan (computed from the shapes, not measured): {c.n_layer} layers x {c.n_embd} wide, {c.n_head} "
         f"heads, vocabulary {c.padded_vocab_size} (padded), {plan.params.total / 1e6:,.1f}M parameters",
         f"  micro-batch {l_.micro_batch_size} x {c.block_size} tokens, {l_.processes} process(es), {how}, "
-        f"{l_.dtype}{' autocast' if l_.dtype == 'bf16' else ''}, {l_.optimizer}, activation checkpointing "
+        f"{precision}, {l_.optimizer}, activation checkpointing "
         f"{'on' if l_.activation_checkpointing else 'off'}, accumulation {l_.accumulation}, device {l_.device}",
         f"  activations per layer: {_gib(plan.activation_per_layer)} (one Block's saved tensors"
         + (", recomputed: only its input is kept" if l_.activation_checkpointing else "") + ")",
@@ -573,6 +616,7 @@ def launch_environment() -> dict[str, object]:
     env = os.environ
     return {"processes": int(env.get("WORLD_SIZE", "1")),
             "fsdp": env.get("ACCELERATE_USE_FSDP", "false").lower() == "true",
+            "zero_stage": launch_engine().zero_stage,
             "dtype": "bf16" if env.get("ACCELERATE_MIXED_PRECISION", "no") == "bf16" else "fp32",
             "device": "cpu" if env.get("ACCELERATE_USE_CPU", "false").lower() == "true" else "cuda"}
 
@@ -613,7 +657,8 @@ def exit_after_plan(cfg):
     geometry = BatchGeometry.for_total(cfg.training.total_batch_size, cfg.training.micro_batch_size,
                                        config.block_size, int(env["processes"]))  # the run's rule, and refusal
     launch = Launch(micro_batch_size=geometry.micro_batch_size, processes=geometry.world_size,
-                    fsdp=bool(env["fsdp"]), activation_checkpointing=cfg.training.activation_checkpointing,
+                    fsdp=bool(env["fsdp"]), zero_stage=int(env["zero_stage"]),
+                    activation_checkpointing=cfg.training.activation_checkpointing,
                     optimizer=plan_optimizers(cfg.optim, model).kind,  # --optimizer auto resolved as a run does
                     dtype=str(env["dtype"]), accumulation=geometry.accumulation, device=str(env["device"]),
                     total_batch_size=cfg.training.total_batch_size)  # so that advised micro-batches divide it
