@@ -557,7 +557,7 @@ def render(plan: MemoryPlan, device_bytes: int, spelling: Spelling = Spelling(),
     phase of the run is planned: each one's peak, then the items of the largest, and the verdict on the run."""
     c, l_ = plan.config, plan.launch
     how = l_.engine
-    precision = "fp32" if l_.dtype == "fp32" else ("bf16 parameters" if l_.bf16_parameters else "bf16 autocast")
+    precision = "fp32" if l_.dtype == "fp32" else ("bf16 parameters" if l_.zero_stage else "bf16 autocast")
     lines = [
         f"Memory plan (computed from the shapes, not measured): {c.n_layer} layers x {c.n_embd} wide, {c.n_head} "
         f"heads, vocabulary {c.padded_vocab_size} (padded), {plan.params.total / 1e6:,.1f}M parameters",
