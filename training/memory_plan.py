@@ -612,11 +612,12 @@ def model_config(name: str, block_size: int | None = None) -> GPTConfig:
 
 
 def launch_environment() -> dict[str, object]:
-    """What `accelerate launch` tells the processes it starts: how many, FSDP, the precision, the CPU."""
-    env = os.environ
+    """What `accelerate launch` tells the processes it starts: how many, the engine (`training.engines.launch_engine`
+    parses it), the precision, the CPU."""
+    env, engine = os.environ, launch_engine()
     return {"processes": int(env.get("WORLD_SIZE", "1")),
-            "fsdp": env.get("ACCELERATE_USE_FSDP", "false").lower() == "true",
-            "zero_stage": launch_engine().zero_stage,
+            "fsdp": engine.kind == "fsdp",
+            "zero_stage": engine.zero_stage,
             "dtype": "bf16" if env.get("ACCELERATE_MIXED_PRECISION", "no") == "bf16" else "fp32",
             "device": "cpu" if env.get("ACCELERATE_USE_CPU", "false").lower() == "true" else "cuda"}
 
