@@ -214,6 +214,9 @@ def main() -> int:
         raise UserError(f"--device_memory must be positive GB, got {args.device_memory}; e.g. 80 for an H100")
     if args.block_size is not None and args.block_size < 1:
         raise UserError(f"--block_size must be positive, got {args.block_size}; e.g. 1024")
+    if args.fsdp and args.zero:
+        raise UserError(f"--fsdp and --zero {args.zero} are two engines; plan one launch at a time (drop --fsdp or "
+                        "--zero)")
     if args.validate:
         return validate(args.activation_checkpointing)
     if args.table:

@@ -166,7 +166,8 @@ def test_cli_prints_the_plan_and_its_verdict():
     assert proc.returncode == 1 and "fits: NO: micro-batch 64 needs" in proc.stdout
     assert "lower --micro_batch_size to" in proc.stdout
     for bad, says in ((["--model", "gpt5"], "--model 'gpt5'"), (["--micro_batch_size", "0"], "--micro_batch_size"),
-                      (["--processes", "-1"], "--processes"), (["--device_memory", "0"], "--device_memory")):
+                      (["--processes", "-1"], "--processes"), (["--device_memory", "0"], "--device_memory"),
+                      (["--fsdp", "--zero", "3"], "drop --fsdp or --zero")):
         proc = run("-m", "benchmarks.memory_plan", *bad)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr
 

@@ -143,8 +143,8 @@ class Launch:
         if self.device not in DEVICES:
             raise UserError(f"device {self.device!r} is not one the planner knows; use cuda or cpu")
         if self.zero_stage not in (0, 1, 2, 3) or (self.zero_stage and self.fsdp):
-            raise UserError(f"ZeRO stage {self.zero_stage} {'with FSDP ' if self.fsdp else ''}is not a launch the "
-                            "planner knows; use --zero 1, 2 or 3, or --fsdp, not both")
+            raise UserError(f"ZeRO stage {self.zero_stage} {'with FSDP2 ' if self.fsdp else ''}is not a launch the "
+                            "planner knows; plan ZeRO stage 1, 2 or 3, or FSDP2, one engine at a time")
         if (self.fsdp or self.zero_stage) and self.optimizer == "muon":
             raise UserError(f"Muon is refused under {self.engine} (it orthogonalises whole matrices, which "
                             f"{self.engine} shards); use --optimizer adamw with {self.engine}")
