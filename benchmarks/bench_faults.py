@@ -3,11 +3,12 @@
     python -m benchmarks.bench_faults [--rounds 10] [-k EXPR]
 
 One round is one pytest session over the multi-process cases of tests/test_elastic.py (a worker killed between
-checkpoints, in a save, in an evaluation; a hung worker; an error on one rank, with and without restarts; a worker
-killed more often than the restarts allow) and the two-node SLURM restart of tests/test_slurm.py, so that the
-uninterrupted references are built once per round. Each case bounds its own hangs (the hung worker: the timeout +
-60 s; every launch: 600 s). Prints, per case, the passes out of the rounds run, and the failures' first lines.
-CPU-heavy (two training processes at a time): run it on a quiet machine; about 5 minutes a round on 2 idle cores.
+checkpoints, in a save, in an evaluation; a hung worker; an error on one rank, with and without restarts; a crash on
+one rank with restarts; a worker killed more often than the restarts allow) and the two-node SLURM restart of
+tests/test_slurm.py, so that the uninterrupted references are built once per round. Each case bounds its own hangs
+(the hung worker: the timeout + 60 s; every launch: 600 s). Prints, per case, the passes out of the rounds run, and
+the failures' first lines. CPU-heavy (two training processes at a time): run it on a quiet machine; about 5 minutes
+a round on 2 idle cores.
 """
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ FAULT (environment) picks the fault; without it this is plain train.py:
 - `stop_rank_1_after_step:N`  SIGSTOP rank 1 alone once N steps are done (a hung process), first attempt
 - `error_on_rank_1_at_step:N`  a UserError on rank 1 alone as step N+1 begins, in every attempt (a deterministic
                        error)
+- `crash_on_rank_1_at_step:N`  the same with a RuntimeError (a bug: a traceback, not a UserError's line)
 
 NO_RETRY_WAIT (environment): no sleeping between the retries of huggingface_hub, datasets and data.streaming (the
 number of attempts is unchanged), for the tests that exhaust them.
@@ -61,13 +62,15 @@ at = int(at or 0)
 # rank always reaches the rendezvous first (it read the dead rank's address, left in the store, before issue 35).
 rank_1 = os.environ.get("RANK") == "1"
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-if kind.startswith(("kill_rank_1", "stop_rank_1", "error_on_rank_1")) and rank_1 and not first_attempt:
+if kind.startswith(("kill_rank_1", "stop_rank_1", "error_on_rank_1", "crash_on_rank_1")) and rank_1 and \
+        not first_attempt:
     import time
 
     time.sleep(3)
-faulty = rank_1 and (first_attempt or kind in ("kill_rank_1_every_attempt", "error_on_rank_1_at_step"))
+faulty = rank_1 and (first_attempt or kind in ("kill_rank_1_every_attempt", "error_on_rank_1_at_step",
+                                               "crash_on_rank_1_at_step"))
 if kind in ("kill_rank_1_after_step", "kill_rank_1_every_attempt", "stop_rank_1_after_step",
-            "error_on_rank_1_at_step"):
+            "error_on_rank_1_at_step", "crash_on_rank_1_at_step"):
     from common.errors import UserError
     from training.step import LRSchedule
 
@@ -77,6 +80,8 @@ if kind in ("kill_rank_1_after_step", "kill_rank_1_every_attempt", "stop_rank_1_
         if step == at and faulty:
             if kind == "error_on_rank_1_at_step":
                 raise UserError(f"an error of rank 1 alone at step {step + 1}")
+            if kind == "crash_on_rank_1_at_step":
+                raise RuntimeError(f"a crash of rank 1 alone at step {step + 1}")
             os.kill(os.getpid(), signal.SIGSTOP if kind == "stop_rank_1_after_step" else signal.SIGKILL)
         return factor(self, step)
 

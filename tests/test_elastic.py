@@ -2,11 +2,11 @@
 --max_restarts N` with `--resume latest` in the command (docs/faults.md, "A worker dies or hangs").
 
 Each case against the uninterrupted two-process run: a killed worker's group restarts and ends bit-identical to it,
-each step logged once in metrics.jsonl and TensorBoard; a hung worker ends the run within --collective_timeout
-(+ the agent's 30 s) in one line, and the resume is bit-exact; an error of one rank alone stops after the first
-restart; a worker killed more often than the restarts allow leaves the last checkpoint intact. A restarted rank 1
-starts 3 s late (tests/fault_train.py), so that the other rank always reaches the rendezvous first: the order in
-which a restart used to read the dead rank's address (training/elastic.py).
+each step logged once in metrics.jsonl and TensorBoard; a hung worker ends the run within --collective_timeout (+
+the agent's 30 s) in one line, and the resume is bit-exact; an error of one rank alone stops after the first restart
+(a bug's crash too, its traceback kept); a worker killed more often than the restarts allow leaves the last
+checkpoint intact. A restarted rank 1 starts 3 s late (tests/fault_train.py), so that the other rank always reaches
+the rendezvous first: the order in which a restart used to read the dead rank's address (training/elastic.py).
 """
 from __future__ import annotations
 
@@ -127,6 +127,24 @@ def test_an_error_of_one_rank_is_one_line_and_stops_after_the_first_restart(tmp_
         return
     assert error_lines(output) == [message, f"{message} (again after restart 1: restarting does not help, so the "
                                             "launch stops here)"], output[-5000:]
+    assert "restart 1 of 3" in output and "restart 2 of 3" not in output
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_crash_of_one_rank_keeps_its_traceback_and_stops_after_the_first_restart(tmp_path):
+    """A RuntimeError (a bug, not a UserError) on rank 1 alone as step 6 begins, in every attempt, --max_restarts 3:
+    its traceback in each of the two attempts, nothing from rank 0, and after the restart one line saying that the
+    same error came again and the launch stops (it does not use up the other two restarts)."""
+    out = tmp_path / "run"
+    proc = launch(ARGS + ["--out_dir", str(out)], nproc=2, fault="crash_on_rank_1_at_step:5", check=False,
+                  launcher_args=("--max_restarts", "3"))
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert output.count("RuntimeError: a crash of rank 1 alone at step 6") >= 2, output[-5000:]
+    assert "[rank0]: Traceback" not in output, output[-5000:]
+    assert error_lines(output) == ["error: (rank 1) RuntimeError: a crash of rank 1 alone at step 6 (again after "
+                                   "restart 1: restarting does not help, so the launch stops here)"], output[-5000:]
     assert "restart 1 of 3" in output and "restart 2 of 3" not in output
 
 

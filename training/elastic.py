@@ -15,16 +15,17 @@ about it:
   failed in issue 35).
 - `PeerWatch`: what the ranks do when a collective fails because a peer died or hung (the gloo error, or the
   timeout): a roll call in the agent's store finds the ranks that no longer answer, and one surviving rank prints
-  one line naming them, the step and the last checkpoint; the others exit quietly (status 2). A rank's own
-  `UserError` is recorded in the store first, so that the survivors stay quiet (its line is the one to read) and so
-  that the same error after a restart stops the launch instead of restarting it again (a deterministic error
-  would otherwise use up every restart, each after a full resume).
+  one line naming them, the step and the last checkpoint; the others exit quietly (status 2). A rank's own error (a
+  `UserError`, or any other exception: a bug) is recorded in the store first, so that the survivors stay quiet (its
+  line or traceback is the one to read) and so that the same error after a restart stops the launch instead of
+  restarting it again (a deterministic error would otherwise use up every restart, each after a full resume).
 """
 from __future__ import annotations
 
 import functools
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -138,18 +139,21 @@ class PeerWatch:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, err: BaseException | None, tb: object) -> None:
-        if isinstance(err, UserError):
-            self._record(err)
-        elif err is not None and self.world_size > 1 and (how := lost_peer(err)) is not None:
+        if not isinstance(err, Exception):  # none, or a SystemExit / KeyboardInterrupt: the run's own ending
+            return
+        if self.world_size > 1 and (how := lost_peer(err)) is not None:
             self._report(how, self.progress.step if self.progress is not None else 0)
+        else:
+            self._record(err)
 
-    def _record(self, err: UserError) -> None:
-        """Tell the other ranks (and the next attempt) that this rank stops on its own error. When the attempt before
-        ended on the same error, restarting does not help: the agent is told to stop (SIGTERM: it stops its workers
-        and exits 1) and the line says so."""
+    def _record(self, err: Exception) -> None:
+        """Tell the other ranks (and the next attempt) that this rank stops on its own error: a `UserError` (its one
+        line) or any other exception (a bug: its traceback stays). When the attempt before ended on the same error,
+        restarting does not help: the agent is told to stop (SIGTERM: it stops its workers and exits 1) and the line
+        says so (a `UserError`'s own line; after another exception's traceback, a line of its own)."""
         if self.store is None:
             return
-        message = str(err)
+        message = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
         previous = self._key("error", self.attempt.restart - 1)
         try:
             self.store.set(self._key("error"), message)
@@ -161,8 +165,11 @@ class PeerWatch:
         except (RuntimeError, OSError):  # the store's server (node 0's agent) is gone: nothing to tell
             return
         if again:
-            err.args = (f"{message} (again after restart {self.attempt.restart}: restarting does not help, so the "
-                        "launch stops here)",)
+            note = f"again after restart {self.attempt.restart}: restarting does not help, so the launch stops here"
+            if isinstance(err, UserError):
+                err.args = (f"{message} ({note})",)
+            else:
+                print(f"error: (rank {self.rank}) {message} ({note})", file=sys.stderr, flush=True)
         if stop:
             os.kill(os.getppid(), signal.SIGTERM)  # our parent is the elastic agent
 
