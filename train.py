@@ -78,6 +78,7 @@ def main() -> None:
             loader = source.train_loader(block_size=geometry.block_size, micro_batch_size=geometry.micro_batch_size,
                                          rank=accelerator.process_index, world_size=geometry.world_size,
                                          seed=cfg.training.seed)
+            on_exit.callback(loader.close)  # a stream read ahead: its thread stopped, its files closed
             evals = TrainingEvals(cfg.eval, source, geometry.block_size, cfg.training.seed, accelerator)
             arch, n_params, flops_per_token = model.config, model.num_params(False), model.flops_per_token()  # all
             fit_deepspeed(accelerator, geometry.micro_batch_size, geometry.accumulation, cfg.training.grad_clip,
