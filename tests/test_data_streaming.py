@@ -194,3 +194,22 @@ def test_a_read_that_fails_ahead_is_raised_when_the_step_takes_that_batch(monkey
     assert rows and all((inline.next_batch()[0] == r).all() for r in rows)  # both batches read before it, whole
     assert state["started"] and state["pos"] > 0
     loader.close()
+
+
+@pytest.mark.parametrize("local_ranks,threads", [(None, 8), ("2", 4), ("8", 1), ("16", 1)])
+def test_a_rank_encodes_on_its_share_of_the_nodes_cores(monkeypatch, local_ranks, threads):
+    """8 cores: one process encodes on all 8, each of 2 ranks on 4, each of 8 or 16 ranks on 1 (never 0)."""
+    import data.streaming as streaming
+
+    monkeypatch.setattr(streaming, "default_threads", lambda: 8)
+    if local_ranks is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
+    used = []
+    encode = streaming.encode_documents
+    monkeypatch.setattr(streaming, "encode_documents", lambda docs, n=None: used.append(n) or encode(docs, n))
+    loader = _loader(0, 1)
+    loader.next_batch()
+    loader.close()
+    assert used and set(used) == {threads}  # in the read-ahead thread too
