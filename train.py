@@ -49,9 +49,11 @@ from training.recipe import resume_recipe
 from training.resume import find_resume_point
 from training.run_folder import claim_run_folder, open_run_folder, recorded_config
 from training.step import LRSchedule, NonFinitePolicy, train_step
+from training.timing import CHECKPOINT, DATA, EVAL, STEP, RunClock
 
 
 def main() -> None:
+    clock = RunClock()  # where the run's time goes: the step, waiting for data, evaluations, checkpoints, the rest
     with ExitStack() as on_exit:  # what the run holds (its process group, its folder's lock) is let go at its end
         on_exit.callback(close_process_group)
         # Setup: whatever can refuse the run does so before anything is written, once, on every rank alike.
@@ -78,6 +80,7 @@ def main() -> None:
             loader = source.train_loader(block_size=geometry.block_size, micro_batch_size=geometry.micro_batch_size,
                                          rank=accelerator.process_index, world_size=geometry.world_size,
                                          seed=cfg.training.seed)
+            on_exit.callback(loader.close)  # a stream read ahead: its thread stopped, its files closed
             evals = TrainingEvals(cfg.eval, source, geometry.block_size, cfg.training.seed, accelerator)
             arch, n_params, flops_per_token = model.config, model.num_params(False), model.flops_per_token()  # all
             fit_deepspeed(accelerator, geometry.micro_batch_size, geometry.accumulation, cfg.training.grad_clip,
@@ -95,7 +98,8 @@ def main() -> None:
         checkpoints = Checkpointer(accelerator, run, arch, plan.names, cfg.run.keep_last, healthy=evals.finite_loss)
         nan_policy = NonFinitePolicy(cfg.training.on_nan, cfg.training.max_nan_skips, run, accelerator)
         schedule = LRSchedule(cfg.optim.warmup_steps, max_steps, cfg.optim.min_lr_ratio)
-        report = StepReport(cfg.log, accelerator, max_steps, progress.step, geometry.tokens_per_step, flops_per_token)
+        report = StepReport(cfg.log, accelerator, max_steps, progress.step, geometry.tokens_per_step, flops_per_token,
+                            clock)
         accelerator.print(run_header(accelerator, model, n_params, geometry, plan, lora_summary(cfg.model),
                                      source.describe(), Attempt.of_launch().describe()))
         if accelerator.is_main_process and (warning := schedule.warmup_warning()):
@@ -108,22 +112,30 @@ def main() -> None:
             while progress.step < max_steps:
                 with report.timing():
                     lrs = plan.lrs_at(schedule.factor(progress.step))
-                    batches = draw_step(accelerator, loader, geometry.accumulation, progress,  # all ranks stop if
-                                        save=partial(checkpoints.save, model, progress))  # one cannot read its data
-                    loss_sum, grad_norm = train_step(accelerator, model, optimizers, iter(batches).__next__,
-                                                     geometry.accumulation, lrs, cfg.training.grad_clip,
-                                                     masked_targets=loader.masked_targets)
+                    with clock.phase(DATA):  # all ranks stop if one cannot read its data
+                        batches = draw_step(accelerator, loader, geometry.accumulation, progress,
+                                            save=partial(checkpoints.save, model, progress))
+                    with clock.phase(STEP):
+                        loss_sum, grad_norm = train_step(accelerator, model, optimizers, iter(batches).__next__,
+                                                         geometry.accumulation, lrs, cfg.training.grad_clip,
+                                                         masked_targets=loader.masked_targets)
                 nan_policy.after_step(progress.step + 1, grad_norm)
                 progress.advance(geometry.tokens_per_step)
                 bar.update(1)
                 last = progress.step == max_steps
                 record = report.of_step(progress.step, last, loss_sum / geometry.accumulation, lrs[0], grad_norm,
                                         progress.tokens, write=bar.write)
-                record.update(evals.run_due(model, progress.step, last, write=bar.write))
-                metrics.log(progress.step, record)  # the step's line, evaluations (nothing on a step with neither)
+                with clock.phase(EVAL) as evaluating:
+                    evaluated = evals.run_due(model, progress.step, last, write=bar.write)
+                if evaluated:
+                    record.update(evaluated, eval_s=round(evaluating.seconds, 4))
                 stop = preempted.any_rank(accelerator)
                 if progress.step % cfg.run.save_every == 0 or last or stop:
-                    uploads.checkpoint_saved(progress.step, checkpoints.save(model, progress, loader.state_dict()))
+                    with clock.phase(CHECKPOINT) as saving:
+                        saved = checkpoints.save(model, progress, loader.state_dict())
+                    uploads.checkpoint_saved(progress.step, saved)
+                    record["checkpoint_s"] = round(saving.seconds, 4)
+                metrics.log(progress.step, record)  # the step's line, its evaluations and save (or nothing)
                 if stop:
                     accelerator.print(preempted.stopped_at(progress.step))
                     break
@@ -135,6 +147,7 @@ def main() -> None:
             export_final(accelerator, model, arch, run, metrics.last_val, init_weights)  # and what to run next
             if accelerator.is_main_process:  # final/ gets the card and curves the Hub push would upload
                 write_card(run.path, hub_model_id=cfg.hub.hub_model_id if cfg.hub.push_to_hub else None)
+        accelerator.print(clock.summary())  # this process's wall time: step, data, evaluation, checkpoint, other
         accelerator.wait_for_everyone()
         del model, optimizers
         gc.collect()

@@ -202,6 +202,9 @@ class PairsLoader:
                 "n_examples": self.n_examples, "block_size": self.block_size, "seed": self.seed,
                 "rank": self.rank, "world_size": self.world_size}
 
+    def close(self) -> None:
+        """Nothing to let go: the rows are computed when asked for."""
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`; any world size or micro-batch size may resume it."""
         if state.get("kind") != "pairs":

@@ -53,6 +53,8 @@ class TrainLoader(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    def close(self) -> None:
+        """Let go of what reads ahead (a thread, an open stream); called once at the end of a run."""
 
 def parse_hub_id(dataset: str, dataset_config: str | None) -> tuple[str, str | None, str | None]:
     """`id[:config][@revision]` split into (id, config, revision), an explicit `dataset_config` winning. UserError

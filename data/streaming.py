@@ -12,11 +12,17 @@ at the start of the current document batch, the few tokens carried over from the
 the position in the buffer. The order of documents depends on the world size, so a state refuses to
 load under another world size (pre-tokenize with `python -m data.prepare` for that).
 
+Ahead of the step: a background thread (`data.ahead.Ahead`) reads and encodes the next `PREFETCH_BATCHES`
+document batches while the step runs, each with the datasets state at its start; the loader's state is that of
+the batch the step is consuming, never of one read ahead, so a resume neither skips nor repeats the documents
+that were read ahead but not used. Encoding uses this rank's share of the node's cores (LOCAL_WORLD_SIZE).
+
 Network faults: huggingface_hub retries a ranged read 5 times (1-8 s apart) and datasets retries a dropped
 connection or a 504 again, but a 500/502/503 that outlasts the first 23 s ends the iteration
 (docs/hub_reads.md). A document batch that fails so is read again from the state at its start, up to
-`READ_RETRIES` times, `RETRY_WAIT` x 2^k s apart (about 5 minutes in all); then `DataUnavailable`, which the
-trainer turns into a checkpoint of the last completed step (`training.draw`).
+`READ_RETRIES` times, `RETRY_WAIT` x 2^k s apart (about 5 minutes in all, in the background thread while the
+step goes on with the batches read before); then `DataUnavailable`, raised where the step takes the batch that
+could not be read, which the trainer turns into a checkpoint of the last completed step (`training.draw`).
 """
 from __future__ import annotations
 
@@ -30,11 +36,13 @@ import torch
 
 from common.errors import UserError
 from common.network import network_failure, reaching_the_hub
+from data.ahead import Ahead, Inline
 from data.hub import PREPARE_ELSEWHERE
 from data.tokens import TOKEN_DTYPE, default_threads, encode_documents
 
 VAL_DOCS = 1000
 DOCS_PER_BATCH = 256
+PREFETCH_BATCHES = 2  # document batches read and encoded ahead of the step (0: when the step needs them)
 STATE_VERSION = 1
 MAX_EMPTY_RUN = 10_000  # consecutive empty documents tolerated before a rank counts as having no data
 READ_RETRIES = 5  # reads again of a document batch whose stream failed
@@ -159,31 +167,63 @@ class StreamingLoader:
         commit: str | None = None,
         val_docs: int = VAL_DOCS,
         docs_per_batch: int = DOCS_PER_BATCH,
+        prefetch: int = PREFETCH_BATCHES,
     ) -> None:
         from datasets.distributed import split_dataset_by_node
 
         _check_column(ds, text_column)
         self.block_size, self.micro_batch_size = block_size, micro_batch_size
         self.rank, self.world_size, self.source, self.commit = rank, world_size, source, commit
-        self.text_column, self.docs_per_batch = text_column, docs_per_batch
+        self.text_column, self.docs_per_batch, self.prefetch = text_column, docs_per_batch, prefetch
         what = f"the validation documents of {source or 'the dataset'}"
         self.val_hashes = {_doc_hash(d) for d in read_with_retries(
             lambda: val_documents(ds, text_column, val_docs), lambda: None, what)}  # each try reads from the start
         self.ds = split_dataset_by_node(ds.select_columns([text_column]), rank=rank, world_size=world_size).repeat(None)
+        # The reading side (only the thread of `self._ahead` touches these once it runs):
         self._iter: Iterator[dict] | None = None
+        self._read_anchor: dict | None = None  # datasets state at the start of the next batch to read (None: start)
+        self._ahead: Ahead | Inline | None = None  # started by the first batch the step needs
+        # The consuming side (the step's position, what `state_dict` saves):
+        self._started = False  # a document batch has been taken
         self._anchor: dict | None = None  # datasets state at the start of the buffer's document batch
         self._carry: list[int] = []  # tokens before that batch that are still in the buffer
         self._buffer = np.zeros(0, dtype=TOKEN_DTYPE)
         self._pos = 0  # next row starts at buffer[pos]
+
+    def _read_batch(self) -> tuple[dict | None, np.ndarray]:
+        """The next document batch, encoded, with the datasets state at its start (run by `self._ahead`)."""
+        anchor = self._read_anchor
+        tokens = encode_documents(self._next_documents(anchor), _threads_per_rank())
+        self._read_anchor = self.ds.state_dict()
+        return anchor, tokens
+
+    def _close_stream(self) -> None:
+        """Close the half-read stream (one left open can hang the interpreter at exit: docs/hub_reads.md)."""
+        close = getattr(self._iter, "close", None)
+        if close is not None:
+            close()
+        self._iter = None
+
+    def _taken(self) -> tuple[dict | None, np.ndarray]:
+        """The next document batch for the step, read ahead when `prefetch` > 0."""
+        if self._ahead is None:
+            self._ahead = (Ahead(self._read_batch, self.prefetch, finish=self._close_stream, name="stream-ahead")
+                           if self.prefetch else Inline(self._read_batch, finish=self._close_stream))
+        self._started = True
+        return self._ahead.next()
+
+    def close(self) -> None:
+        """Stop reading ahead and close the stream (at the end of a run; reading again reopens it)."""
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
 
     def _next_documents(self, anchor: dict | None) -> list[str]:
         """The next batch of training documents, read again from `anchor` (the datasets state at the batch's start;
         None: the stream's start) after a network failure."""
 
         def restart() -> None:
-            close = getattr(self._iter, "close", None)
-            if close is not None:
-                close()  # an abandoned half-read stream can hang the interpreter at exit (docs/hub_reads.md)
+            self._close_stream()
             if anchor is not None:
                 self.ds.load_state_dict(anchor)
             self._iter = iter(self.ds)
@@ -218,8 +258,7 @@ class StreamingLoader:
     def _refill(self) -> None:
         """Keep the unread tail, then append the next document batch (re-anchoring the state)."""
         tail = self._buffer[self._pos :]
-        self._anchor = self.ds.state_dict() if self._iter is not None else None
-        tokens = encode_documents(self._next_documents(self._anchor), _threads_per_rank())
+        self._anchor, tokens = self._taken()
         self._carry = tail.tolist()
         self._buffer = np.concatenate([tail, tokens])
         self._pos = 0
@@ -247,7 +286,7 @@ class StreamingLoader:
             "world_size": self.world_size,
             "block_size": self.block_size,
             "datasets_state": self._anchor,
-            "started": self._iter is not None,
+            "started": self._started,
             "carry": list(self._carry),
             "pos": self._pos,
         }
@@ -275,15 +314,15 @@ class StreamingLoader:
                 f"{self.rank}, block_size {self.block_size}: load data_state_rank{{r}}.json on rank r, "
                 "same --block_size"
             )
-        self._iter, self._pos, self._carry, self._anchor = None, 0, [], None
+        self.close()  # what was read ahead belongs to the old position
+        self._read_anchor, self._started, self._pos, self._carry, self._anchor = None, False, 0, [], None
         self._buffer = np.zeros(0, dtype=TOKEN_DTYPE)
         if not state["started"]:
             return
         if state["datasets_state"] is not None:
             self.ds.load_state_dict(state["datasets_state"])
-        self._iter = iter(self.ds)
-        self._anchor = state["datasets_state"]
-        tokens = encode_documents(self._next_documents(self._anchor), _threads_per_rank())
+        self._read_anchor = state["datasets_state"]
+        self._anchor, tokens = self._taken()  # the batch the saved step was consuming, read again
         self._carry = list(state["carry"])
         self._buffer = np.concatenate([np.array(self._carry, dtype=TOKEN_DTYPE), tokens])
         self._pos = int(state["pos"])

@@ -115,6 +115,9 @@ class StridedLoader:
             "world_size": self.world_size,
         }
 
+    def close(self) -> None:
+        """Nothing to let go: the rows are computed when asked for."""
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`; any world size or micro-batch size may resume it."""
         if state.get("kind") != "strided":

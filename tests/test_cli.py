@@ -171,6 +171,27 @@ def test_step_line(monkeypatch):
                                        "0:00:31 elapsed, 0:02:04 left")
     clock = iter([50.0, 50.0])
     assert StepLine(150, 0).format(150, {**record, "mfu": 0.4123}).endswith("mfu 41.2% | 0:00:00 elapsed, 0:00:00 left")
+    clock = iter([50.0, 50.0, 50.0, 50.0])
+    assert "mfu - | 0:00" in StepLine(150, 0).format(150, record, data_share=0.02)  # a few percent: not named
+    assert "mfu - | data 7% | 0:00" in StepLine(150, 0).format(150, record, data_share=0.07)
+
+
+def test_the_run_clock_splits_the_wall_time_by_phase(monkeypatch):
+    from training.timing import CHECKPOINT, DATA, EVAL, STEP, RunClock
+
+    now = iter([0.0, 0.0, 6.0, 6.0, 7.0, 7.0, 8.5, 9.0, 9.5, 10.0])
+    monkeypatch.setattr(time, "perf_counter", lambda: next(now))
+    clock = RunClock()  # 0
+    with clock.phase(STEP):  # 0 - 6
+        pass
+    with clock.phase(DATA) as waiting:  # 6 - 7
+        pass
+    with clock.phase(EVAL):  # 7 - 8.5
+        pass
+    with clock.phase(CHECKPOINT):  # 9 - 9.5
+        pass
+    assert waiting.seconds == 1.0 and clock.since_last(DATA) == 1.0 and clock.since_last(DATA) == 0.0
+    assert clock.summary() == "time 0:00:10: step 60% | data 10% | evaluation 15% | checkpoint 5% | other 10%"
 
 
 # ---- a tiny fine-tuning run, in this process ---------------------------------------------------------------

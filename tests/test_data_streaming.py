@@ -36,10 +36,11 @@ def four_files(tmp_path_factory) -> list[str]:
     return [str(p) for p in sorted(folder.glob("*.parquet"))]
 
 
-def _loader(rank: int, world: int, files=str(PARQUET), batch: int = 4, block: int = 32) -> StreamingLoader:
+def _loader(rank: int, world: int, files=str(PARQUET), batch: int = 4, block: int = 32,
+            prefetch: int = 2) -> StreamingLoader:
     ds = open_hub_stream("parquet", None, "train", data_files=files)
     return StreamingLoader(ds, block_size=block, micro_batch_size=batch, rank=rank, world_size=world,
-                           val_docs=VAL_DOCS, docs_per_batch=3)
+                           val_docs=VAL_DOCS, docs_per_batch=3, prefetch=prefetch)
 
 
 def _rank_documents(loader: StreamingLoader, n_batches: int) -> list[str]:
@@ -135,3 +136,80 @@ def test_rank_with_only_validation_documents_raises_instead_of_spinning(tmp_path
     loader = StreamingLoader(ds, block_size=8, micro_batch_size=2, rank=0, world_size=1, val_docs=10)
     with pytest.raises(UserError, match="got no training documents"):
         loader.next_batch()
+
+
+def _read_ahead_fully(loader: StreamingLoader) -> None:
+    """Wait until the loader's thread has read as far ahead as it may (its queue full)."""
+    import time
+
+    deadline = time.monotonic() + 30
+    while not loader._ahead._queue.full():
+        assert time.monotonic() < deadline, "the stream was not read ahead"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("skip", [0, 1, 5, 13])
+def test_documents_read_ahead_but_not_used_are_neither_skipped_nor_repeated_after_a_resume(skip):
+    """The state is the position of what the step took: with two document batches read ahead (and not yet used)
+    when it is saved, the resumed loader continues with exactly the rows of the uninterrupted one, which are the rows
+    of a loader that reads nothing ahead."""
+    inline = _loader(0, 1, prefetch=0)
+    reference = [inline.next_batch()[0] for _ in range(skip + 30)]  # crosses document batches and epochs
+    loader = _loader(0, 1)
+    assert all((loader.next_batch()[0] == want).all() for want in reference[:skip])
+    if skip:
+        _read_ahead_fully(loader)  # 2 batches of 3 documents read ahead, not used
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    resumed = _loader(0, 1)
+    resumed.load_state_dict(state)
+    for want in reference[skip:]:
+        assert (resumed.next_batch()[0] == want).all()
+    resumed.close()
+    assert not resumed._ahead and inline.state_dict() != state
+
+
+def test_a_read_that_fails_ahead_is_raised_when_the_step_takes_that_batch(monkeypatch):
+    """A read that fails in the background (its retries spent) is raised by the batch that needed it, after every
+    batch read before it, and the loader's state is still that of the last batch taken."""
+    import data.streaming as streaming
+
+    loader = _loader(0, 1, block=64)
+    reads = {"n": 0}
+    read = loader._read_documents
+
+    def third_read_fails():
+        reads["n"] += 1
+        if reads["n"] == 3:
+            raise streaming.DataUnavailable("reading the dataset failed 6 times")
+        return read()
+
+    monkeypatch.setattr(loader, "_read_documents", third_read_fails)
+    rows = []
+    with pytest.raises(streaming.DataUnavailable):
+        while True:
+            rows.append(loader.next_batch()[0])
+            state = loader.state_dict()
+    inline = _loader(0, 1, block=64, prefetch=0)
+    assert rows and all((inline.next_batch()[0] == r).all() for r in rows)  # both batches read before it, whole
+    assert state["started"] and state["pos"] > 0
+    loader.close()
+
+
+@pytest.mark.parametrize("local_ranks,threads", [(None, 8), ("2", 4), ("8", 1), ("16", 1)])
+def test_a_rank_encodes_on_its_share_of_the_nodes_cores(monkeypatch, local_ranks, threads):
+    """8 cores: one process encodes on all 8, each of 2 ranks on 4, each of 8 or 16 ranks on 1 (never 0)."""
+    import data.streaming as streaming
+
+    monkeypatch.setattr(streaming, "default_threads", lambda: 8)
+    if local_ranks is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
+    used = []
+    encode = streaming.encode_documents
+    monkeypatch.setattr(streaming, "encode_documents", lambda docs, n=None: used.append(n) or encode(docs, n))
+    loader = _loader(0, 1)
+    loader.next_batch()
+    loader.close()
+    assert used and set(used) == {threads}  # in the read-ahead thread too

@@ -48,8 +48,11 @@ from model import GPT, GPTConfig
 def test_run_writes_metrics_checkpoints_and_final(uninterrupted):
     rows = read_metrics(uninterrupted)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    for key in ("loss", "lr", "grad_norm", "tokens", "tok_per_sec", "mfu"):
+    for key in ("loss", "lr", "grad_norm", "tokens", "tok_per_sec", "mfu", "data_wait_s"):
         assert key in rows[0]
+    assert [r["step"] for r in rows if "eval_s" in r] == [r["step"] for r in rows if "val_loss" in r] == [3, 6]
+    assert [r["step"] for r in rows if "checkpoint_s" in r] == [2, 4, 6]
+    assert all(r["eval_s"] > 0 for r in rows if "eval_s" in r) and all(r["data_wait_s"] >= 0 for r in rows)
     assert rows[-1]["tokens"] == 6 * 128
     assert "val_loss" in rows[2] and "val_loss" in rows[5] and "val_loss" not in rows[3]
     assert 0.0 <= rows[2]["hellaswag_acc"] <= 1.0 and 0.0 <= rows[2]["hellaswag_acc_norm"] <= 1.0
@@ -75,6 +78,9 @@ def test_default_command_runs_end_to_end(tmp_path):
     assert [r["step"] for r in rows] == [2, 4]
     assert rows[1]["val_loss"] < rows[0]["val_loss"]
     assert "step 4: val_loss" in proc.stdout + proc.stderr
+    shares = re.search(r"^time \d+:\d\d:\d\d: step (\d+)% \| data (\d+)% \| evaluation (\d+)% \| checkpoint (\d+)% \| "
+                       r"other (\d+)%$", proc.stdout, re.M)  # the end of the run: where its wall time went
+    assert shares and 98 <= sum(int(p) for p in shares.groups()) <= 102, proc.stdout[-2000:]
     assert (out / "final" / "model.safetensors").is_file()
 
 

@@ -2,9 +2,10 @@
 one plain console line per logged step (`StepLine`).
 
 `metrics.jsonl` has one JSON object per logged step (`step`, `loss`, `lr`, `grad_norm`, `tokens`,
-`tok_per_sec`, `mfu`, and `val_loss` / `hellaswag_*` on the steps they are computed). Scripts outside
-the repo read these keys. After a resume, lines past the checkpoint's step are dropped, so the file
-reads as one uninterrupted run. Only the main process writes.
+`tok_per_sec`, `mfu`, `data_wait_s`), and on the steps they happen `val_loss` / `hellaswag_*` with `eval_s`, and
+`checkpoint_s` (a step with an evaluation or a save and no log line has a line with those alone; the time keys:
+`training.timing`). Scripts outside the repo read these keys. After a resume, lines past the checkpoint's step
+are dropped, so the file reads as one uninterrupted run. Only the main process writes.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from training.engines import Engine, precision
 from training.mfu import estimate_mfu, peak_flops
 from training.optim import OptimizerPlan, describe_optimizers
 from training.processes import BatchGeometry
+from training.timing import DATA, SHOW_DATA_ABOVE, RunClock
 
 
 def trackers_for(report_to: str) -> list[str] | None:
@@ -111,24 +113,29 @@ class StepLine:
         self.max_steps, self.start_step = max_steps, start_step
         self.start = time.monotonic()
 
-    def format(self, step: int, record: dict[str, Any]) -> str:
+    def format(self, step: int, record: dict[str, Any], data_share: float = 0.0) -> str:
+        """`data_share`: the part of the logged steps' time spent waiting for data, named above
+        `SHOW_DATA_ABOVE` (` | data 7%` after the MFU)."""
         elapsed = time.monotonic() - self.start
         done = step - self.start_step
         left = elapsed / done * (self.max_steps - step) if done else 0.0
         mfu = record["mfu"]
+        data = f" | data {data_share:.0%}" if data_share > SHOW_DATA_ABOVE else ""
         return (f"step {step}/{self.max_steps} | loss {record['loss']:.3f} | lr {record['lr']:.1e} | "
                 f"grad {record['grad_norm']:.2f} | {record['tok_per_sec']:,.0f} tok/s | "
-                f"mfu {'-' if mfu is None else f'{mfu:.1%}'} | {_clock(elapsed)} elapsed, {_clock(left)} left")
+                f"mfu {'-' if mfu is None else f'{mfu:.1%}'}{data} | {_clock(elapsed)} elapsed, {_clock(left)} left")
 
 
 class StepReport:
     """What a logged step reports: the step's loss (averaged over ranks), learning rate, gradient norm, tokens
-    seen, tokens/s and MFU, as a console line (main process) and a `metrics.jsonl` record. Steps are timed with
-    `timing()`; every `log_every` steps and at the last, `of_step` reads them."""
+    seen, tokens/s, MFU and the data wait (the slowest rank's, from `clock`), as a console line (main process) and
+    a `metrics.jsonl` record. Steps are timed with `timing()`; every `log_every` steps and at the last, `of_step`
+    reads them."""
 
     def __init__(self, cfg: LogConfig, accelerator: Accelerator, max_steps: int, start_step: int,
-                 tokens_per_step: int, flops_per_token: float) -> None:
+                 tokens_per_step: int, flops_per_token: float, clock: RunClock) -> None:
         self.accelerator, self.log_every, self.flops_per_token = accelerator, cfg.log_every, flops_per_token
+        self.clock = clock
         self.peak = peak_flops(accelerator.device, cfg.mfu_peak_flops)  # None where unknown: no MFU then
         self.throughput, self.line = Throughput(tokens_per_step), StepLine(max_steps, start_step)
 
@@ -142,12 +149,15 @@ class StepReport:
         if step % self.log_every and not last:
             return {}
         loss = self.accelerator.reduce(mean_loss, reduction="mean").item()
+        waited = torch.tensor([self.clock.since_last(DATA)], device=self.accelerator.device)
+        data_wait = self.accelerator.reduce(waited, reduction="max").item()  # the step waits for the slowest rank
+        steps_seconds = self.throughput.seconds
         tok_per_sec = self.throughput.read()
         mfu = estimate_mfu(self.flops_per_token, tok_per_sec, self.accelerator.num_processes, self.peak)
         record = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "tok_per_sec": tok_per_sec,
-                  "mfu": mfu}
+                  "mfu": mfu, "data_wait_s": round(data_wait, 4)}
         if self.accelerator.is_main_process:
-            write(self.line.format(step, record))
+            write(self.line.format(step, record, data_wait / steps_seconds if steps_seconds else 0.0))
         return record
 
 
