@@ -46,13 +46,18 @@ def launch_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def print_error(message: str) -> None:
+    """Print `error: message` to stderr, the one form every error line takes."""
+    try:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    except OSError:  # stderr is a closed pipe: the exit status still tells
+        pass
+
+
 def fail(message: str, *, quiet: bool = False) -> NoReturn:
     """Print `error: message` to stderr (unless `quiet`) and exit with status 2."""
     if not quiet:
-        try:
-            print(f"error: {message}", file=sys.stderr, flush=True)
-        except OSError:  # stderr is a closed pipe: the exit status still tells
-            pass
+        print_error(message)
     raise SystemExit(2)
 
 

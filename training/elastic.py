@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from common.errors import UserError, fail
+from common.errors import UserError, fail, print_error
 from training.engines import requested_engine
 from training.processes import process_state
 
@@ -169,7 +168,7 @@ class PeerWatch:
             if isinstance(err, UserError):
                 err.args = (f"{message} ({note})",)
             else:
-                print(f"error: (rank {self.rank}) {message} ({note})", file=sys.stderr, flush=True)
+                print_error(f"(rank {self.rank}) {message} ({note})")
         if stop:
             os.kill(os.getppid(), signal.SIGTERM)  # our parent is the elastic agent
 
