@@ -288,6 +288,14 @@ def uninterrupted(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def single_run(tmp_path_factory) -> Path:
+    """DDP_ARGS on one process (accumulation 4): the reference every engine's multi-process run is held against
+    (test_engines, test_tensor_parallel); read only."""
+    return shared_once(tmp_path_factory, "single",
+                       lambda folder: launch(DDP_ARGS + ["--out_dir", str(folder / "run")])) / "run"
+
+
+@pytest.fixture(scope="session")
 def ddp_run(tmp_path_factory) -> Path:
     """DDP_ARGS on 2 processes: 2 processes x accumulation 2 x micro-batch 2 x 32 tokens = 256 tokens per step.
     Shared by test_train, test_ctrl_c and test_gpu_paths_on_cpu; read only."""

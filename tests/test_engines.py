@@ -24,13 +24,6 @@ from training.engines import Engine, fit_deepspeed, refuse_unsupported
 ENGINES = ["fsdp_8gpu", "zero1_8gpu", "zero2_8gpu", "zero3_8gpu"]
 
 
-@pytest.fixture(scope="session")
-def single_run(tmp_path_factory) -> Path:
-    """DDP_ARGS on one process (accumulation 4): the reference every engine's 2-process run is held against."""
-    return shared_once(tmp_path_factory, "single",
-                       lambda folder: launch(DDP_ARGS + ["--out_dir", str(folder / "run")])) / "run"
-
-
 def _engine_run(tmp_path_factory, engine: str) -> Path:
     def build(folder: Path) -> None:
         (folder / "probe").mkdir()

@@ -1,15 +1,36 @@
-"""Tensor parallelism: the plan for our GPT (model/tensor_parallel.py)."""
+"""Tensor parallelism (`--tensor_parallel N`): the plan for our GPT (model/tensor_parallel.py), the launch around it
+(training/tensor_parallel.py), and train.py itself split over 2 CPU processes on gloo (the FSDP2 config through
+tests/engine_shim.py), held against one process on the same global batch: equal to float rounding, really split
+(each rank's local shapes), killed while saving and resumed bit-exact, and `final/` in the Hugging Face layout.
+Then the launches it cannot run, refused in one line before anything is built.
+"""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO_ROOT, free_port
+from conftest import (
+    DDP_ARGS,
+    REPO_ROOT,
+    assert_same_weights,
+    free_port,
+    launch,
+    read_metrics,
+    run_in_process,
+    shared_once,
+)
 
+from common.errors import UserError
 from model.tensor_parallel import head_group_order, natural_order, split_problem
+from training.checkpoint import refuse_another_engine
+from training.engines import Engine
+from training.tensor_parallel import TensorParallel
+
+TP_ARGS = DDP_ARGS + ["--tensor_parallel", "2"]
 
 # ---- the plan, in process ----------------------------------------------------------------------------------
 
@@ -66,3 +87,129 @@ def test_the_split_model_computes_what_the_whole_one_does(tmp_path):
         assert shapes["transformer.h.0.attn.c_proj.weight"] == [32, 16]
         assert shapes["transformer.h.0.mlp.c_fc.weight"] == [64, 32]
         assert shapes["transformer.h.0.mlp.c_proj.weight"] == [32, 64]
+
+
+# ---- refusals, in process ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("degree", "world", "engine", "words"), [
+    (2, 2, "ddp", "--tensor_parallel 2 runs on accelerate's FSDP2 plugin"),
+    (2, 2, "deepspeed", "this launch is DeepSpeed"),
+    (2, 3, "fsdp", "needs a multiple of 2 processes, this launch has 3"),
+    (4, 2, "fsdp", "needs a multiple of 4 processes, this launch has 2; launch 4 processes"),
+])
+def test_a_launch_tensor_parallelism_cannot_run_is_one_line(degree, world, engine, words):
+    with pytest.raises(UserError) as err:
+        TensorParallel.checked(degree, world, engine)
+    assert words in str(err.value) and "\n" not in str(err.value)
+    assert TensorParallel.checked(1, 3, "ddp").data_parallel_size == 3  # no tensor parallelism: anything goes
+    layout = TensorParallel.checked(2, 4, "fsdp")
+    assert (layout.data_parallel_size, [layout.data_parallel_rank(r) for r in range(4)]) == (2, [0, 0, 1, 1])
+
+
+def test_a_model_the_degree_does_not_split_is_one_line():
+    with pytest.raises(UserError) as err:
+        TensorParallel(4, 4).check_model(n_head=6, n_embd=384)
+    assert "n_head 6 is not divisible by 4" in str(err.value) and "pass one of 1, 2, 3, 6" in str(err.value)
+    TensorParallel(2, 4).check_model(n_head=6, n_embd=384)
+    TensorParallel(1, 1).check_model(n_head=5, n_embd=5)
+
+
+def test_a_checkpoint_is_resumed_only_under_its_own_degree(tmp_path):
+    from types import SimpleNamespace
+
+    point = SimpleNamespace(path=tmp_path / "step_000004", world_size=2,
+                            engine={"kind": "fsdp", "zero_stage": 0, "tensor_parallel": 2})
+    refuse_another_engine(point, Engine("fsdp", tensor_parallel=2), world_size=4)  # other processes: fine
+    for engine, words in ((Engine("fsdp"), "saved with --tensor_parallel 2, this launch has --tensor_parallel 1"),
+                          (Engine("fsdp", tensor_parallel=4), "resume it with --tensor_parallel 2"),
+                          (Engine("ddp"), "saved under FSDP2 x tensor parallel 2, this launch runs DDP")):
+        with pytest.raises(UserError) as err:
+            refuse_another_engine(point, engine, world_size=2)
+        assert words in str(err.value)
+    old = SimpleNamespace(path=tmp_path, world_size=2, engine={"kind": "fsdp", "zero_stage": 0})  # before TP
+    refuse_another_engine(old, Engine("fsdp"), world_size=2)
+
+
+# ---- train.py on 2 processes ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tp_run(tmp_path_factory) -> Path:
+    """TP_ARGS on 2 processes (one tensor-parallel group: accumulation 4, as the single run) under the FSDP2
+    config: folder/run, and each rank's probe in folder/probe."""
+    def build(folder: Path) -> None:
+        (folder / "probe").mkdir()
+        launch(TP_ARGS + ["--out_dir", str(folder / "run")], nproc=2, engine="fsdp_8gpu",
+               extra_env={"ENGINE_PROBE": str(folder / "probe")})
+
+    return shared_once(tmp_path_factory, "tensor_parallel_2", build)
+
+
+def assert_same_run(single: Path, run: Path) -> None:
+    """`run` against the one-process run: final/ to 1e-6 (the key biases to their bound: conftest), every logged
+    loss, gradient norm and validation loss to float rounding."""
+    assert_same_weights(single, run, atol=1e-6)
+    a, b = read_metrics(single), read_metrics(run)
+    assert [m["step"] for m in b] == [m["step"] for m in a]
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
+        if "val_loss" in x:
+            assert y["val_loss"] == pytest.approx(x["val_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_tensor_parallel_2_equals_one_process(tp_run, single_run):
+    assert_same_run(single_run, tp_run / "run")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_tensor_parallel_really_splits_the_blocks(tp_run):
+    """What each rank held at its checkpoints (the probe): half of each block matrix, the rest whole."""
+    C = 32  # TINY's n_embd
+    for rank in range(2):
+        report = json.loads((tp_run / "probe" / f"rank{rank}.json").read_text())
+        shapes = report["local_shapes"]
+        assert report["engine"] == "FSDP" and report["world"] == 2
+        assert shapes["transformer.h.1.attn.c_attn.weight"] == [3 * C // 2, C]
+        assert shapes["transformer.h.1.attn.c_proj.weight"] == [C, C // 2]
+        assert shapes["transformer.h.1.mlp.c_fc.weight"] == [4 * C // 2, C]
+        assert shapes["transformer.h.1.mlp.c_proj.weight"] == [C, 4 * C // 2]
+        assert shapes["transformer.wte.weight"][1] == C and shapes["transformer.h.1.ln_1.weight"] == [C]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_tensor_parallel_resume_after_kill_in_save_is_bit_exact(tp_run, tmp_path):
+    out = tmp_path / "run"
+    killed = launch(TP_ARGS + ["--out_dir", str(out)], nproc=2, engine="fsdp_8gpu", fault="kill_in_save:4",
+                    check=False)
+    assert killed.returncode != 0 and not (out / "final").exists()
+    launch(TP_ARGS + ["--out_dir", str(out), "--resume", "latest"], nproc=2, engine="fsdp_8gpu")
+    assert_same_weights(tp_run / "run", out)
+    assert [m["step"] for m in read_metrics(out)] == [m["step"] for m in read_metrics(tp_run / "run")]
+
+
+# ---- refusals of whole launches ------------------------------------------------------------------------------
+
+
+def test_tensor_parallel_on_one_process_is_refused_before_anything_is_written(monkeypatch, capsys, tmp_path):
+    out = tmp_path / "run"
+    line = run_in_process(monkeypatch, capsys, TP_ARGS + ["--out_dir", str(out)])
+    assert "--tensor_parallel 2 runs on accelerate's FSDP2 plugin" in line and "fsdp_8gpu.yaml" in line
+    assert not out.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_heads_the_degree_does_not_divide_are_refused_on_every_rank_in_one_line(tmp_path):
+    out = tmp_path / "run"
+    proc = launch(TP_ARGS + ["--out_dir", str(out), "--n_head", "1"], nproc=2, engine="fsdp_8gpu", check=False)
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and len(lines) == 1, (proc.stdout + proc.stderr)[-3000:]
+    assert "--tensor_parallel 2 cannot split this model: n_head 1 is not divisible by 2" in lines[0]
+    assert lines[0].endswith("pass one of 1")
+    assert not out.exists()
