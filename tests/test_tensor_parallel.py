@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import (
     DDP_ARGS,
+    HELLASWAG,
     REPO_ROOT,
     assert_same_weights,
     free_port,
@@ -27,7 +28,7 @@ from conftest import (
 from common.errors import UserError
 from model.tensor_parallel import head_group_order, natural_order, split_problem
 from training.checkpoint import refuse_another_engine
-from training.engines import Engine
+from training.engines import Engine, refuse_unsupported
 from training.tensor_parallel import TensorParallel
 
 TP_ARGS = DDP_ARGS + ["--tensor_parallel", "2"]
@@ -115,6 +116,19 @@ def test_a_model_the_degree_does_not_split_is_one_line():
     TensorParallel(1, 1).check_model(n_head=5, n_embd=5)
 
 
+def test_muon_and_lora_are_refused_with_tensor_parallelism():
+    from types import SimpleNamespace
+
+    engine = Engine("fsdp", tensor_parallel=2)
+    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=SimpleNamespace(activation_checkpointing=False)))
+    for optimizer, lora, words in (("muon", False, "--optimizer muon is not supported with --tensor_parallel 2"),
+                                   ("adamw", True, "--lora_rank is not supported with --tensor_parallel 2")):
+        with pytest.raises(UserError) as err:
+            refuse_unsupported(engine, accelerator, optimizer, lora, "stop", False)
+        assert words in str(err.value) and "\n" not in str(err.value)
+    refuse_unsupported(engine, accelerator, "adamw", False, "skip", True)  # AdamW, --on_nan skip, AC: run
+
+
 def test_a_checkpoint_is_resumed_only_under_its_own_degree(tmp_path):
     from types import SimpleNamespace
 
@@ -134,16 +148,38 @@ def test_a_checkpoint_is_resumed_only_under_its_own_degree(tmp_path):
 # ---- train.py on 2 processes ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def tp_run(tmp_path_factory) -> Path:
-    """TP_ARGS on 2 processes (one tensor-parallel group: accumulation 4, as the single run) under the FSDP2
-    config: folder/run, and each rank's probe in folder/probe."""
+def _probed_run(tmp_path_factory, name: str, args: list[str], nproc: int) -> Path:
+    """`args` on `nproc` processes under the FSDP2 config, built once per session: folder/run, and each rank's
+    probe (what it held at its checkpoints) in folder/probe."""
     def build(folder: Path) -> None:
         (folder / "probe").mkdir()
-        launch(TP_ARGS + ["--out_dir", str(folder / "run")], nproc=2, engine="fsdp_8gpu",
+        launch(args + ["--out_dir", str(folder / "run")], nproc=nproc, engine="fsdp_8gpu",
                extra_env={"ENGINE_PROBE": str(folder / "probe")})
 
-    return shared_once(tmp_path_factory, "tensor_parallel_2", build)
+    return shared_once(tmp_path_factory, name, build)
+
+
+@pytest.fixture(scope="session")
+def tp_run(tmp_path_factory) -> Path:
+    """TP_ARGS on 2 processes: one tensor-parallel group (accumulation 4, as the single run)."""
+    return _probed_run(tmp_path_factory, "tensor_parallel_2", TP_ARGS, nproc=2)
+
+
+# 2-D: FSDP2 over 2 groups x TP 2 on 4 processes (accumulation 2); with HellaSwag, whose scores the evaluations
+# gather over the data-parallel ranks only.
+HELLASWAG_ARGS = ["--hellaswag_every", "2", "--hellaswag_data", HELLASWAG]
+
+
+@pytest.fixture(scope="session")
+def two_d_run(tmp_path_factory) -> Path:
+    return _probed_run(tmp_path_factory, "fsdp2_x_tensor_parallel_2", TP_ARGS + HELLASWAG_ARGS, nproc=4)
+
+
+@pytest.fixture(scope="session")
+def single_hellaswag_run(tmp_path_factory) -> Path:
+    """DDP_ARGS with HellaSwag on one process: the 2-D run's reference."""
+    return shared_once(tmp_path_factory, "single_hellaswag", lambda folder: launch(
+        DDP_ARGS + HELLASWAG_ARGS + ["--out_dir", str(folder / "run")])) / "run"
 
 
 def assert_same_run(single: Path, run: Path) -> None:
@@ -155,8 +191,10 @@ def assert_same_run(single: Path, run: Path) -> None:
     for x, y in zip(a, b):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
-        if "val_loss" in x:
-            assert y["val_loss"] == pytest.approx(x["val_loss"], rel=1e-5)
+        for key in ("val_loss", "hellaswag_acc", "hellaswag_acc_norm"):
+            assert (key in x) == (key in y)
+            if key in x:
+                assert y[key] == pytest.approx(x[key], rel=1e-5)
 
 
 @pytest.mark.slow
@@ -183,14 +221,38 @@ def test_tensor_parallel_really_splits_the_blocks(tp_run):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_tensor_parallel_resume_after_kill_in_save_is_bit_exact(tp_run, tmp_path):
-    out = tmp_path / "run"
-    killed = launch(TP_ARGS + ["--out_dir", str(out)], nproc=2, engine="fsdp_8gpu", fault="kill_in_save:4",
+def test_fsdp2_x_tensor_parallel_on_4_processes_equals_one_process_and_splits_both_ways(two_d_run,
+                                                                                        single_hellaswag_run):
+    """2-D: equal to one process (HellaSwag too); each rank holds a quarter of each block matrix (FSDP2 halves the
+    tensor-parallel half along dim 0) and half of the embeddings and LayerNorms (FSDP2 alone)."""
+    assert_same_run(single_hellaswag_run, two_d_run / "run")
+    C = 32
+    for rank in range(4):
+        report = json.loads((two_d_run / "probe" / f"rank{rank}.json").read_text())
+        shapes = report["local_shapes"]
+        assert report["engine"] == "FSDP" and report["world"] == 4
+        assert shapes["transformer.h.1.attn.c_attn.weight"] == [3 * C // 4, C]
+        assert shapes["transformer.h.1.attn.c_proj.weight"] == [C // 2, C // 2]
+        assert shapes["transformer.h.1.mlp.c_fc.weight"] == [4 * C // 4, C]
+        assert shapes["transformer.h.1.mlp.c_proj.weight"] == [C // 2, 4 * C // 2]
+        assert shapes["transformer.h.1.ln_1.weight"] == [C // 2]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("fixture", "nproc", "args"), [("tp_run", 2, TP_ARGS),
+                                                        ("two_d_run", 4, TP_ARGS + HELLASWAG_ARGS)],
+                         ids=["tp2", "fsdp2x2_tp2"])
+def test_tensor_parallel_resume_after_kill_in_save_is_bit_exact(fixture, nproc, args, request, tmp_path):
+    """SIGKILL to every process while step 4's checkpoint is written, then --resume latest from step 2's sharded
+    checkpoint: the final weights equal the uninterrupted run's bit for bit."""
+    reference, out = request.getfixturevalue(fixture) / "run", tmp_path / "run"
+    killed = launch(args + ["--out_dir", str(out)], nproc=nproc, engine="fsdp_8gpu", fault="kill_in_save:4",
                     check=False)
     assert killed.returncode != 0 and not (out / "final").exists()
-    launch(TP_ARGS + ["--out_dir", str(out), "--resume", "latest"], nproc=2, engine="fsdp_8gpu")
-    assert_same_weights(tp_run / "run", out)
-    assert [m["step"] for m in read_metrics(out)] == [m["step"] for m in read_metrics(tp_run / "run")]
+    launch(args + ["--out_dir", str(out), "--resume", "latest"], nproc=nproc, engine="fsdp_8gpu")
+    assert_same_weights(reference, out)
+    assert [m["step"] for m in read_metrics(out)] == [m["step"] for m in read_metrics(reference)]
 
 
 # ---- refusals of whole launches ------------------------------------------------------------------------------

@@ -154,6 +154,13 @@ def deepspeed_missing() -> str | None:
 def refuse_unsupported(engine: Engine, accelerator: Accelerator, optimizer: str, lora: bool, on_nan: str,
                        activation_checkpointing: bool) -> None:
     """What this project does not run under `engine`, refused in one line before anything is built."""
+    if engine.tensor_parallel > 1 and (optimizer == "muon" or lora):
+        what = "--optimizer muon" if optimizer == "muon" else "--lora_rank"
+        why = ("Muon orthogonalises whole matrices, which tensor parallelism splits across ranks" if optimizer == "muon"
+               else "peft's adapters wrap the layers tensor parallelism splits")
+        raise UserError(f"{what} is not supported with --tensor_parallel {engine.tensor_parallel} ({why}); "
+                        + ("use --optimizer adamw, or Muon without --tensor_parallel under a DDP launch config"
+                           if optimizer == "muon" else "drop --tensor_parallel (a DDP or single-process config)"))
     sharded = {"fsdp": "FSDP shards them", "deepspeed": "ZeRO flattens and partitions them"}.get(engine.kind)
     if optimizer == "muon" and sharded:
         raise UserError(f"--optimizer muon is not supported under {engine.name} (Muon orthogonalises whole matrices; "
