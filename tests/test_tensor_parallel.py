@@ -20,6 +20,7 @@ from conftest import (
     assert_same_weights,
     free_port,
     launch,
+    probed_run,
     read_metrics,
     run_in_process,
     shared_once,
@@ -148,21 +149,10 @@ def test_a_checkpoint_is_resumed_only_under_its_own_degree(tmp_path):
 # ---- train.py on 2 processes ---------------------------------------------------------------------------------
 
 
-def _probed_run(tmp_path_factory, name: str, args: list[str], nproc: int) -> Path:
-    """`args` on `nproc` processes under the FSDP2 config, built once per session: folder/run, and each rank's
-    probe (what it held at its checkpoints) in folder/probe."""
-    def build(folder: Path) -> None:
-        (folder / "probe").mkdir()
-        launch(args + ["--out_dir", str(folder / "run")], nproc=nproc, engine="fsdp_8gpu",
-               extra_env={"ENGINE_PROBE": str(folder / "probe")})
-
-    return shared_once(tmp_path_factory, name, build)
-
-
 @pytest.fixture(scope="session")
 def tp_run(tmp_path_factory) -> Path:
     """TP_ARGS on 2 processes: one tensor-parallel group (accumulation 4, as the single run)."""
-    return _probed_run(tmp_path_factory, "tensor_parallel_2", TP_ARGS, nproc=2)
+    return probed_run(tmp_path_factory, "tensor_parallel_2", TP_ARGS, "fsdp_8gpu")
 
 
 # 2-D: FSDP2 over 2 groups x TP 2 on 4 processes (accumulation 2); with HellaSwag, whose scores the evaluations
@@ -172,7 +162,7 @@ HELLASWAG_ARGS = ["--hellaswag_every", "2", "--hellaswag_data", HELLASWAG]
 
 @pytest.fixture(scope="session")
 def two_d_run(tmp_path_factory) -> Path:
-    return _probed_run(tmp_path_factory, "fsdp2_x_tensor_parallel_2", TP_ARGS + HELLASWAG_ARGS, nproc=4)
+    return probed_run(tmp_path_factory, "fsdp2_x_tensor_parallel_2", TP_ARGS + HELLASWAG_ARGS, "fsdp_8gpu", nproc=4)
 
 
 @pytest.fixture(scope="session")
@@ -258,9 +248,10 @@ def test_tensor_parallel_resume_after_kill_in_save_is_bit_exact(fixture, nproc, 
 # ---- refusals of whole launches ------------------------------------------------------------------------------
 
 
-def test_tensor_parallel_on_one_process_is_refused_before_anything_is_written(monkeypatch, capsys, tmp_path):
+@pytest.mark.parametrize("plan", [False, True], ids=["run", "plan"])
+def test_tensor_parallel_on_one_process_is_refused_before_anything_is_written(plan, monkeypatch, capsys, tmp_path):
     out = tmp_path / "run"
-    line = run_in_process(monkeypatch, capsys, TP_ARGS + ["--out_dir", str(out)])
+    line = run_in_process(monkeypatch, capsys, TP_ARGS + ["--out_dir", str(out)] + (["--plan"] if plan else []))
     assert "--tensor_parallel 2 runs on accelerate's FSDP2 plugin" in line and "fsdp_8gpu.yaml" in line
     assert not out.exists()
 
@@ -275,3 +266,17 @@ def test_heads_the_degree_does_not_divide_are_refused_on_every_rank_in_one_line(
     assert "--tensor_parallel 2 cannot split this model: n_head 1 is not divisible by 2" in lines[0]
     assert lines[0].endswith("pass one of 1")
     assert not out.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_tensor_parallel_checkpoint_resumes_on_another_number_of_processes(tp_run, tmp_path):
+    """Killed on 2 processes (TP 2) while saving step 4, resumed from step 2 on 4 (FSDP2 over 2 x TP 2: the same
+    degree, the sharded checkpoint resharded over the new "dp" dimension): the uninterrupted TP run's weights to
+    float rounding (the same global batch, in 2 micro-steps instead of 4)."""
+    out = tmp_path / "run"
+    launch(TP_ARGS + ["--out_dir", str(out)], nproc=2, engine="fsdp_8gpu", fault="kill_in_save:4", check=False)
+    assert not (out / "final").exists()
+    proc = launch(TP_ARGS + ["--out_dir", str(out), "--resume", "latest"], nproc=4, engine="fsdp_8gpu")
+    assert "was saved by 2 process(es), this run has 4" in proc.stdout + proc.stderr
+    assert_same_weights(tp_run / "run", out, atol=1e-6)
