@@ -48,7 +48,13 @@ class BatchGeometry:
         `data_parallel_size`: the ranks that read different batches, under tensor parallelism fewer than the
         processes (`training.tensor_parallel`); default: every process."""
         world = process_state().num_processes if data_parallel_size is None else data_parallel_size
-        return cls.for_total(cfg.total_batch_size, cfg.micro_batch_size, block_size, world)
+        try:
+            return cls.for_total(cfg.total_batch_size, cfg.micro_batch_size, block_size, world)
+        except UserError as err:
+            if data_parallel_size is None or data_parallel_size == process_state().num_processes:
+                raise
+            raise UserError(f"{err} (the processes that read different batches: one per tensor-parallel group)"
+                            ) from None
 
     @staticmethod
     def divides(total_batch_size: int, micro_batch_size: int, block_size: int, world_size: int) -> bool:
