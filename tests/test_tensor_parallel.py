@@ -174,13 +174,15 @@ def single_hellaswag_run(tmp_path_factory) -> Path:
 
 def assert_same_run(single: Path, run: Path) -> None:
     """`run` against the one-process run: final/ to 1e-6 (the key biases to their bound: conftest), every logged
-    loss, gradient norm and validation loss to float rounding."""
+    loss and evaluation to 1e-5 relative, the gradient norm to 1e-4 as in test_engines: over 2 data-parallel
+    ranks FSDP2 (2-D here, or alone) reaches 3.0e-5 by step 4 (the same digits with and without TP 2; TP alone:
+    1e-7), rounding noise in the key biases' near-zero gradients, which AdamW turns into updates."""
     assert_same_weights(single, run, atol=1e-6)
     a, b = read_metrics(single), read_metrics(run)
     assert [m["step"] for m in b] == [m["step"] for m in a]
     for x, y in zip(a, b):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
-        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
         for key in ("val_loss", "hellaswag_acc", "hellaswag_acc_norm"):
             assert (key in x) == (key in y)
             if key in x:
