@@ -29,7 +29,7 @@ from publish.uploads import HubUploads
 from training.checkpoint import Checkpointer, refuse_another_engine, restore
 from training.draw import draw_step
 from training.elastic import Attempt, open_process_group
-from training.engines import Engine, fit_deepspeed, refuse_unsupported
+from training.engines import fit_deepspeed, refuse_unsupported
 from training.evaluation import TrainingEvals
 from training.export import export_final
 from training.lora import lora_summary, use_adapter_checkpoints
@@ -49,6 +49,7 @@ from training.recipe import resume_recipe
 from training.resume import find_resume_point
 from training.run_folder import claim_run_folder, open_run_folder, recorded_config
 from training.step import LRSchedule, NonFinitePolicy, train_step
+from training.tensor_parallel import TensorParallel
 from training.timing import CHECKPOINT, DATA, EVAL, STEP, RunClock
 
 
@@ -63,10 +64,14 @@ def main() -> None:
             # The process group, its waits bounded: a peer that dies or hangs ends the run in one line.
             peers = on_exit.enter_context(open_process_group(cfg.run.collective_timeout, run.latest_checkpoint))
             plan = plan_optimizers(cfg.optim, cfg.model)  # what trains with what, at which learning rate
-            geometry = BatchGeometry.of_launch(cfg.training, cfg.model.block_size)  # of the batch, in tokens
+            layout = TensorParallel.of_launch(cfg.training.tensor_parallel, cfg.model)  # groups that split matrices
+            geometry = BatchGeometry.of_launch(cfg.training, cfg.model.block_size,  # of the batch, in tokens; its
+                                               layout.data_parallel_size)  # world: the ranks reading other batches
         accelerator = start_accelerator(geometry.accumulation, trackers_for(cfg.log.report_to), run)
+        ranks = layout.for_evaluations(accelerator)  # the data-parallel ranks (the accelerator without TP)
+        data_rank = layout.data_parallel_rank(accelerator.process_index)  # a TP group reads one stream of batches
         with shared_across_ranks(accelerator):
-            engine = Engine.of(accelerator)  # DDP, FSDP2 or DeepSpeed ZeRO-n: the accelerate config's
+            engine = layout.engine(accelerator)  # DDP, FSDP2 or DeepSpeed ZeRO-n: the accelerate config's; x TP
             refuse_unsupported(engine, accelerator, plan.kind, bool(cfg.model.lora_rank), cfg.training.on_nan,
                                cfg.training.activation_checkpointing)  # what we do not run under it, in one line
             resume = find_resume_point(cfg.run.resume, run.path)  # never over another run's files
@@ -74,14 +79,15 @@ def main() -> None:
             uploads = HubUploads(cfg.hub, run, cfg.run.save_every, accelerator.is_main_process)  # token checked now
             set_seed(cfg.training.seed)  # identical initial weights on every rank
             model, init_weights = build_model(cfg.model, resume, cfg.training.activation_checkpointing)
+            layout.check_model(model.config.n_head, model.config.n_embd)  # --init_from's heads, too
             use_adapter_checkpoints(accelerator, cfg.model)  # a LoRA run's checkpoints: adapters, not the frozen base
             # Data: every rank reads its own rows of the same global batches; validation is one fixed token set.
             source = open_source(cfg.data)  # --dataset, parsed once
             loader = source.train_loader(block_size=geometry.block_size, micro_batch_size=geometry.micro_batch_size,
-                                         rank=accelerator.process_index, world_size=geometry.world_size,
+                                         rank=data_rank, world_size=geometry.world_size,
                                          seed=cfg.training.seed)
             on_exit.callback(loader.close)  # a stream read ahead: its thread stopped, its files closed
-            evals = TrainingEvals(cfg.eval, source, geometry.block_size, cfg.training.seed, accelerator)
+            evals = TrainingEvals(cfg.eval, source, geometry.block_size, cfg.training.seed, ranks)
             arch, n_params, flops_per_token = model.config, model.num_params(False), model.flops_per_token()  # all
             fit_deepspeed(accelerator, geometry.micro_batch_size, geometry.accumulation, cfg.training.grad_clip,
                           arch.n_embd)  # DeepSpeed's config gets this run's batch and clipping (other engines: no-op)
@@ -89,19 +95,21 @@ def main() -> None:
             recipe = resume_recipe(record, resume, plan)  # what a resume may not change is refused here
             on_exit.enter_context(claim_run_folder(accelerator, cfg.run, resume, max_steps,
                                                    checkpoint_bytes(n_params)))  # one run per folder, locked
+        model = layout.split(model, accelerator)  # --tensor_parallel: the blocks split, FSDP2 across the groups
         optimizers = build_optimizer(model, plan, accelerator.device.type)  # [AdamW] or [AdamW, Muon]
         model, *optimizers = accelerator.prepare(model, *optimizers)  # no scheduler: the LR is computed from the step
-        torch.manual_seed(cfg.training.seed + accelerator.process_index)  # each rank its own dropout masks from here
+        torch.manual_seed(cfg.training.seed + data_rank)  # each data-parallel rank its own dropout masks from here
         progress = restore(accelerator, resume, cfg.run, arch, plan.names, loader)  # weights, optimizers, RNGs, data
         peers.follow(progress)
         metrics = open_run_folder(accelerator, run, resume, progress, recipe, cfg.log.wandb_project, cfg.log.run_name)
-        checkpoints = Checkpointer(accelerator, run, arch, plan.names, cfg.run.keep_last, healthy=evals.finite_loss)
+        checkpoints = Checkpointer(accelerator, run, arch, plan.names, cfg.run.keep_last, healthy=evals.finite_loss,
+                                   engine=engine)
         nan_policy = NonFinitePolicy(cfg.training.on_nan, cfg.training.max_nan_skips, run, accelerator)
         schedule = LRSchedule(cfg.optim.warmup_steps, max_steps, cfg.optim.min_lr_ratio)
         report = StepReport(cfg.log, accelerator, max_steps, progress.step, geometry.tokens_per_step, flops_per_token,
                             clock)
         accelerator.print(run_header(accelerator, model, n_params, geometry, plan, lora_summary(cfg.model),
-                                     source.describe(), Attempt.of_launch().describe()))
+                                     source.describe(), Attempt.of_launch().describe(), layout.degree))
         if accelerator.is_main_process and (warning := schedule.warmup_warning()):
             print(f"warning: {warning}", file=sys.stderr, flush=True)  # the run goes on (a smoke run, say)
         # The loop: one optimizer step, then what is due after it (log line, evals, checkpoint, a signal's stop).
@@ -144,7 +152,8 @@ def main() -> None:
         # then), then the final push once the group is gone (no rank waits in a collective during the upload).
         if finished := progress.step == max_steps:
             release_optimizer_state(optimizers)  # in the last checkpoint: the export gets the memory
-            export_final(accelerator, model, arch, run, metrics.last_val, init_weights)  # and what to run next
+            export_final(accelerator, model, arch, run, metrics.last_val, init_weights,  # and what to run next
+                         tensor_parallel=layout.degree)
             if accelerator.is_main_process:  # final/ gets the card and curves the Hub push would upload
                 write_card(run.path, hub_model_id=cfg.hub.hub_model_id if cfg.hub.push_to_hub else None)
         accelerator.print(clock.summary())  # this process's wall time: step, data, evaluation, checkpoint, other

@@ -58,7 +58,8 @@ HELLASWAG_TINY = ROOT / "tests" / "fixtures" / "eval" / "hellaswag_tiny.jsonl"
 ENGINE_SKIP = ("skipped: {} needs an accelerator (on a CPU accelerate falls back to DDP or to lone processes, which "
                "train.py refuses; tests/test_engines.py runs it on CPU through a test-only shim)")
 # The sharded engines' stages: the accelerate config and the `distributed:` value the run header must show.
-ENGINE_STAGES = {"fsdp": ("fsdp_8gpu.yaml", "FSDP"), "zero3": ("zero3_8gpu.yaml", "DEEPSPEED")}
+ENGINE_STAGES = {"fsdp": ("fsdp_8gpu.yaml", "FSDP"), "zero3": ("zero3_8gpu.yaml", "DEEPSPEED"),
+                 "tensor_parallel": ("fsdp_8gpu.yaml", "FSDP")}
 
 # --smoke ends a stage only as a hang, at this many times its smoke budget (the module docstring, "Time limits").
 SMOKE_HANG_FACTOR = 5
@@ -220,32 +221,36 @@ def train_args(ctx: Ctx, sharded: bool) -> tuple[list[str], int, int]:
              "--val_tokens", "65536", "--sample_tokens", "16"], kill, save)
 
 
-def train_stage(name: str) -> Callable[[Ctx, float], dict]:
+def train_stage(name: str, processes: int = 1, extra: tuple[str, ...] = ()) -> Callable[[Ctx, float], dict]:
     """accelerate launch: train, SIGKILL between checkpoints (tests/fault_train.py), resume with --resume latest.
-    `name` "train_resume": single_gpu.yaml; an ENGINE_STAGES name: that engine's config."""
+    `name` "train_resume": single_gpu.yaml; an ENGINE_STAGES name: that engine's config, on `processes` processes,
+    with `extra` train.py flags."""
     config, engine = ENGINE_STAGES.get(name, ("single_gpu.yaml", None))
     sharded = engine is not None
 
     def run(ctx: Ctx, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
         launch = [PY, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}",
-                  "--num_processes", "1", "--main_process_port", str(free_port())]
+                  "--num_processes", str(processes), "--main_process_port", str(free_port())]
         if ctx.smoke:
             launch += ["--cpu", "--dynamo_backend", "no"]  # bf16 autocast from the config stays on
         args, kill_at, resume_at = train_args(ctx, sharded)
         # Muon (the from-scratch default) is refused under FSDP and ZeRO; our activation checkpointing inside the
         # engines' sharded blocks and bf16 are checked here only (tests/test_engines.py runs fp32 without it).
         args += ["--optimizer", "adamw", "--activation_checkpointing"] if sharded else []
+        args += list(extra)
         out_dir = ctx.work / name
         args += ["--out_dir", str(out_dir)]
-        figures: dict = {"config": config, "kill_after_step": kill_at}
+        figures: dict = {"config": config, "processes": processes, "kill_after_step": kill_at}
         killed = ctx.sh(name, [*launch, "tests/fault_train.py", *args], deadline - time.monotonic(),
                         env={"FAULT": f"kill_after_step:{kill_at}"}, check=False)
         figures["killed_exit_code"] = killed.returncode
-        header = re.search(r"distributed: (\S+)(?: \(ZeRO-\d\))? \| precision: (\S+) \| (.+?) \| (\S+)\s*$",
-                           killed.stdout, re.M)
+        header = re.search(r"distributed: (\S+)(?: \(ZeRO-\d\))?( x tensor parallel \d+)? \| precision: (\S+) \| "
+                           r"(.+?) \| (\S+)\s*$", killed.stdout, re.M)
         if header:
-            figures.update(distributed=header[1], precision=header[2], compiled=header[3], device=header[4])
+            figures.update(distributed=header[1], precision=header[3], compiled=header[4], device=header[5])
+            if header[2]:
+                figures["tensor_parallel"] = int(header[2].split()[-1])
         if killed.returncode == 0:
             raise StageError("the run meant to be killed finished", figures)
         checkpoints = sorted(p.name for p in (out_dir / "checkpoints").glob("step_*"))
@@ -279,6 +284,28 @@ def train_stage(name: str) -> Callable[[Ctx, float], dict]:
             raise StageError(f"the run was not {engine}: {figures.get('distributed')}", figures)
         return figures
     return run
+
+
+TENSOR_PARALLEL_SKIP = ("skipped: tensor parallelism needs at least 2 accelerators ({}); "
+                        "tests/test_tensor_parallel.py runs it on CPU through a test-only shim")
+GPU_COUNT = "import torch; print('GPU_COUNT', torch.cuda.device_count())"
+
+
+def stage_tensor_parallel(ctx: Ctx, timeout: float) -> dict:
+    """--tensor_parallel 2 under fsdp_8gpu.yaml on 2 GPUs (TP alone) or 4 (2-D: FSDP2 over 2 x TP 2): the
+    train_resume stage's kill, resume and export, the header showing the split."""
+    if ctx.smoke:
+        return {"skip_reason": TENSOR_PARALLEL_SKIP.format("a --smoke run uses the CPU")}
+    deadline = time.monotonic() + timeout
+    count = int(re.findall(r"^GPU_COUNT (\d+)$", ctx.sh("tensor_parallel", [PY, "-c", GPU_COUNT], 60).stdout,
+                           re.M)[-1])
+    if count < 2:
+        return {"skip_reason": TENSOR_PARALLEL_SKIP.format(f"this machine has {count}"), "gpus": count}
+    processes = 4 if count >= 4 else 2
+    figures = train_stage("tensor_parallel", processes, ("--tensor_parallel", "2"))(ctx, deadline - time.monotonic())
+    if figures.get("tensor_parallel") != 2:
+        raise StageError("the run header does not show tensor parallel 2", figures)
+    return {**figures, "gpus": count}
 
 
 def engine_stage(name: str) -> Callable[[Ctx, float], dict]:
@@ -376,6 +403,10 @@ STAGES = [
     Stage("zero3", "accelerate launch zero3_8gpu.yaml --num_processes 1 (pip install -e \".[deepspeed]\"): DeepSpeed "
           "ZeRO-3 bf16 train, its checkpoint, kill, resume, the fp32 master weights gathered into final/", 300, 10,
           engine_stage("zero3"), ("skip_reason", *TRAIN_FIGURES)),
+    Stage("tensor_parallel", "accelerate launch fsdp_8gpu.yaml --num_processes 2 (or 4: 2-D, FSDP2 over 2 x TP 2) "
+          "train.py --tensor_parallel 2: the blocks split over 2 GPUs, bf16, kill, resume from the sharded checkpoint, "
+          "final/ in the HF layout. Needs 2 GPUs or more; --smoke: skipped", 300, 10, stage_tensor_parallel,
+          ("skip_reason", "gpus", "processes", "tensor_parallel", *TRAIN_FIGURES)),
     Stage("hellaswag", "all 10,042 HellaSwag items (approximate offline copy), GPT-2 124M random weights: speed "
           "only. --smoke: the 7-item fixture", 240, 60, stage_hellaswag,
           ("items", "best_seconds", "best_batch_size", "accuracy_metric", "target_met")),

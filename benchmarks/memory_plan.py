@@ -204,6 +204,8 @@ def main() -> int:
     parser.add_argument("--hellaswag", action="store_true", help="the run scores HellaSwag (--hellaswag_every)")
     parser.add_argument("--hub_push_every", action="store_true", help="the run stages checkpoints for the Hub "
                         "(--push_to_hub with --hub_push_every)")
+    parser.add_argument("--tensor_parallel", type=int, default=1, help="split each block's matrices over groups of "
+                        "N processes (train.py's --tensor_parallel; needs --fsdp, FSDP2 across the groups)")
     parser.add_argument("--validate", action="store_true", help="planned vs measured peak RSS, CPU, 5 shapes")
     parser.add_argument("--table", action="store_true", help="the largest micro-batch by model and layout")
     parser.add_argument("--measure", action="store_true", help="measure this one shape in this process (JSON)")
@@ -227,7 +229,8 @@ def main() -> int:
     config = model_config(args.model, args.block_size)
     launch = Launch(args.micro_batch_size, processes=args.processes, fsdp=args.fsdp, zero_stage=args.zero,
                     activation_checkpointing=args.activation_checkpointing, optimizer=args.optimizer,
-                    dtype=args.dtype, accumulation=args.accumulation, device=args.device)
+                    dtype=args.dtype, accumulation=args.accumulation, device=args.device,
+                    tensor_parallel=args.tensor_parallel)
     if args.check:
         result = measure_in_subprocess(args.model, args.micro_batch_size, config.block_size, args.device,
                                        args.activation_checkpointing)

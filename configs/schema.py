@@ -186,9 +186,12 @@ class TrainingConfig:
     seed: int = _field(1337, "seed of the initial weights, data order, dropout and samples")
     activation_checkpointing: bool = _field(False, "recompute each transformer block's activations in the backward "
                                                    "pass: far less activation memory for about a third more compute")
+    tensor_parallel: int = _field(1, "split each block's matrices over groups of N processes (tensor parallelism, "
+                                     "with FSDP2 across the groups: needs an FSDP2 accelerate config); N must divide "
+                                     "n_head and the processes; 1 = none")
 
     def __post_init__(self) -> None:
-        _positive(self, "total_batch_size", "micro_batch_size", "max_steps", "max_nan_skips")
+        _positive(self, "total_batch_size", "micro_batch_size", "max_steps", "max_nan_skips", "tensor_parallel")
         _finite(self)
         if not self.grad_clip > 0:
             raise UserError(f"--grad_clip must be positive (the max gradient norm), got {self.grad_clip}; "

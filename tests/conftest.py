@@ -287,6 +287,27 @@ def uninterrupted(tmp_path_factory) -> Path:
                        lambda folder: launch(RESUME_ARGS + ["--out_dir", str(folder / "run")])) / "run"
 
 
+def probed_run(tmp_path_factory: pytest.TempPathFactory, name: str, args: list[str], engine: str,
+               nproc: int = 2) -> Path:
+    """`args` on `nproc` processes of the accelerate config `engine` (through tests/engine_shim.py), built once per
+    session: the run in folder/run, and in folder/probe what each rank held at its checkpoints (the shim's probe:
+    the evidence that an engine shards, and how)."""
+    def build(folder: Path) -> None:
+        (folder / "probe").mkdir()
+        launch(args + ["--out_dir", str(folder / "run")], nproc=nproc, engine=engine,
+               extra_env={"ENGINE_PROBE": str(folder / "probe")})
+
+    return shared_once(tmp_path_factory, name, build)
+
+
+@pytest.fixture(scope="session")
+def single_run(tmp_path_factory) -> Path:
+    """DDP_ARGS on one process (accumulation 4): the reference every engine's multi-process run is held against
+    (test_engines, test_tensor_parallel); read only."""
+    return shared_once(tmp_path_factory, "single",
+                       lambda folder: launch(DDP_ARGS + ["--out_dir", str(folder / "run")])) / "run"
+
+
 @pytest.fixture(scope="session")
 def ddp_run(tmp_path_factory) -> Path:
     """DDP_ARGS on 2 processes: 2 processes x accumulation 2 x micro-batch 2 x 32 tokens = 256 tokens per step.

@@ -112,7 +112,8 @@ def _torch_optimizer(optimizer):
 
 def probe_shards(folder: str) -> None:
     """Before each `save_state`, write what this rank holds to `folder`/rank{r}.json: its parameters' elements
-    (local and whole) and its AdamW first moments' elements, the evidence that an engine really shards."""
+    (local and whole), its AdamW first moments' elements and each parameter's local shape, the evidence that an
+    engine really shards (and how: tensor parallelism splits the blocks' matrices along rows or columns)."""
     import json
     from pathlib import Path
 
@@ -127,7 +128,9 @@ def probe_shards(folder: str) -> None:
         report = {"engine": self.distributed_type.value, "world": self.num_processes,
                   "params_whole": sum(_whole_numel(p) for p in params),
                   "params_local": sum(_local_numel(p) for p in params),
-                  "moments_local": sum(_local_numel(m) for m in moments)}
+                  "moments_local": sum(_local_numel(m) for m in moments),
+                  "local_shapes": {name: list(p.to_local().shape if hasattr(p, "to_local") else p.shape)
+                                   for name, p in module.named_parameters()}}
         Path(folder, f"rank{self.process_index}.json").write_text(json.dumps(report))
         return save_state(self, *args, **kwargs)
 

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from accelerate.utils import DistributedType
-from conftest import DDP_ARGS, assert_same_weights, final_weights, launch, read_metrics, shared_once
+from conftest import DDP_ARGS, assert_same_weights, final_weights, launch, probed_run, read_metrics
 
 from common.errors import UserError
 from training.engines import Engine, fit_deepspeed, refuse_unsupported
@@ -24,20 +24,8 @@ from training.engines import Engine, fit_deepspeed, refuse_unsupported
 ENGINES = ["fsdp_8gpu", "zero1_8gpu", "zero2_8gpu", "zero3_8gpu"]
 
 
-@pytest.fixture(scope="session")
-def single_run(tmp_path_factory) -> Path:
-    """DDP_ARGS on one process (accumulation 4): the reference every engine's 2-process run is held against."""
-    return shared_once(tmp_path_factory, "single",
-                       lambda folder: launch(DDP_ARGS + ["--out_dir", str(folder / "run")])) / "run"
-
-
 def _engine_run(tmp_path_factory, engine: str) -> Path:
-    def build(folder: Path) -> None:
-        (folder / "probe").mkdir()
-        launch(DDP_ARGS + ["--out_dir", str(folder / "run")], nproc=2, engine=engine,
-               extra_env={"ENGINE_PROBE": str(folder / "probe")})
-
-    return shared_once(tmp_path_factory, f"engine_{engine}", build)
+    return probed_run(tmp_path_factory, f"engine_{engine}", DDP_ARGS, engine)
 
 
 @pytest.fixture(scope="session", params=ENGINES)

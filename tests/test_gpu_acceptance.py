@@ -13,7 +13,8 @@ from conftest import REPO_ROOT
 
 import benchmarks.gpu_acceptance as gpu_acceptance
 
-STAGES = ["env", "tests", "step_compile", "train_resume", "fsdp", "zero3", "hellaswag", "step_eager", "memory_plan"]
+STAGES = ["env", "tests", "step_compile", "train_resume", "fsdp", "zero3", "tensor_parallel", "hellaswag",
+          "step_eager", "memory_plan"]
 STEP_FIGURES = ["accelerate_tokens_per_s", "bare_tokens_per_s", "accelerate_over_bare", "accelerate_mfu",
                 "accelerate_peak_mem_gib", "bare_peak_mem_gib", "optimizer_fused", "tf32_matmul",
                 "accelerate_last_loss"]
@@ -43,9 +44,11 @@ def test_smoke_run_reports_every_stage_with_its_figures(smoke):
     stages = report["stages"]
     assert list(stages) == STAGES
     assert {n: r["status"] for n, r in stages.items()} == {**{n: "pass" for n in STAGES}, "fsdp": "skipped",
-                                                           "zero3": "skipped", "memory_plan": "skipped"}
+                                                           "zero3": "skipped", "tensor_parallel": "skipped",
+                                                           "memory_plan": "skipped"}
     assert "FSDP needs an accelerator" in stages["fsdp"]["figures"]["skip_reason"]
     assert "DEEPSPEED needs an accelerator" in stages["zero3"]["figures"]["skip_reason"]
+    assert "tensor parallelism needs at least 2 accelerators" in stages["tensor_parallel"]["figures"]["skip_reason"]
     limits = {s.name: gpu_acceptance.SMOKE_HANG_FACTOR * s.smoke_budget_s for s in gpu_acceptance.STAGES}
     assert {n: r["budget_s"] for n, r in stages.items()} == limits  # only a hang is ended
 

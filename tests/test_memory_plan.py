@@ -82,6 +82,32 @@ def test_hand_computed_gpt2_xl_plan():
     assert checkpointed.bytes_of("activations") == 48 * 4 * btc + 4 * btc + 8 * 4 * 1024 + per_layer
 
 
+def test_tensor_parallel_splits_the_blocks_and_their_activations_by_hand():
+    """gpt2 (12 heads), micro-batch 4 x 1024, bf16, 8 processes as FSDP2 over 2 x tensor parallel 4: each rank holds
+    a quarter of the blocks' matrices and column-wise biases, the rest whole, then FSDP2's half of that; a quarter
+    of q, k, v, SDPA's output and the GELU's in and out (12a BTC) and of the logsumexp. Degrees that do not divide
+    the heads, or the processes, or without FSDP2: one line."""
+    config = model_config("gpt2", 1024)
+    L, C, T = 12, 768, 1024
+    whole = ParamCounts.of(config)
+    split = ParamCounts.per_rank(config, 4)
+    assert split.block_matrices == L * 12 * C * C // 4
+    assert split.block_vectors == whole.block_vectors - L * 7 * C + L * 7 * C // 4  # c_attn's 3C, c_fc's 4C split
+    assert (split.embeddings, split.final_norm) == (whole.embeddings, whole.final_norm)  # replicated
+    launch = Launch(4, processes=8, fsdp=True, tensor_parallel=4)
+    btc = 4 * T * C
+    assert activation_bytes_per_layer(config, launch) == btc * (2 * 2 + 2 * 2) + btc * 12 * 2 // 4 + 16 * 4 * T \
+        + 4 * 4 * 12 * T // 4  # bf16 residual (FSDP2's bf16 parameters), activations bf16
+    items = {i.name: i.bytes for i in plan_memory(config, launch).items}
+    assert items["parameters"] == 4 * split.total // 2 and launch.shards.parameters == 2
+    assert plan_memory(config, launch).peak < plan_memory(config, Launch(4, processes=8, fsdp=True)).peak
+    with pytest.raises(UserError, match="n_head 12 is not divisible by 5"):
+        plan_memory(config, Launch(4, processes=10, fsdp=True, tensor_parallel=5))
+    for degree, processes, fsdp in ((3, 8, True), (2, 8, False)):
+        with pytest.raises(UserError, match="is not a launch train.py runs"):
+            Launch(4, processes=processes, fsdp=fsdp, tensor_parallel=degree)
+
+
 @pytest.mark.parametrize("autocast", [False, True])
 def test_activations_are_what_autograd_saves(autocast):
     """The activation formula against the tensors autograd really keeps (saved-tensor hooks), on the CPU."""

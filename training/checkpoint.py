@@ -47,9 +47,11 @@ def save_checkpoint(
     gpt_config: GPTConfig,
     optimizers: tuple[str, ...],
     keep_last: int,
+    engine: Engine,
 ) -> Path:
     """Save everything needed to resume after optimizer step `progress.step`; call on every rank.
-    `optimizers`: the names of the prepared optimizers, in order. Returns the published checkpoint folder."""
+    `optimizers`: the names of the prepared optimizers, in order; `engine`: the one that runs (recorded, with its
+    tensor-parallel degree). Returns the published checkpoint folder."""
     final = run.checkpoint(progress.step)
     tmp = temp_path(final)
     if accelerator.is_main_process:
@@ -66,7 +68,7 @@ def save_checkpoint(
         with _disk_errors_as_user_errors(run, tmp, final):
             (tmp / GPT_CONFIG).write_text(json.dumps(asdict(gpt_config), indent=2))
             run_state = {**asdict(progress), "world_size": accelerator.num_processes, "format": FORMAT,
-                         "optimizers": list(optimizers), "engine": Engine.of(accelerator).as_record()}
+                         "optimizers": list(optimizers), "engine": engine.as_record()}
             (tmp / RUN_STATE).write_text(json.dumps(run_state, indent=2))
             write_manifest(tmp)
             rename_into_place(tmp, final)  # replaces a same-step checkpoint of an earlier attempt
@@ -142,7 +144,12 @@ def refuse_another_engine(point: ResumePoint | None, engine: Engine, world_size:
     the checkpoint, and under DeepSpeed also as many processes (its partitions do not reshard)."""
     if point is None:
         return
-    saved = Engine(str(point.engine.get("kind")), int(point.engine.get("zero_stage") or 0))
+    saved = Engine.of_record(point.engine)
+    if saved.tensor_parallel != engine.tensor_parallel and saved.kind == engine.kind:
+        # c_attn's rows are saved in the head-group order of the degree (model.tensor_parallel)
+        raise UserError(f"{point.path} was saved with --tensor_parallel {saved.tensor_parallel}, this launch has "
+                        f"--tensor_parallel {engine.tensor_parallel}; resume it with --tensor_parallel "
+                        f"{saved.tensor_parallel} (any number of processes that it divides)")
     if saved != engine:
         raise UserError(f"{point.path} was saved under {saved.name}, this launch runs {engine.name}, whose checkpoints "
                         f"have another format; resume it with the accelerate config it was trained with"
@@ -159,9 +166,9 @@ class Checkpointer:
     newest checkpoint is always one a resume can continue from, and rotation never removes the last good one)."""
 
     def __init__(self, accelerator: Accelerator, run: RunDir, gpt_config: GPTConfig, optimizers: tuple[str, ...],
-                 keep_last: int, healthy: Callable[[torch.nn.Module], bool]) -> None:
+                 keep_last: int, healthy: Callable[[torch.nn.Module], bool], engine: Engine) -> None:
         self.accelerator, self.run, self.gpt_config, self.keep_last = accelerator, run, gpt_config, keep_last
-        self.optimizers, self.healthy = optimizers, healthy
+        self.optimizers, self.healthy, self.engine = optimizers, healthy, engine
 
     def save(self, model: torch.nn.Module, progress: Progress, data_state: dict[str, Any]) -> Path:
         """Check the weights (on every rank: `healthy` may run collectives), then `save_checkpoint`; returns the
@@ -171,7 +178,7 @@ class Checkpointer:
                             f"last good checkpoint: {self.run.latest_checkpoint()}. Lower --lr (or lengthen "
                             "--warmup_steps) and resume from it", on_every_rank=True)
         return save_checkpoint(self.accelerator, self.run, progress, data_state, self.gpt_config, self.optimizers,
-                               self.keep_last)
+                               self.keep_last, self.engine)
 
 
 def restore(accelerator: Accelerator, resume: ResumePoint | None, cfg: RunConfig, gpt_config: GPTConfig,

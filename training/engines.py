@@ -34,14 +34,17 @@ def _env_flag(name: str) -> bool:
 class Engine:
     """How the launch's processes hold the model: `kind` "ddp" (full replicas: DDP, or one process), "fsdp"
     (accelerate's FSDP2 plugin: parameters, gradients and optimizer state sharded) or "deepspeed" (ZeRO
-    `zero_stage`: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters)."""
+    `zero_stage`: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters); `tensor_parallel`:
+    the ranks each block's matrices are split over (`training.tensor_parallel`; more than 1 under FSDP2 only)."""
 
     kind: str = "ddp"
     zero_stage: int = 0
+    tensor_parallel: int = 1
 
     @property
     def name(self) -> str:
-        return {"ddp": "DDP", "fsdp": "FSDP2"}.get(self.kind, f"DeepSpeed ZeRO-{self.zero_stage}")
+        name = {"ddp": "DDP", "fsdp": "FSDP2"}.get(self.kind, f"DeepSpeed ZeRO-{self.zero_stage}")
+        return name + (f" x tensor parallel {self.tensor_parallel}" if self.tensor_parallel > 1 else "")
 
     @property
     def shards_parameters(self) -> bool:
@@ -49,17 +52,22 @@ class Engine:
         return self.kind == "fsdp" or (self.kind == "deepspeed" and self.zero_stage == 3)
 
     @classmethod
-    def of(cls, accelerator: Accelerator) -> Engine:
-        """The engine this process's Accelerator runs."""
+    def of(cls, accelerator: Accelerator, tensor_parallel: int = 1) -> Engine:
+        """The engine this process's Accelerator runs, with `--tensor_parallel`'s degree."""
         if accelerator.distributed_type == DistributedType.DEEPSPEED:
-            return cls("deepspeed", int(accelerator.state.deepspeed_plugin.zero_stage))
+            return cls("deepspeed", int(accelerator.state.deepspeed_plugin.zero_stage), tensor_parallel)
         if accelerator.distributed_type == DistributedType.FSDP:
-            return cls("fsdp")
-        return cls("ddp")
+            return cls("fsdp", tensor_parallel=tensor_parallel)
+        return cls("ddp", tensor_parallel=tensor_parallel)
+
+    @classmethod
+    def of_record(cls, record: dict[str, object]) -> Engine:
+        """The engine a checkpoint's run_state.json records (older ones: no "tensor_parallel", which was 1)."""
+        return cls(str(record.get("kind")), int(record.get("zero_stage") or 0), int(record.get("tensor_parallel") or 1))
 
     def as_record(self) -> dict[str, object]:
         """How a checkpoint records the engine that wrote it (run_state.json's "engine")."""
-        return {"kind": self.kind, "zero_stage": self.zero_stage}
+        return {"kind": self.kind, "zero_stage": self.zero_stage, "tensor_parallel": self.tensor_parallel}
 
 
 def precision(accelerator: Accelerator) -> str:
@@ -146,6 +154,13 @@ def deepspeed_missing() -> str | None:
 def refuse_unsupported(engine: Engine, accelerator: Accelerator, optimizer: str, lora: bool, on_nan: str,
                        activation_checkpointing: bool) -> None:
     """What this project does not run under `engine`, refused in one line before anything is built."""
+    if engine.tensor_parallel > 1 and (optimizer == "muon" or lora):
+        what = "--optimizer muon" if optimizer == "muon" else "--lora_rank"
+        why = ("Muon orthogonalises whole matrices, which tensor parallelism splits across ranks" if optimizer == "muon"
+               else "peft's adapters wrap the layers tensor parallelism splits")
+        raise UserError(f"{what} is not supported with --tensor_parallel {engine.tensor_parallel} ({why}); "
+                        + ("use --optimizer adamw, or Muon without --tensor_parallel under a DDP launch config"
+                           if optimizer == "muon" else "drop --tensor_parallel (a DDP or single-process config)"))
     sharded = {"fsdp": "FSDP shards them", "deepspeed": "ZeRO flattens and partitions them"}.get(engine.kind)
     if optimizer == "muon" and sharded:
         raise UserError(f"--optimizer muon is not supported under {engine.name} (Muon orthogonalises whole matrices; "

@@ -16,14 +16,18 @@ from common.run_dir import RunDir
 from common.weights import Weights
 from model import GPTConfig
 from model.pretrained import save_state_dict, strip_wrapper_prefixes
+from model.tensor_parallel import natural_order
 from training.engines import full_state_dict
 
 
 def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConfig, run: RunDir,
-                 last_val: tuple[int, float] | None = None, init_weights: Weights | None = None) -> None:
+                 last_val: tuple[int, float] | None = None, init_weights: Weights | None = None,
+                 tensor_parallel: int = 1) -> None:
     """Write `final/` from the trained weights (gathered from every rank under FSDP and ZeRO), atomically; call on
     every rank. Then say where it is, the run's last validation loss (`last_val`: step, loss) and what to run next.
-    `init_weights`: what `--init_from` resolved to, the base a LoRA run's `final_adapter/` names."""
+    `init_weights`: what `--init_from` resolved to, the base a LoRA run's `final_adapter/` names.
+    `tensor_parallel`: the run's degree, whose head-group order of `c_attn` final/ does not keep (it is the Hugging
+    Face layout, whatever the degree)."""
     module = accelerator.unwrap_model(model, keep_torch_compile=False)
     if hasattr(module, "peft_config"):  # LoRA (DDP only): the adapter first, final/ last marks the end
         if accelerator.is_main_process:
@@ -41,7 +45,7 @@ def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConf
     # written as they are, with no second model built to hold a copy of them.
     state_dict = full_state_dict(accelerator, model)
     if accelerator.is_main_process:
-        state_dict = strip_wrapper_prefixes(state_dict)
+        state_dict = natural_order(strip_wrapper_prefixes(state_dict), arch.n_embd, tensor_parallel)
         _write(run, run.final, lambda tmp: save_state_dict(state_dict, arch, tmp, overwrite=True))
         accelerator.print(f"final model written to {run.final}")
         accelerator.print(_next_steps(run, last_val))

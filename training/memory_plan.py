@@ -19,6 +19,11 @@ FSDP2's bf16 parameters), checked against torch's saved-tensor hooks (tests/test
   output, and once the embeddings) - the attention-probability dropout inside SDPA is not modelled.
   With activation checkpointing only each block's input (r BTC) is kept, plus one block's full set while it is
   recomputed in the backward.
+Under tensor parallelism over N ranks (`--tensor_parallel`, `model.tensor_parallel`'s plan) a rank holds 1/N of
+the blocks' matrices and column-wise biases (then FSDP2's share of that over the processes / N groups), and 1/N of
+q, k, v, SDPA's output, the GELU's input and output (12a of the 14a) and the logsumexp; the LayerNorm inputs and
+the two column-wise layers' inputs, the embeddings, the head and the loss stay whole on every rank (the
+evaluations' forwards are planned unsplit: an overestimate).
 The loss keeps (B*T x C) gradients and a weight-sized one from its forward, with one (512 x V) fp32 logits
 buffer while it runs (`model.loss.LOSS_CHUNK_ROWS`).
 
@@ -36,10 +41,12 @@ from dataclasses import dataclass, field, replace
 from common.errors import UserError
 from model.config import SIZES, GPTConfig
 from model.loss import LOSS_CHUNK_ROWS
+from model.tensor_parallel import split_problem
 from training.engines import launch_engine
 from training.network import scratch_architecture
 from training.optim import plan_optimizers
 from training.processes import BatchGeometry
+from training.tensor_parallel import TensorParallel
 
 GiB = 2**30
 GB = 10**9
@@ -100,11 +107,19 @@ class Launch:
     # The tokens of one optimizer step when the run fixes them (train.py --plan): the advice then names only the
     # micro-batches the run accepts, with the accumulation each gives (`resized`). None: any micro-batch.
     total_batch_size: int | None = None
+    # --tensor_parallel: the blocks' matrices split over groups of this many processes, FSDP2 over the
+    # processes / tensor_parallel groups (`training.tensor_parallel`); 1: none.
+    tensor_parallel: int = 1
+
+    @property
+    def data_parallel(self) -> int:
+        """The processes that read different batches (and over which FSDP2 shards): all, or one per TP group."""
+        return self.processes // self.tensor_parallel
 
     @property
     def shards(self) -> Shards:
         """Over how many processes each per-process term is split: the engine's say (see `Shards`)."""
-        n = self.processes
+        n = self.data_parallel
         if self.zero_stage:
             return Shards(parameters=n if self.zero_stage >= 3 else 1, gradients=n if self.zero_stage >= 2 else 1,
                           optimizer_state=n)
@@ -114,6 +129,8 @@ class Launch:
     def engine(self) -> str:
         if self.zero_stage:
             return f"DeepSpeed ZeRO-{self.zero_stage}"
+        if self.tensor_parallel > 1:
+            return f"FSDP2 over {self.data_parallel} x tensor parallel {self.tensor_parallel}"
         return "FSDP2" if self.fsdp else ("DDP" if self.processes > 1 else "one process")
 
     @property
@@ -145,6 +162,11 @@ class Launch:
         if self.zero_stage not in (0, 1, 2, 3) or (self.zero_stage and self.fsdp):
             raise UserError(f"ZeRO stage {self.zero_stage} {'with FSDP2 ' if self.fsdp else ''}is not a launch the "
                             "planner knows; plan ZeRO stage 1, 2 or 3, or FSDP2, one engine at a time")
+        if self.tensor_parallel < 1 or self.processes % self.tensor_parallel or (
+                self.tensor_parallel > 1 and not self.fsdp):
+            raise UserError(f"tensor parallel {self.tensor_parallel} over {self.processes} process(es)"
+                            f"{'' if self.fsdp else ' without FSDP2'} is not a launch train.py runs; plan a degree "
+                            "that divides the processes, with FSDP2")
         if (self.fsdp or self.zero_stage) and self.optimizer == "muon":
             raise UserError(f"Muon is refused under {self.engine} (it orthogonalises whole matrices, which "
                             f"{self.engine} shards); use --optimizer adamw with {self.engine}")
@@ -170,6 +192,17 @@ class ParamCounts:
         vectors = (3 * C + C + 4 * C + C if bias else 0) + 2 * norm
         return cls(block_matrices=L * 12 * C * C, block_vectors=L * vectors,
                    embeddings=(config.padded_vocab_size + config.block_size) * C, final_norm=norm)
+
+    @classmethod
+    def per_rank(cls, config: GPTConfig, tensor_parallel: int) -> ParamCounts:
+        """What one rank of a tensor-parallel group holds (`model.tensor_parallel`'s plan): 1/degree of the blocks'
+        matrices and of the column-wise layers' biases (c_attn's 3C, c_fc's 4C), the rest whole."""
+        whole = cls.of(config)
+        if tensor_parallel == 1:
+            return whole
+        split_biases = config.n_layer * 7 * config.n_embd if config.bias else 0
+        return replace(whole, block_matrices=whole.block_matrices // tensor_parallel,
+                       block_vectors=whole.block_vectors - split_biases + split_biases // tensor_parallel)
 
 
 @dataclass(frozen=True)
@@ -228,7 +261,8 @@ def activation_bytes_per_layer(config: GPTConfig, launch: Launch) -> int:
     a = 2 if launch.dtype == "bf16" else 4
     r = _residual_bytes(launch)
     btc = B * T * C
-    saved = btc * (2 * r + 14 * a) + 4 * (4 * B * T) + 4 * B * H * T
+    tp = launch.tensor_parallel  # splits q, k, v, SDPA's output and the GELU's (12a BTC) and the logsumexp
+    saved = btc * (2 * r + 2 * a) + btc * 12 * a // tp + 4 * (4 * B * T) + 4 * B * H * T // tp
     if config.dropout > 0:
         saved += 2 * btc  # one-byte masks after attention and after the MLP
     return saved
@@ -247,8 +281,11 @@ def _compute_param_bytes(launch: Launch) -> int:
 def plan_memory(config: GPTConfig, launch: Launch, process_bytes: int = CPU_PROCESS_BYTES) -> MemoryPlan:
     """The per-process peak of a training step of `config` under `launch`, by item (see the module docstring).
     `process_bytes`: the process's own RSS on a CPU (a bare step's by default; `plan_run` gives train.py's)."""
-    counts = ParamCounts.of(config)
-    P, N = counts.total, launch.processes
+    if (problem := split_problem(config.n_head, config.n_embd, launch.tensor_parallel)) is not None:
+        raise UserError(f"tensor parallel {launch.tensor_parallel} cannot split this model: {problem}; plan a degree "
+                        "that divides n_head")
+    counts = ParamCounts.per_rank(config, launch.tensor_parallel)
+    P, N = counts.total, launch.data_parallel
     shards = launch.shards
     B, T, C, L, V = launch.micro_batch_size, config.block_size, config.n_embd, config.n_layer, config.padded_vocab_size
     bf16 = launch.dtype == "bf16"
@@ -414,7 +451,7 @@ def plan_run(config: GPTConfig, launch: Launch, run: RunPhases) -> RunPlan:
     copies. The Hub staging of a checkpoint loads it into a second model on the main process, and transposes too."""
     process = TRAIN_PROCESS_BYTES + (HELLASWAG_PROCESS_BYTES if run.hellaswag else 0) if launch.device == "cpu" else 0
     step = plan_memory(config, launch, process)
-    counts = ParamCounts.of(config)
+    counts = ParamCounts.per_rank(config, launch.tensor_parallel)
     params, _, state = _weights_and_state(counts, launch)
     kept = [params, state]
     if launch.replicas:
@@ -457,9 +494,11 @@ def resized(config: GPTConfig, launch: Launch, micro_batch_size: int, processes:
     processes = launch.processes if processes is None else processes
     if launch.total_batch_size is None:
         return replace(launch, micro_batch_size=micro_batch_size, processes=processes)
-    if not BatchGeometry.divides(launch.total_batch_size, micro_batch_size, config.block_size, processes):
+    data_parallel = processes // launch.tensor_parallel
+    if processes % launch.tensor_parallel or not BatchGeometry.divides(launch.total_batch_size, micro_batch_size,
+                                                                        config.block_size, data_parallel):
         return None
-    geometry = BatchGeometry.for_total(launch.total_batch_size, micro_batch_size, config.block_size, processes)
+    geometry = BatchGeometry.for_total(launch.total_batch_size, micro_batch_size, config.block_size, data_parallel)
     return replace(launch, micro_batch_size=micro_batch_size, processes=processes, accumulation=geometry.accumulation)
 
 
@@ -655,9 +694,13 @@ def exit_after_plan(cfg):
                         f"--init_from {model.init_from}; plan the same shape with --init_from scratch and its "
                         "--n_layer, --n_head, --n_embd")
     env = launch_environment()
+    tensor_parallel = cfg.training.tensor_parallel  # refused here as the run would refuse it
+    TensorParallel.checked(tensor_parallel, int(env["processes"]), launch_engine().kind).check_model(config.n_head,
+                                                                                                   config.n_embd)
     geometry = BatchGeometry.for_total(cfg.training.total_batch_size, cfg.training.micro_batch_size,
-                                       config.block_size, int(env["processes"]))  # the run's rule, and refusal
-    launch = Launch(micro_batch_size=geometry.micro_batch_size, processes=geometry.world_size,
+                                       config.block_size, int(env["processes"]) // tensor_parallel)  # the run's rule
+    launch = Launch(micro_batch_size=geometry.micro_batch_size, processes=int(env["processes"]),
+                    tensor_parallel=tensor_parallel,
                     fsdp=bool(env["fsdp"]), zero_stage=int(env["zero_stage"]),
                     activation_checkpointing=cfg.training.activation_checkpointing,
                     optimizer=plan_optimizers(cfg.optim, model).kind,  # --optimizer auto resolved as a run does

@@ -43,9 +43,18 @@ class BatchGeometry:
         return self.micro_batch_size * self.block_size * self.world_size * self.accumulation
 
     @classmethod
-    def of_launch(cls, cfg: TrainingConfig, block_size: int) -> BatchGeometry:
-        """The geometry of this launch (its world size is known before any Accelerator) for `--total_batch_size`."""
-        return cls.for_total(cfg.total_batch_size, cfg.micro_batch_size, block_size, process_state().num_processes)
+    def of_launch(cls, cfg: TrainingConfig, block_size: int, data_parallel_size: int | None = None) -> BatchGeometry:
+        """The geometry of this launch (its world size is known before any Accelerator) for `--total_batch_size`.
+        `data_parallel_size`: the ranks that read different batches, under tensor parallelism fewer than the
+        processes (`training.tensor_parallel`); default: every process."""
+        world = process_state().num_processes if data_parallel_size is None else data_parallel_size
+        try:
+            return cls.for_total(cfg.total_batch_size, cfg.micro_batch_size, block_size, world)
+        except UserError as err:
+            if data_parallel_size is None or data_parallel_size == process_state().num_processes:
+                raise
+            raise UserError(f"{err} (the processes that read different batches: one per tensor-parallel group)"
+                            ) from None
 
     @staticmethod
     def divides(total_batch_size: int, micro_batch_size: int, block_size: int, world_size: int) -> bool:

@@ -67,6 +67,7 @@ ACCEPTED = frozenset({
     "n_layer", "n_head", "n_embd", "block_size", "dropout", "bias",  # gpt_config.json
     "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",  # adapter_config.json
     "optimizer",  # run_state.json's optimizers
+    "tensor_parallel",  # run_state.json's engine
     "dataset", "dataset_config", "text_column", "prompt_field", "completion_field",  # the saved data position
 })
 RESUMES = "resumes"  # config.yaml's list of what each resume changed
