@@ -111,11 +111,41 @@ def _walked_files(root: Path) -> list[Path]:
     return found
 
 
+def _ephemeral_ports_start() -> int:
+    """The first port of the kernel's range for outgoing connections (Linux; 32768, its default, elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_PORTS_BELOW = _ephemeral_ports_start()
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A loopback port nobody listens on, for the rendezvous of a multi-process test."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nobody listens on, for the rendezvous of a multi-process test, and that nothing else will take before
+    the launch binds it a few seconds later.
+
+    Drawn below the kernel's ephemeral range: a port the kernel hands out (bind to port 0) is one it may hand out
+    again to any outgoing connection meanwhile, and gloo opens many (seen: EADDRINUSE on torchrun's store while
+    4-process tests ran on the other xdist worker). Each xdist worker draws from its own slice of the range below,
+    and never hands out the same port twice, so two tests cannot be given one port either."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    low = 10_000
+    width = max(100, (_PORTS_BELOW - low) // 8)  # 8 slices: up to 8 xdist workers
+    start = low + (worker % 8) * width
+    for port in range(start, start + width):
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))  # all interfaces, as torch's store binds
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {start}-{start + width - 1}")
 
 
 # ---- the tiny run ----------------------------------------------------------------------------------------
