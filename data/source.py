@@ -56,6 +56,7 @@ class TrainLoader(Protocol):
     def close(self) -> None:
         """Let go of what reads ahead (a thread, an open stream); called once at the end of a run."""
 
+
 def parse_hub_id(dataset: str, dataset_config: str | None) -> tuple[str, str | None, str | None]:
     """`id[:config][@revision]` split into (id, config, revision), an explicit `dataset_config` winning. UserError
     when the id is not one the Hub could hold (huggingface_hub's own rule): what a mistyped local path usually is."""
