@@ -25,7 +25,9 @@ from conftest import (
     REPO_ROOT,
     RESUME_ARGS,
     TINY,
+    assert_same_metrics,
     assert_same_weights,
+    assert_weights_within_rounding,
     final_weights,
     free_port,
     launch,
@@ -159,12 +161,8 @@ def test_ddp_matches_single_process(ddp_run, tmp_path):
     out = tmp_path / "single"
     proc = launch(DDP_ARGS + ["--out_dir", str(out)])  # 1 process x accumulation 4
     assert "1 process(es) x 4 accumulation" in proc.stdout + proc.stderr
-    assert_same_weights(ddp_run, out, atol=1e-6)
-    single, ddp = read_metrics(out), read_metrics(ddp_run)
-    for a, b in zip(single, ddp):
-        assert a["tokens"] == b["tokens"]
-        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
-    assert single[1]["val_loss"] == pytest.approx(ddp[1]["val_loss"], abs=1e-5)
+    assert_weights_within_rounding(ddp_run, out)
+    assert_same_metrics(ddp_run, out)
 
 
 @pytest.mark.slow
@@ -180,7 +178,7 @@ def test_resume_with_another_world_size_and_micro_batch(ddp_run, tmp_path):
     assert (out / "checkpoints" / "step_000001").is_dir() and not (out / "final").exists()
     resumed = launch(args + ["--resume", "latest", "--micro_batch_size", "1"])
     assert "1 process(es) x 8 accumulation" in resumed.stdout + resumed.stderr
-    assert_same_weights(ddp_run, out, atol=1e-6)
+    assert_weights_within_rounding(ddp_run, out)
 
 
 @pytest.mark.slow
@@ -206,7 +204,7 @@ def test_two_processes_killed_then_resumed_on_one(ddp_run, tmp_path):
     resumed = launch(args + ["--resume", "latest"])
     assert "saved by 2 process(es), this run has 1" in resumed.stdout + resumed.stderr
     assert "1 process(es) x 4 accumulation" in resumed.stdout + resumed.stderr
-    assert_same_weights(ddp_run, out, atol=1e-6)
+    assert_weights_within_rounding(ddp_run, out)
 
 
 @pytest.mark.slow
@@ -451,6 +449,9 @@ def test_accumulated_micro_steps_give_the_big_batch_gradient():
                                      grad_clip=1e9)
     assert loss_sum.item() / 4 == pytest.approx(big(x, y)[1].item(), rel=1e-6)
     assert grad_norm == pytest.approx(torch.cat([p.grad.flatten() for p in big.parameters()]).norm().item(), rel=1e-5)
+    # One SGD step of lr 1: the move is the gradient, whose sum over 4 micro-batches differs from the big batch's by
+    # a few fp32 spacings (no AdamW to blow rounding up: tests/bounds.py); a micro-batch lost or unscaled moves it
+    # by a quarter or more.
     for (name, before), after in zip(big.named_parameters(), accumulated.parameters()):
         torch.testing.assert_close(before.detach() - after.detach(), before.grad, atol=1e-6, rtol=1e-5, msg=name)
 
