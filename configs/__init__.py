@@ -9,13 +9,13 @@ read, so every group is built from typed values and checks them itself.
 """
 from __future__ import annotations
 
+import importlib.util
 import sys
 import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
-from transformers import HfArgumentParser
 
 from common.cli import CliParser, suggest, unknown_arguments_message
 from common.errors import UserError
@@ -60,7 +60,27 @@ FIELD_ALIASES = {
 }
 
 
-class _Parser(CliParser, HfArgumentParser):
+def _hf_argument_parser() -> type:
+    """transformers' HfArgumentParser, loaded from its own module file. That file needs only the standard library
+    and PyYAML, while `from transformers import HfArgumentParser` first builds the whole package's lazy index: 0.8 s
+    of every train.py start (each rank's, `--help`'s, a refused flag's; `python -X importtime`), more than the rest
+    of the parse. Should a later transformers make the file import from its package, the package import is used."""
+    package = importlib.util.find_spec("transformers")
+    if package is not None and package.submodule_search_locations:
+        spec = importlib.util.spec_from_file_location(
+            "configs._hf_argparser", Path(package.submodule_search_locations[0]) / "hf_argparser.py")
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+            return module.HfArgumentParser
+        except ImportError:  # a relative import: the file no longer stands alone
+            pass
+    from transformers import HfArgumentParser
+
+    return HfArgumentParser
+
+
+class _Parser(CliParser, _hf_argument_parser()):
     """HfArgumentParser (every field is `--field` and `--fi-eld`, help from the field metadata) in the
     project's CLI style: one-line errors, no prefix matching, every default in `--help`."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import subprocess
 import sys
 import time
 from contextlib import redirect_stderr, redirect_stdout
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import REPO_ROOT
 
 from common.cli import DefaultsHelpFormatter
 from common.console import TerminalBar
@@ -38,6 +40,17 @@ def test_help_documents_every_field_with_its_default():
     assert "MAX_STEPS optimizer steps of the whole run (default: 100)" in text
     assert "or 'auto': muon with --init_from scratch, adamw to fine-tune pretrained weights (default: auto)" in text
     assert "prompt of that sample (default: '\\n')" in text  # whitespace defaults are visible
+
+
+@pytest.mark.slow
+def test_parsing_the_flags_imports_no_transformers():
+    """HfArgumentParser comes from its own module file (configs._hf_argument_parser): parsing every flag of a run,
+    --help's work, builds no part of the transformers package (0.8 s of each train.py start)."""
+    code = ("import sys, configs; configs.parse_config(['--lr', '1e-3', '--n_layer', '2']); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'torch')))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("argv, message", [
