@@ -15,6 +15,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -174,7 +175,18 @@ def launch(args: list[str], nproc: int = 1, fault: str | None = None, check: boo
     """Run tests/fault_train.py (train.py plus an optional injected fault) in 1 or 2 processes. `engine`: a config
     of accelerate_configs/ (e.g. "zero2_8gpu") launched as `nproc` processes on this CPU through tests/engine_shim.py,
     in `mixed_precision` ("no": fp32); by default a multi-process launch is DDP on gloo (cpu_2proc.yaml).
-    `launcher_args`: more flags of `accelerate launch` (e.g. --max_restarts 1)."""
+    `launcher_args`: more flags of `accelerate launch` (e.g. --max_restarts 1).
+
+    One process that must succeed, with no fault and no environment of its own (a reference run, a resume), runs in
+    this pytest process (`train_in_process`: the same entry point, without a new interpreter's 4-5 s of imports); a
+    fault, a background run, an exit status the test reads (`check=False`), an engine or several processes start
+    real processes."""
+    if nproc == 1 and engine is None and fault is None and check and not background and not extra_env \
+            and not launcher_args:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.chdir(REPO_ROOT)  # where a launched process runs
+            stdout, stderr = train_in_process(args)
+        return subprocess.CompletedProcess(["train.py", *args], 0, stdout, stderr)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GRAD_ACCUM": str(grad_accum),
            **(extra_env or {})}
     env.pop("FAULT", None)
@@ -230,6 +242,17 @@ def assert_weights_within_rounding(a: Path, b: Path, atol: float = SIGNAL_ATOL) 
     assert not problems, "; ".join(problems[:3]) + more
 
 
+def resume_copy(reference: Path, step: int, out: Path) -> list[str]:
+    """The flags that resume a copy of the finished run `reference`, made at `out`, from its own checkpoint of
+    `step`: the run's later checkpoints and final/ are set aside when it starts (training.resume), as for a user who
+    resumes an older checkpoint. Ending bit for bit where `reference` ended is the proof that a feature's checkpoint
+    holds everything its run needs: one launch, where a run killed and resumed takes two. Whether a kill at any
+    moment leaves such a checkpoint behind is the checkpointing's own claim, the same under every feature, proven
+    on one process and on two (test_train, test_resume_paths)."""
+    shutil.copytree(reference, out)
+    return ["--out_dir", str(out), "--resume", str(out / "checkpoints" / f"step_{step:06d}")]
+
+
 def read_metrics(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -274,22 +297,29 @@ def train_in_process(args: list[str]) -> tuple[str, str]:
     """A whole train.py run in this process, through its entry point (`train.run_cli(train.main)`), for the tests
     whose claim is about what a run does with its folder rather than about its process (signals, kills, exit
     codes, several processes: those use `launch`). It saves a new interpreter's start and its imports of torch,
-    transformers and accelerate, seconds each time. Returns stdout and stderr; a run that does not exit 0 fails
-    the test with its output."""
+    transformers and accelerate, seconds each time. It runs on one thread, as a launched process does (`launch` sets
+    OMP_NUM_THREADS=1), so that its sums are those of the processes it is compared with, bit for bit.
+    Returns stdout and stderr; a run that does not exit 0 fails the test with its output."""
     import io
     from contextlib import redirect_stderr, redirect_stdout
+
+    import torch
 
     import train
 
     stdout, stderr = io.StringIO(), io.StringIO()
+    threads = torch.get_num_threads()
     with pytest.MonkeyPatch.context() as mp, redirect_stdout(stdout), redirect_stderr(stderr):
         mp.setattr(sys, "argv", ["train.py", *args])
+        torch.set_num_threads(1)
         try:
             train.run_cli(train.main)
         except SystemExit as exit_info:
             if exit_info.code not in (0, None):
                 raise AssertionError(f"exit {exit_info.code}\n{stdout.getvalue()[-3000:]}\n"
                                      f"{stderr.getvalue()[-5000:]}") from None
+        finally:
+            torch.set_num_threads(threads)
     return stdout.getvalue(), stderr.getvalue()
 
 
@@ -311,8 +341,6 @@ def shared_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Call
     with FileLock(str(root / "shared" / f"{name}.lock")):
         if not done.exists():
             if folder.exists():  # a failed earlier attempt
-                import shutil
-
                 shutil.rmtree(folder)
             folder.mkdir()
             build(folder)
@@ -344,10 +372,14 @@ def probed_run(tmp_path_factory: pytest.TempPathFactory, name: str, args: list[s
 
 @pytest.fixture(scope="session")
 def single_run(tmp_path_factory) -> Path:
-    """DDP_ARGS on one process (accumulation 4): the reference every engine's multi-process run is held against
-    (test_engines, test_tensor_parallel); read only."""
-    return shared_once(tmp_path_factory, "single",
-                       lambda folder: launch(DDP_ARGS + ["--out_dir", str(folder / "run")])) / "run"
+    """DDP_ARGS on one process (accumulation 4): the reference every multi-process run of DDP_ARGS is held against
+    (test_train's DDP, test_engines, test_tensor_parallel, test_activation_checkpointing); its output beside it, in
+    ../output.txt; read only."""
+    def build(folder: Path) -> None:
+        proc = launch(DDP_ARGS + ["--out_dir", str(folder / "run")])
+        (folder / "output.txt").write_text(proc.stdout + proc.stderr)  # what it printed, for the tests to read
+
+    return shared_once(tmp_path_factory, "single", build) / "run"
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """Tensor parallelism (`--tensor_parallel N`): the plan for our GPT (model/tensor_parallel.py), the launch around it
 (training/tensor_parallel.py), and train.py itself split over 2 CPU processes on gloo (the FSDP2 config through
 tests/engine_shim.py), held against one process on the same global batch: equal to float rounding, really split
-(each rank's local shapes), killed while saving and resumed bit-exact, and `final/` in the Hugging Face layout.
+(each rank's local shapes), resumed from its own checkpoint bit-exact, and `final/` in the Hugging Face layout.
 Then the launches it cannot run, refused in one line before anything is built.
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ from conftest import (
     launch,
     probed_run,
     read_metrics,
+    resume_copy,
     run_in_process,
     shared_once,
 )
@@ -226,14 +227,11 @@ def test_fsdp2_x_tensor_parallel_on_4_processes_equals_one_process_and_splits_bo
 @pytest.mark.parametrize(("fixture", "nproc", "args"), [("tp_run", 2, TP_ARGS),
                                                         ("two_d_run", 4, TP_ARGS + HELLASWAG_ARGS)],
                          ids=["tp2", "fsdp2x2_tp2"])
-def test_tensor_parallel_resume_after_kill_in_save_is_bit_exact(fixture, nproc, args, request, tmp_path):
-    """SIGKILL to every process while step 4's checkpoint is written, then --resume latest from step 2's sharded
-    checkpoint: the final weights equal the uninterrupted run's bit for bit."""
+def test_tensor_parallel_resumes_its_own_checkpoint_bit_exact(fixture, nproc, args, request, tmp_path):
+    """A copy of the run resumed from its sharded checkpoint of step 2 (conftest.resume_copy): the final weights
+    equal the uninterrupted run's bit for bit, each step logged once."""
     reference, out = request.getfixturevalue(fixture) / "run", tmp_path / "run"
-    killed = launch(args + ["--out_dir", str(out)], nproc=nproc, engine="fsdp_8gpu", fault="kill_in_save:4",
-                    check=False)
-    assert killed.returncode != 0 and not (out / "final").exists()
-    launch(args + ["--out_dir", str(out), "--resume", "latest"], nproc=nproc, engine="fsdp_8gpu")
+    launch(args + resume_copy(reference, 2, out), nproc=nproc, engine="fsdp_8gpu")
     assert_same_weights(reference, out)
     assert [m["step"] for m in read_metrics(out)] == [m["step"] for m in read_metrics(reference)]
 
@@ -264,12 +262,10 @@ def test_heads_the_degree_does_not_divide_are_refused_on_every_rank_in_one_line(
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_tensor_parallel_checkpoint_resumes_on_another_number_of_processes(tp_run, tmp_path):
-    """Killed on 2 processes (TP 2) while saving step 4, resumed from step 2 on 4 (FSDP2 over 2 x TP 2: the same
-    degree, the sharded checkpoint resharded over the new "dp" dimension): the uninterrupted TP run's weights to
-    float rounding (the same global batch, in 2 micro-steps instead of 4)."""
+    """The TP run of 2 processes, resumed from its checkpoint of step 2 on 4 (FSDP2 over 2 x TP 2: the same degree,
+    the sharded checkpoint resharded over the new "dp" dimension): the uninterrupted TP run's weights to float
+    rounding (the same global batch, in 2 micro-steps instead of 4)."""
     out = tmp_path / "run"
-    launch(TP_ARGS + ["--out_dir", str(out)], nproc=2, engine="fsdp_8gpu", fault="kill_in_save:4", check=False)
-    assert not (out / "final").exists()
-    proc = launch(TP_ARGS + ["--out_dir", str(out), "--resume", "latest"], nproc=4, engine="fsdp_8gpu")
+    proc = launch(TP_ARGS + resume_copy(tp_run / "run", 2, out), nproc=4, engine="fsdp_8gpu")
     assert "was saved by 2 process(es), this run has 4" in proc.stdout + proc.stderr
     assert_weights_within_rounding(tp_run / "run", out)

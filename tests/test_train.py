@@ -32,6 +32,7 @@ from conftest import (
     free_port,
     launch,
     read_metrics,
+    resume_copy,
     run_in_process,
     train_in_process,
     tree_digest,
@@ -157,12 +158,10 @@ def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_ddp_matches_single_process(ddp_run, tmp_path):
-    out = tmp_path / "single"
-    proc = launch(DDP_ARGS + ["--out_dir", str(out)])  # 1 process x accumulation 4
-    assert "1 process(es) x 4 accumulation" in proc.stdout + proc.stderr
-    assert_weights_within_rounding(ddp_run, out)
-    assert_same_metrics(ddp_run, out)
+def test_ddp_matches_single_process(ddp_run, single_run):
+    assert "1 process(es) x 4 accumulation" in (single_run.parent / "output.txt").read_text()
+    assert_weights_within_rounding(ddp_run, single_run)
+    assert_same_metrics(ddp_run, single_run)
 
 
 @pytest.mark.slow
@@ -195,13 +194,11 @@ def test_ddp_resume_after_kill_is_bit_exact(ddp_run, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_two_processes_killed_then_resumed_on_one(ddp_run, tmp_path):
-    """DDP_ARGS on 2 processes (accumulation 2), killed after step 1; resumed on 1 process (accumulation 4):
-    the same global batches, so the weights end where the uninterrupted 2-process run ends, to float rounding."""
+def test_two_processes_resumed_on_one(ddp_run, tmp_path):
+    """The 2-process run of DDP_ARGS (accumulation 2) resumed from its checkpoint of step 2 on 1 process
+    (accumulation 4): the same global batches, so the weights end where the 2-process run ends, to float rounding."""
     out = tmp_path / "run"
-    args = DDP_ARGS + ["--out_dir", str(out), "--save_every", "1"]
-    launch(args, nproc=2, fault="kill_after_step:1", check=False)
-    resumed = launch(args + ["--resume", "latest"])
+    resumed = launch(DDP_ARGS + resume_copy(ddp_run, 2, out))
     assert "saved by 2 process(es), this run has 1" in resumed.stdout + resumed.stderr
     assert "1 process(es) x 4 accumulation" in resumed.stdout + resumed.stderr
     assert_weights_within_rounding(ddp_run, out)
