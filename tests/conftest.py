@@ -177,14 +177,18 @@ def launch(args: list[str], nproc: int = 1, fault: str | None = None, check: boo
     in `mixed_precision` ("no": fp32); by default a multi-process launch is DDP on gloo (cpu_2proc.yaml).
     `launcher_args`: more flags of `accelerate launch` (e.g. --max_restarts 1).
 
-    One process that must succeed, with no fault and no environment of its own (a reference run, a resume), runs in
-    this pytest process (`train_in_process`: the same entry point, without a new interpreter's 4-5 s of imports); a
-    fault, a background run, an exit status the test reads (`check=False`), an engine or several processes start
-    real processes."""
-    if nproc == 1 and engine is None and fault is None and check and not background and not extra_env \
+    One process that must succeed, with no fault and no environment of its own but accelerate's (a reference run, a
+    resume; `ACCELERATE_MIXED_PRECISION`, read when the run starts), runs in this pytest process (`train_in_process`:
+    the same entry point, without a new interpreter's 4-5 s of imports); a fault, a background run, an exit status
+    the test reads (`check=False`), another environment (the Hub's, read when huggingface_hub is imported), an
+    engine or several processes start real processes."""
+    accelerates_own = all(key.startswith("ACCELERATE_") for key in extra_env or {})  # read when the run starts
+    if nproc == 1 and engine is None and fault is None and check and not background and accelerates_own \
             and not launcher_args:
         with pytest.MonkeyPatch.context() as mp:
             mp.chdir(REPO_ROOT)  # where a launched process runs
+            for key, value in (extra_env or {}).items():
+                mp.setenv(key, value)
             stdout, stderr = train_in_process(args)
         return subprocess.CompletedProcess(["train.py", *args], 0, stdout, stderr)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GRAD_ACCUM": str(grad_accum),
@@ -312,6 +316,7 @@ def train_in_process(args: list[str]) -> tuple[str, str]:
     with pytest.MonkeyPatch.context() as mp, redirect_stdout(stdout), redirect_stderr(stderr):
         mp.setattr(sys, "argv", ["train.py", *args])
         torch.set_num_threads(1)
+        fresh_accelerate_state()
         try:
             train.run_cli(train.main)
         except SystemExit as exit_info:
@@ -320,7 +325,17 @@ def train_in_process(args: list[str]) -> tuple[str, str]:
                                      f"{stderr.getvalue()[-5000:]}") from None
         finally:
             torch.set_num_threads(threads)
+            fresh_accelerate_state()
     return stdout.getvalue(), stderr.getvalue()
+
+
+def fresh_accelerate_state() -> None:
+    """accelerate's process-wide state (precision, plugins, accumulation) as a new interpreter has it: an in-process
+    run neither inherits an earlier one's nor leaves its own to the next test. accelerate's own tests reset it so."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
 
 
 # ---- built once per session --------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from conftest import (
     assert_weights_within_rounding,
     launch,
     read_metrics,
+    resume_copy,
 )
 
 from configs import ModelConfig, OptimConfig
@@ -227,15 +228,15 @@ def test_large_cpu_tensors_get_huge_pages_unless_the_user_says_no():
 # ---- train.py with --activation_checkpointing ---------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_killed_run_resumes_bit_exact(tmp_path):
-    """Dropout 0.1, accumulation 2, evaluations between checkpoints (test_train's RESUME_ARGS): kill -9 after step 3,
-    resume from step 2, the weights of the uninterrupted run with activation checkpointing, bit for bit."""
+def test_a_run_resumes_its_own_checkpoint_bit_exact(tmp_path):
+    """Dropout 0.1, accumulation 2, evaluations between checkpoints (test_train's RESUME_ARGS): resumed from its own
+    checkpoint of step 2 (conftest.resume_copy), the weights of the uninterrupted run with activation
+    checkpointing, bit for bit (the recomputation draws the forward's dropout masks again)."""
     args = RESUME_ARGS + ["--activation_checkpointing"]
     reference = launch(args + ["--out_dir", str(tmp_path / "ref")])
     assert "| activation checkpointing |" in reference.stdout
     out = tmp_path / "run"
-    assert launch(args + ["--out_dir", str(out)], fault="kill_after_step:3", check=False).returncode != 0
-    launch(args + ["--out_dir", str(out), "--resume", "latest"])
+    launch(args + resume_copy(tmp_path / "ref", 2, out))
     assert_same_weights(tmp_path / "ref", out)
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
     # A setting of the run, not of the model: the checkpoint format and the export are those of any run.
@@ -246,11 +247,11 @@ def test_killed_run_resumes_bit_exact(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_two_processes_with_it_equal_one_without(tmp_path):
+def test_two_processes_with_it_equal_one_without(single_run, tmp_path):
     """2 processes x accumulation 2 with activation checkpointing (DDP's hooks fire in the recomputing backward)
-    end where 1 process x accumulation 4 without it ends: test_train's DDP comparison, to 1e-6."""
+    end where 1 process x accumulation 4 without it ends (the session's `single_run`): test_train's DDP comparison,
+    to float rounding."""
     two = launch(DDP_ARGS + ["--out_dir", str(tmp_path / "two"), "--activation_checkpointing"], nproc=2)
     assert "2 process(es)" in two.stdout and "| activation checkpointing |" in two.stdout
-    one = launch(DDP_ARGS + ["--out_dir", str(tmp_path / "one")])
-    assert "activation checkpointing" not in one.stdout
-    assert_weights_within_rounding(tmp_path / "two", tmp_path / "one")
+    assert "activation checkpointing" not in (single_run.parent / "output.txt").read_text()
+    assert_weights_within_rounding(tmp_path / "two", single_run)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import REPO_ROOT, TINY, assert_same_weights, free_port, launch, read_metrics
+from conftest import REPO_ROOT, TINY, assert_same_weights, free_port, launch, read_metrics, resume_copy
 from fake_hub import FakeHub
 from test_fake_hub import (
     FINEWEB,
@@ -38,7 +38,7 @@ from data.hub import PARQUET_BRANCH
 from data.shards import open_shards
 
 GPT2 = "openai-community/gpt2"
-# Fine-tuning the tiny GPT-2 for 6 steps, a checkpoint every 2; killed after step 3, resumed from step 2.
+# Fine-tuning the tiny GPT-2 for 6 steps, a checkpoint every 2; resumed from step 2.
 STEPS = ["--max_steps", "6", "--micro_batch_size", "2", "--total_batch_size", "128", "--save_every", "2",
          "--log_every", "1", "--eval_every", "3"]
 FINETUNE = [*TINY, *STEPS, "--init_from", "gpt2"]
@@ -85,7 +85,7 @@ def run_module(hub: FakeHub, home: Path, module: str, args: list[str], nproc: in
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_fineweb_edu_fine_tune_of_gpt2_killed_and_resumed_is_bit_exact(hub: FakeHub, tmp_path: Path, nproc: int):
+def test_fineweb_edu_fine_tune_of_gpt2_resumes_bit_exact(hub: FakeHub, tmp_path: Path, nproc: int):
     """`--init_from gpt2 --dataset HuggingFaceFW/fineweb-edu:sample-10BT`, every process starting at once on an
     empty cache; with 2 processes, HellaSwag from the Hub every 3 steps too."""
     args = [*FINETUNE, "--dataset", f"{FINEWEB}:sample-10BT"]
@@ -106,22 +106,20 @@ def test_fineweb_edu_fine_tune_of_gpt2_killed_and_resumed_is_bit_exact(hub: Fake
         assert [r["step"] for r in read_metrics(ref) if "hellaswag_acc" in r] == [3, 6]
     assert weights.is_file()
 
+    # Resumed from its own checkpoint of step 2 (conftest.resume_copy), on an empty cache of its own.
     out = tmp_path / "run"
-    killed = launch([*args, "--out_dir", str(out)], nproc=nproc, fault="kill_after_step:3", check=False,
-                    extra_env=env(hub, tmp_path / "hf_run"))
-    assert killed.returncode != 0 and not (out / "final").exists()
+    resume = resume_copy(ref, 2, out)
     if nproc == 1:  # main moves on while the run is down: the saved position names the commit it read
         files = hub.files(FINEWEB, repo_type="dataset")
         hub.add_dataset(FINEWEB, {**files, "sample/10BT/002_00000.parquet": docs_parquet(5000, 400)})  # rewritten
-        moved = launch([*args, "--out_dir", str(out), "--resume", "latest"], check=False,
-                       extra_env=env(hub, tmp_path / "hf_run"))
+        moved = launch([*args, *resume], check=False, extra_env=env(hub, tmp_path / "hf_run"))
         assert moved.returncode == 2 and moved.stderr.strip().splitlines()[-1] == (
             f"error: the streaming data position was saved reading commit {commit} of the dataset, which now reads "
             f"commit {hub.commit_sha(FINEWEB, repo_type='dataset')}; resume with --dataset pinned to it "
             f"(id[:config]@{commit})")
         args[args.index("--dataset") + 1] = recorded["dataset"]  # as config.yaml recorded it
     served = hub.bytes_served(FINEWEB, repo_type="dataset")
-    launch([*args, "--out_dir", str(out), "--resume", "latest"], nproc=nproc, extra_env=env(hub, tmp_path / "hf_run"))
+    launch([*args, *resume], nproc=nproc, extra_env=env(hub, tmp_path / "hf_run"))
     if nproc == 1:
         hub.add_dataset(FINEWEB, files)  # main as the other tests expect it
     assert hub.bytes_served(FINEWEB, repo_type="dataset") > served  # the resumed stream read the Hub again
@@ -139,10 +137,7 @@ def test_openwebtext_trains_resumes_exactly_and_prepares_shards(hub: FakeHub, tm
     conversion = hub.commit_sha(OWT, PARQUET_BRANCH, repo_type="dataset")
     assert yaml.safe_load((ref / "config.yaml").read_text())["dataset"] == f"{OWT}:plain_text@{conversion}"
     out = tmp_path / "run"
-    killed = launch([*args, "--out_dir", str(out)], fault="kill_after_step:3", check=False,
-                    extra_env=env(hub, tmp_path / "hf"))
-    assert killed.returncode != 0
-    launch([*args, "--out_dir", str(out), "--resume", "latest"], extra_env=env(hub, tmp_path / "hf"))
+    launch([*args, *resume_copy(ref, 2, out)], extra_env=env(hub, tmp_path / "hf"))
     assert_same_weights(ref, out)
 
     # data.prepare from the same Hub id: the same documents, in the stream's order.

@@ -17,6 +17,7 @@ from conftest import (
     assert_same_weights,
     assert_weights_within_rounding,
     launch,
+    resume_copy,
     run_in_process,
     train_in_process,
     tree_digest,
@@ -108,11 +109,11 @@ def test_the_hub_push_holds_the_merged_model_and_the_adapter(reference):
 
 
 @pytest.mark.slow
-def test_killed_lora_run_resumes_bit_exact(base, reference, tmp_path):
+def test_a_lora_run_resumes_its_own_checkpoint_bit_exact(base, reference, tmp_path):
+    """Resumed from its checkpoint of step 2 (the adapters and their optimizer state only; conftest.resume_copy):
+    final/ and final_adapter/ byte-equal to the uninterrupted run's."""
     out = tmp_path / "run"
-    args = lora_args(base) + ["--out_dir", str(out)]
-    assert launch(args, fault="kill_after_step:3", check=False).returncode != 0
-    launch(args + ["--resume", "latest"])
+    launch(lora_args(base) + resume_copy(reference[0], 2, out))
     assert_same_weights(reference[0], out)
     for name in ("adapter_model.safetensors", "adapter_config.json"):
         assert (out / "final_adapter" / name).read_bytes() == (reference[0] / "final_adapter" / name).read_bytes()
@@ -120,16 +121,14 @@ def test_killed_lora_run_resumes_bit_exact(base, reference, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_two_process_lora_run_killed_and_resumed_is_bit_exact_and_equals_one_process(base, reference, tmp_path):
-    """2 processes, uninterrupted vs killed after step 3 (its step-2 checkpoint written by both ranks) and
-    resumed on 2 processes: bit for bit. The uninterrupted 2-process run equals the 1-process reference (the same
+def test_two_process_lora_run_resumes_bit_exact_and_equals_one_process(base, reference, tmp_path):
+    """2 processes, uninterrupted vs resumed on 2 processes from its own checkpoint of step 2 (written by both
+    ranks, adapters only): bit for bit. The uninterrupted 2-process run equals the 1-process reference (the same
     global batches) to float rounding."""
     whole, out = tmp_path / "whole", tmp_path / "run"
     launch(lora_args(base) + ["--out_dir", str(whole)], nproc=2)
-    args = lora_args(base) + ["--out_dir", str(out)]
-    assert launch(args, nproc=2, fault="kill_after_step:3", check=False).returncode != 0
-    assert not (out / "checkpoints" / "step_000002" / "model.safetensors").exists()
-    launch(args + ["--resume", "latest"], nproc=2)
+    assert not (whole / "checkpoints" / "step_000002" / "model.safetensors").exists()
+    launch(lora_args(base) + resume_copy(whole, 2, out), nproc=2)
     assert_same_weights(whole, out)
     for name in ("adapter_model.safetensors", "adapter_config.json"):
         assert (out / "final_adapter" / name).read_bytes() == (whole / "final_adapter" / name).read_bytes()
