@@ -35,6 +35,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
+import tiers  # noqa: E402
 from bounds import GRAD_NORM_RTOL, LOSS_RTOL, SIGNAL_ATOL, weights_apart_by_rounding  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -420,13 +421,21 @@ def tiny_hf_gpt2(tmp_path_factory) -> Path:
     return shared_once(tmp_path_factory, "tiny_hf_gpt2", build)
 
 
-# ---- pytest-xdist -------------------------------------------------------------------------------------------
+# ---- the tiers (tests/tiers.py) and pytest-xdist ---------------------------------------------------------------
+
+pytest_configure = tiers.pytest_configure
+pytest_runtest_protocol = tiers.pytest_runtest_protocol
+pytest_runtest_makereport = tiers.pytest_runtest_makereport
+pytest_runtest_logreport = tiers.pytest_runtest_logreport
+pytest_terminal_summary = tiers.pytest_terminal_summary
+
 
 def pytest_collection_modifyitems(config, items):
     """Under `--dist loadgroup` (the README's command), the tests that use a module-scoped fixture of their file (a
     run of that file's own, a loopback Hub) go to one worker together, so that it is built once, as without
     xdist; every other test goes to whichever worker is free. The session fixtures above are shared by their
-    file lock instead. Without xdist the mark does nothing."""
+    file lock instead. Without xdist the mark does nothing. Before that, the marks of the tiers are checked."""
+    tiers.pytest_collection_modifyitems(config, items)
     for item in items:
         fixtures = getattr(item, "_fixtureinfo", None)
         if fixtures is None:

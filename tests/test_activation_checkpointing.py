@@ -155,6 +155,7 @@ print(round(resident_mib() - before))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_freed_activation_memory_goes_back_to_the_os():
     """What train.py sets on a CPU (training.processes.return_freed_memory_to_the_os): 19 freed tensors of 20 MiB
@@ -185,6 +186,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_a_small_models_activations_are_reused_from_the_heap():
     """The threshold is above a small model's activations: 50 freed and remade 2 MiB tensors fault in their pages
@@ -207,6 +209,7 @@ print(sum(int(line.split()[1]) for line in open("/proc/self/smaps") if line.star
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif("[madvise]" not in (_THP := (
     open("/sys/kernel/mm/transparent_hugepage/enabled").read() if os.path.exists(
         "/sys/kernel/mm/transparent_hugepage/enabled") else "")), reason="needs the kernel's THP mode 'madvise'")

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import REPO_ROOT, project_files
 
 # What each package may import from the project (besides itself); anything else is a wrong arrow.
@@ -124,6 +125,7 @@ def test_nothing_binds_the_name_eval():
     assert offenders == []
 
 
+@pytest.mark.slow
 def test_importing_a_package_installs_no_handlers_or_filters():
     """Importing the training machinery must not change the process: signal handlers and logging
     filters are installed by the objects that need them, when they are created."""

@@ -164,6 +164,7 @@ def test_max_tokens(tmp_path):
     assert [e["tokens"] for e in m["train"]] == [1000, 1000, 500] and m["total_train_tokens"] == 2500
 
 
+@pytest.mark.slow
 def test_cli_writes_shards(tmp_path):
     out = tmp_path / "cli"
     cmd = [sys.executable, "-m", "data.prepare", "--dataset", str(FIXTURES / "docs.jsonl"), "--out", str(out),
@@ -200,6 +201,7 @@ def test_resume_on_other_shards_of_the_same_length_is_refused(prepared, tmp_path
         fresh.load_state_dict(state)
 
 
+@pytest.mark.slow
 def test_a_small_file_gets_a_tenth_as_validation_by_default(tmp_path, reference_tokens):
     """Without --val_tokens: a tenth of the data (the fixture: far below the 10M cap), the rest trains, no token
     lost; the CLI does the same and writes no progress bar into redirected stderr."""

@@ -85,6 +85,7 @@ def test_a_failing_stage_is_reported_and_earlier_results_are_kept(smoke):
     assert "| hellaswag | fail" in (out / "acceptance.md").read_text()
 
 
+@pytest.mark.slow
 def test_module_form_and_unknown_stages(tmp_path):
     proc = acceptance(tmp_path / "acc", "--stages", "fsdp,memory_plan", module=True)
     assert proc.returncode == 0, proc.stderr
@@ -110,6 +111,7 @@ def one_sleeping_stage(monkeypatch, tmp_path, budget_s: float, sleep_s: float, *
     return code, json.loads((out / "acceptance.json").read_text())["stages"]["sleeper"]
 
 
+@pytest.mark.slow
 def test_a_smoke_stage_past_its_budget_passes(monkeypatch, tmp_path):
     """3 s for a stage of 2 s: in --smoke, as on a slow or busy machine, it goes on and passes."""
     code, stage = one_sleeping_stage(monkeypatch, tmp_path, 2, 3, "--smoke")
@@ -117,6 +119,7 @@ def test_a_smoke_stage_past_its_budget_passes(monkeypatch, tmp_path):
     assert stage["seconds"] > 2 and stage["budget_s"] == 2 * gpu_acceptance.SMOKE_HANG_FACTOR
 
 
+@pytest.mark.slow
 def test_a_smoke_stage_that_hangs_is_reported_as_a_timeout(monkeypatch, tmp_path):
     code, stage = one_sleeping_stage(monkeypatch, tmp_path, 1, 600, "--smoke")
     assert (code, stage["status"]) == (1, "timeout")
@@ -124,6 +127,7 @@ def test_a_smoke_stage_that_hangs_is_reported_as_a_timeout(monkeypatch, tmp_path
                              f"({gpu_acceptance.SMOKE_HANG_FACTOR} x its 1 s smoke budget: a hang)"
 
 
+@pytest.mark.slow
 def test_the_gpu_run_keeps_its_real_budgets(monkeypatch, tmp_path):
     """The stage that passes in --smoke above times out at its budget in the GPU run."""
     code, stage = one_sleeping_stage(monkeypatch, tmp_path, 2, 3)

@@ -251,6 +251,7 @@ def test_bad_repo_id_is_a_user_error(hub, run_dir, bad):
         push_to_hub(run_dir, bad)
 
 
+@pytest.mark.slow
 def test_cli_reports_a_missing_run_in_one_line(tmp_path):
     env = {"HF_TOKEN": SECRET, "HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0", "PATH": "/usr/bin:/bin",
            "HF_ENDPOINT": "http://127.0.0.1:9"}

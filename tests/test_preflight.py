@@ -134,6 +134,7 @@ def test_advice_for_token_shards(tmp_path: Path):
         "with a larger `python -m data.prepare --val_tokens`")
 
 
+@pytest.mark.slow
 def test_train_py_stops_before_the_first_step_and_leaves_no_run_folder(tmp_path: Path):
     import subprocess
 

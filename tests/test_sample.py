@@ -112,6 +112,7 @@ def scripted_model(prompt_len: int, targets: list[int]) -> GPT:
     return model
 
 
+@pytest.mark.slow
 def test_characters_split_across_tokens_print_whole(tmp_path):
     """GPT-2 splits 日, 本 and 語 over two tokens each: the CLI must print each once it is complete, as
     valid UTF-8, not the replacement characters of decoding token by token. Through a real pipe: the

@@ -244,6 +244,7 @@ def test_a_cpu_multi_process_launch_runs_on_gloo_by_itself(tmp_path):
 
 # ---- bad input: one line on stderr, exit status 2, nothing overwritten ----------------------------------
 
+@pytest.mark.slow
 def test_cli_error_is_one_line_without_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "train.py", "--out_dir", str(tmp_path / "r"), "--total_batch_size", "1000"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
@@ -489,6 +490,7 @@ def test_push_to_hub_from_training(tmp_path):
         assert not path.is_file() or secret.encode() not in path.read_bytes(), path
 
 
+@pytest.mark.slow
 def test_runs_without_the_optional_packages(tmp_path):
     """The GPU image has torch/accelerate/transformers/tiktoken only: nothing else may be imported eagerly.
     HellaSwag needs `evaluate` (it computes the accuracies): without it, the run is refused at start."""

@@ -57,6 +57,7 @@ def finished_run(folder: Path, weights: Path) -> Path:
     return folder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", COMMANDS)
 def test_an_unreachable_hub_is_one_line_naming_the_endpoint(command: str, tmp_path: Path, tiny_hf_gpt2: Path):
     args, said = COMMANDS[command]

@@ -1,0 +1,72 @@
+"""The tiers' check (tests/tiers.py), in a small pytest session of its own run in this process: a quick test that
+starts a process fails naming it, in its body or through a fixture; marked slow it passes; git is not counted; a
+multiprocess mark without the slow one is refused at collection."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+TESTS = '''
+import subprocess, sys
+import pytest
+
+@pytest.fixture
+def a_run():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+def test_quick_starting_python():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+def test_quick_through_a_fixture(a_run):
+    pass
+
+@pytest.mark.slow
+def test_slow_starting_python():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+def test_quick_asking_git():
+    subprocess.run(["git", "--version"], check=True, capture_output=True)
+
+def test_quick_starting_nothing():
+    assert True
+'''
+
+
+class Outcomes:
+    """A plugin for the inner session: each test's outcome and, for a failure, its message."""
+
+    def __init__(self) -> None:
+        self.outcomes: dict[str, tuple[str, str]] = {}
+
+    def pytest_runtest_logreport(self, report) -> None:
+        if report.when == "call" or report.failed:
+            self.outcomes[report.nodeid.split("::")[-1]] = (report.outcome, str(report.longrepr or ""))
+
+
+def run_session(folder: Path, source: str) -> tuple[int, Outcomes]:
+    (folder / f"test_inner_{folder.name}.py").write_text(source)  # a module name no earlier session imported
+    (folder / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\n    multiprocess: several processes\n")
+    outcomes = Outcomes()
+    code = pytest.main(["-q", "-p", "tiers", "-p", "no:cacheprovider", "-p", "no:xdist", "--import-mode=importlib",
+                        "-W", "ignore::pytest.PytestAssertRewriteWarning", str(folder)], plugins=[outcomes])
+    return code, outcomes
+
+
+def test_a_quick_test_that_starts_a_process_fails_naming_it(tmp_path, capsys):
+    code, result = run_session(tmp_path, TESTS)
+    capsys.readouterr()  # the inner session's report
+    outcomes = result.outcomes
+    assert code == 1
+    for name in ("test_quick_starting_python", "test_quick_through_a_fixture"):
+        status, message = outcomes[name]
+        assert status == "failed" and "is in the quick tier but started 1 process(es)" in message, (name, message)
+        assert "mark it @pytest.mark.slow" in message and "-c pass" in message
+    for name in ("test_slow_starting_python", "test_quick_asking_git", "test_quick_starting_nothing"):
+        assert outcomes[name][0] == "passed", (name, outcomes[name])
+
+
+def test_a_multiprocess_mark_without_the_slow_one_is_refused_at_collection(tmp_path, capsys):
+    code, _ = run_session(tmp_path, "import pytest\n\n@pytest.mark.multiprocess\ndef test_two():\n    pass\n")
+    assert code == pytest.ExitCode.USAGE_ERROR
+    assert "marked multiprocess but not slow" in capsys.readouterr().err
