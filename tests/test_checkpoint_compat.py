@@ -2,8 +2,8 @@
 
 The older version is a pinned commit of this repository (`OLD`, the main branch before the configuration was
 split into groups and checkpoints recorded their optimizers by name), extracted with `git archive` and run
-as it was: its own train.py, killed after step 2 (its tests/fault_train.py), leaves a checkpoint in the old
-format; today's train.py resumes it. The reference is the old code's own uninterrupted run.
+as it was: its own train.py leaves checkpoints in the old format; today's train.py resumes a copy of that run from
+its checkpoint of step 2 (conftest.resume_copy). The reference is the old code's own uninterrupted run.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from io import BytesIO
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, assert_weights_within_rounding, read_metrics
+from conftest import REPO_ROOT, assert_weights_within_rounding, launch, read_metrics, resume_copy
 
 OLD = "77d78a9"  # main at the start of the redesign (issue 22)
 ARGS = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--val_tokens", "256",
@@ -50,18 +50,16 @@ def run(tree: Path, args: list[str], fault: str | None = None) -> subprocess.Com
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_a_checkpoint_of_the_old_format_resumes(old_tree, tmp_path, optimizer):
     args = ARGS + ["--optimizer", optimizer]
-    killed = run(old_tree, args + ["--out_dir", str(tmp_path / "run")], fault="kill_after_step:2")
-    assert killed.returncode != 0 and not (tmp_path / "run" / "final").exists(), killed.stderr[-2000:]
-    state = json.loads((tmp_path / "run" / "checkpoints" / "step_000002" / "run_state.json").read_text())
+    reference = run(old_tree, args + ["--out_dir", str(tmp_path / "reference")])  # the old code, uninterrupted
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    state = json.loads((tmp_path / "reference" / "checkpoints" / "step_000002" / "run_state.json").read_text())
     assert state["optimizers"] == {"adamw": 1, "muon": 2}[optimizer]  # the old format: a count, not names
 
-    resumed = run(REPO_ROOT, args + ["--out_dir", str(tmp_path / "run"), "--resume", "latest"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from {tmp_path / 'run' / 'checkpoints' / 'step_000002'} at step 2" in resumed.stdout
-    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2, 3, 4]
+    out = tmp_path / "run"
+    resumed = launch(args + resume_copy(tmp_path / "reference", 2, out))  # today's train.py, from the old step 2
+    assert f"resumed from {out / 'checkpoints' / 'step_000002'} at step 2" in resumed.stdout
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
     if optimizer == "adamw":
-        # The old code's uninterrupted run: the weights, optimizer moments, RNG streams and data position were
-        # all taken up (the learning rate's arithmetic was regrouped since, so agreement is to float rounding).
-        reference = run(old_tree, args + ["--out_dir", str(tmp_path / "reference")])
-        assert reference.returncode == 0, reference.stderr[-3000:]
-        assert_weights_within_rounding(tmp_path / "reference", tmp_path / "run")
+        # The weights, optimizer moments, RNG streams and data position were all taken up (the learning rate's
+        # arithmetic was regrouped since, so agreement with the old code's own run is to float rounding).
+        assert_weights_within_rounding(tmp_path / "reference", out)

@@ -3,7 +3,7 @@
 
 Each case against the uninterrupted two-process run: a killed worker's group restarts and ends bit-identical to it,
 each step logged once in metrics.jsonl and TensorBoard; a hung worker ends the run within --collective_timeout (+
-the agent's 30 s) in one line, and the resume is bit-exact; an error of one rank alone stops after the first restart
+the agent's 30 s) in one line naming a whole checkpoint; an error of one rank alone stops after the first restart
 (a bug's crash too, its traceback kept); a worker killed more often than the restarts allow leaves the last
 checkpoint intact. A restarted rank 1 starts 3 s late (tests/fault_train.py), so that the other rank always reaches
 the rendezvous first: the order in which a restart used to read the dead rank's address (training/elastic.py).
@@ -80,10 +80,14 @@ def test_a_killed_worker_restarts_and_the_run_ends_as_if_uninterrupted(reference
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_a_hung_worker_ends_the_run_within_the_timeout_in_one_line_and_the_resume_is_exact(reference, tmp_path):
+def test_a_hung_worker_ends_the_run_within_the_timeout_in_one_line_naming_a_whole_checkpoint(tmp_path):
     """SIGSTOP to rank 1 after step 5, --collective_timeout 10: rank 0 gives up waiting after 10 s and names the
     step, the rank and the last checkpoint in one line; the agent ends the stopped rank (SIGKILL, 30 s after its
-    SIGTERM); all within the timeout + 60 s of the stop. The run then resumes and ends bit-identical."""
+    SIGTERM); all within the timeout + 60 s of the stop. The checkpoint it names is whole (its manifest verifies):
+    what a resume from it gives is the kill tests' claim (a killed worker's run, below, resumes it)."""
+    from training.manifest import verify_checkpoint
+    from training.resume import find_resume_point
+
     out = tmp_path / "run"
     proc = launch(ARGS + ["--out_dir", str(out), "--collective_timeout", "10"], nproc=2,
                   fault="stop_rank_1_after_step:5", background=True)
@@ -103,9 +107,7 @@ def test_a_hung_worker_ends_the_run_within_the_timeout_in_one_line_and_the_resum
                                    f"last checkpoint is {out / 'checkpoints' / 'step_000003'}: continue with --resume "
                                    "latest"], output[-5000:]
     assert_no_worker_traceback(output)
-    launch(ARGS + ["--out_dir", str(out)], nproc=2)
-    assert_same_weights(reference, out)
-    assert_each_step_once(out, reference)
+    verify_checkpoint(find_resume_point("latest", out))
 
 
 @pytest.mark.slow

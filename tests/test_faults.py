@@ -332,13 +332,13 @@ def test_an_error_of_every_rank_is_printed_when_rank_0_is_the_slowest(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_two_process_errors_print_once(reference, tmp_path):
-    """A config error (every rank parses it alike) and a refusal found during setup (the ranks agree on it)."""
+def test_two_process_errors_print_once(tmp_path):
+    """A refusal found during setup (the ranks agree on it), under torchrun rather than accelerate: printed once. (A
+    config error, which every rank parses alike: the test above.)"""
     finished = tmp_path / "finished"
     (finished / "final").mkdir(parents=True)
     (finished / "final" / "config.json").write_text("{}")
-    cases = [(["--lr", "-1"], "error: --lr must be positive"),
-             (["--out_dir", str(finished), "--resume", "latest"], "holds a finished run (final/)")]
+    cases = [(["--out_dir", str(finished), "--resume", "latest"], "holds a finished run (final/)")]
     script = ";".join([
         "import os, runpy, sys",
         "sys.argv = ['train.py', *sys.argv[1:]]",

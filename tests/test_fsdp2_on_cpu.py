@@ -1,11 +1,11 @@
-"""Our FSDP-specific code on a model really sharded by torch's FSDP2 (`fully_shard` on gloo), since
-accelerate applies FSDP only on accelerator devices (with a CPU it silently trains plain DDP).
+"""Our FSDP-specific code on a model sharded by torch's FSDP2 itself (`fully_shard` on gloo, no accelerate), with
+activation checkpointing inside the sharded blocks: train_step's global gradient norm as a DTensor
+(`.full_tensor()`), accumulation with sharded gradients, validation loss and HellaSwag running forwards on every
+rank of the sharded model, and the full state dict gathered from shards, against one process.
 
-Covered here: train_step's global gradient norm as a DTensor (`.full_tensor()`), accumulation with
-sharded gradients, validation loss and HellaSwag running forwards on every rank of a sharded model,
-and the full state dict gathered from shards. Not covered without a GPU: accelerate's FSDP plugin
-itself (wrapping, its sharded `save_state`/`load_state`, `get_state_dict` for the final export); those
-are a stage of `benchmarks/gpu_acceptance.py`.
+The same without activation checkpointing is train.py's own FSDP2 run through accelerate's plugin
+(test_engines: the step, the validation loss, the gathered export) and its 2-D run with HellaSwag
+(test_tensor_parallel); this file keeps the case those do not run.
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ SCRIPT = REPO_ROOT / "tests" / "fixtures" / "fsdp" / "fsdp2_steps.py"
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("recompute", [[], ["activation_checkpointing"]], ids=["plain", "activation_checkpointing"])
-def test_fsdp2_sharded_step_and_evaluations_equal_one_process(tmp_path, recompute):
-    """With activation checkpointing too (`GPT.activation_checkpointing` on the sharded model): the same step."""
+def test_fsdp2_sharded_step_with_activation_checkpointing_and_evaluations_equal_one_process(tmp_path):
+    """`GPT.activation_checkpointing` on the sharded model: the one-process step, evaluations and weights."""
+    recompute = ["activation_checkpointing"]
     sys.path.insert(0, str(SCRIPT.parent))
     import fsdp2_steps as ref_script  # the same config and data, run here on one process without sharding
 

@@ -13,7 +13,7 @@ import torch
 from conftest import REPO_ROOT
 
 from benchmarks.memory_plan import measure_in_subprocess
-from common.errors import UserError
+from common.errors import UserError, run_cli
 from configs import parse_config
 from model import GPT, GPTConfig
 from training.memory_plan import (
@@ -179,8 +179,22 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
                           env={**os.environ, **OFFLINE, **(env or {})})
 
 
+def in_process(entry, argv: list[str], monkeypatch, capsys) -> subprocess.CompletedProcess:
+    """A CLI's entry point (`run_cli(entry)`, as its `__main__` runs it) with `argv`, in this process: its exit
+    status and what it printed."""
+    monkeypatch.setattr(sys, "argv", ["prog", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(entry)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, exit_info.value.code or 0, out, err)
+
+
 @pytest.mark.slow
-def test_cli_prints_the_plan_and_its_verdict():
+def test_cli_prints_the_plan_and_its_verdict(monkeypatch, capsys):
+    """`python -m benchmarks.memory_plan` as a user runs it once; its other answers from the same entry point in
+    this process (no interpreter start each)."""
+    from benchmarks.memory_plan import cli
+
     proc = run("-m", "benchmarks.memory_plan", "--model", "gpt2-xl", "--micro_batch_size", "4", "--block_size",
                "1024", "--processes", "8", "--fsdp", "--activation_checkpointing", "--optimizer", "adamw",
                "--dtype", "bf16")
@@ -188,13 +202,13 @@ def test_cli_prints_the_plan_and_its_verdict():
     for words in ("computed from the shapes, not measured", "parameters", "gradients", "optimizer state",
                   "activations per layer", "activations", "loss (chunked)", "total", "fits: yes"):
         assert words in proc.stdout
-    proc = run("-m", "benchmarks.memory_plan", "--model", "gpt2-xl", "--micro_batch_size", "64", "--processes", "8")
+    proc = in_process(cli, ["--model", "gpt2-xl", "--micro_batch_size", "64", "--processes", "8"], monkeypatch, capsys)
     assert proc.returncode == 1 and "fits: NO: micro-batch 64 needs" in proc.stdout
     assert "lower --micro_batch_size to" in proc.stdout
     for bad, says in ((["--model", "gpt5"], "--model 'gpt5'"), (["--micro_batch_size", "0"], "--micro_batch_size"),
                       (["--processes", "-1"], "--processes"), (["--device_memory", "0"], "--device_memory"),
                       (["--fsdp", "--zero", "3"], "drop --fsdp or --zero")):
-        proc = run("-m", "benchmarks.memory_plan", *bad)
+        proc = in_process(cli, bad, monkeypatch, capsys)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr
 
 
@@ -253,7 +267,9 @@ def test_train_plan_says_which_device_it_plans_for(monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_train_plan_prints_before_anything_is_built(tmp_path):
+def test_train_plan_prints_before_anything_is_built(tmp_path, monkeypatch, capsys):
+    import train
+
     out = tmp_path / "run"
     env = {"WORLD_SIZE": "8", "ACCELERATE_USE_FSDP": "true", "ACCELERATE_MIXED_PRECISION": "bf16"}
     proc = run("train.py", "--config", "configs/gpt2_1558m_fineweb_edu.yaml", "--out_dir", str(out), "--plan", env=env)
@@ -261,8 +277,11 @@ def test_train_plan_prints_before_anything_is_built(tmp_path):
     assert "Memory plan (computed from the shapes, not measured): 48 layers x 1600 wide" in proc.stdout
     assert "8 process(es), FSDP2, bf16 autocast" in proc.stdout and "accumulation 8" in proc.stdout
     assert "fits: yes" in proc.stdout and not out.exists()
-    proc = run("train.py", "--config", "configs/gpt2_1558m_fineweb_edu.yaml", "--out_dir", str(out), "--plan",
-               "--micro_batch_size", "64", env={**env, "ACCELERATE_USE_FSDP": "false"})
+    for key, value in {**env, "ACCELERATE_USE_FSDP": "false"}.items():  # the second answer in this process
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(REPO_ROOT)
+    proc = in_process(train.main, ["--config", "configs/gpt2_1558m_fineweb_edu.yaml", "--out_dir", str(out), "--plan",
+                                   "--micro_batch_size", "64"], monkeypatch, capsys)
     assert proc.returncode == 0 and "fits: NO: micro-batch 64 needs" in proc.stdout
     assert "lower --micro_batch_size to 8" in proc.stdout and not out.exists()  # 64 / 8: it divides the batch
     assert plan_memory(model_config("gpt2-xl", 1024), Launch(8, processes=8, accumulation=8)).peak < 80 * GiB
@@ -387,6 +406,7 @@ print(status("VmHWM") - base)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows,vocab", [(1, 50257), (12, 1024)])
 def test_an_evaluation_forward_adds_what_the_plan_says(rows, vocab):
     """A no-grad forward with the chunked loss, GPT-2's width, every tensor mmapped (so the RSS counts the bytes

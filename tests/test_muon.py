@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, assert_same_weights, launch, read_metrics, run_in_process
+from conftest import TINY, assert_same_weights, launch, read_metrics, resume_copy, run_in_process
 
 from configs import ModelConfig, OptimConfig
 from model import GPT, GPTConfig
@@ -206,12 +206,12 @@ def test_muon_run_exports_an_ordinary_gpt2(muon_run):
 
 
 @pytest.mark.slow
-def test_muon_resume_after_kill_is_bit_exact(muon_run, tmp_path):
+def test_muon_resumes_its_own_checkpoint_bit_exact(muon_run, tmp_path):
+    """Both optimizers' states (Muon's momentum, AdamW's moments) restored from the run's checkpoint of step 2
+    (conftest.resume_copy): the uninterrupted run's weights, bit for bit."""
     reference, _ = muon_run
     out = tmp_path / "run"
-    killed = launch(MUON_ARGS + ["--out_dir", str(out)], fault="kill_after_step:3", check=False)
-    assert killed.returncode != 0 and not (out / "final").exists()
-    resumed = launch(MUON_ARGS + ["--out_dir", str(out), "--resume", "latest"])
+    resumed = launch(MUON_ARGS + resume_copy(reference, 2, out))
     assert f"resumed from {out / 'checkpoints' / 'step_000002'}" in resumed.stdout + resumed.stderr
     assert_same_weights(reference, out)
 

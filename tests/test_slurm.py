@@ -18,7 +18,15 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import DDP_ARGS, REPO_ROOT, assert_same_weights, assert_weights_within_rounding, free_port, read_metrics
+from conftest import (
+    DDP_ARGS,
+    REPO_ROOT,
+    assert_same_weights,
+    assert_weights_within_rounding,
+    free_port,
+    launch,
+    read_metrics,
+)
 
 FAKE_SRUN = r"""#!/bin/bash
 # srun --nodes N --ntasks-per-node 1 [--kill-on-bad-exit=1] CMD...: one task per node, here all on localhost
@@ -129,10 +137,7 @@ def test_two_nodes_train_like_one_process(two_node_run, tmp_path):
     """The same global batches on one process (accumulation 4): equal to float rounding (the gradient is
     summed in another order across processes, so not bit for bit; see DDP_ARGS in tests/conftest.py)."""
     out = tmp_path / "single"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "train.py", *ARGS, "--out_dir", str(out)], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    launch(ARGS + ["--out_dir", str(out)])
     assert_weights_within_rounding(two_node_run, out)
 
 
