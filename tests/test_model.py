@@ -228,3 +228,30 @@ def test_output_layer_runs_in_fp32_outside_training_under_bf16_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits, _ = model(x, x, all_logits=True)
     assert logits.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "activation_checkpointing"])
+def test_no_path_modifies_a_blocks_output_in_place(recompute):
+    """FSDP2 warns that a wrapped block returns a view (its k and v are views of the c_attn projection) and that an
+    in-place op on such an output would silently drop the pre-backward hook and skip the all-gather. No path does
+    one: every block output keeps its version counter (bumped by any in-place op) through a training forward and
+    backward (with activation checkpointing too), an evaluation, and generation that extends the KV cache."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=16, block_size=16, dropout=0.1))
+    model.activation_checkpointing = recompute
+    outputs: list[tuple[torch.Tensor, int]] = []
+
+    def record(module, args, output):
+        x, kv = output
+        outputs.extend((t, t._version) for t in (x, *kv))
+
+    for block in model.transformer.h:
+        block.register_forward_hook(record)
+    idx = torch.randint(0, 64, (2, 12))
+    model.train()
+    model(idx[:, :-1], idx[:, 1:])[1].backward()
+    model.eval()
+    with torch.no_grad():
+        model(idx[:, :-1], idx[:, 1:])
+    model.generate(idx[:, :4], max_new_tokens=6, temperature=0)
+    assert len(outputs) >= 3 * 2 * 3 and all(t._version == version for t, version in outputs)
