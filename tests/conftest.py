@@ -430,11 +430,17 @@ pytest_runtest_logreport = tiers.pytest_runtest_logreport
 pytest_terminal_summary = tiers.pytest_terminal_summary
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks (conftest.py loads before it)
 def pytest_collection_modifyitems(config, items):
     """Under `--dist loadgroup` (the README's command), the tests that use a module-scoped fixture of their file (a
     run of that file's own, a loopback Hub) go to one worker together, so that it is built once, as without
     xdist; every other test goes to whichever worker is free. The session fixtures above are shared by their
-    file lock instead. Without xdist the mark does nothing. Before that, the marks of the tiers are checked."""
+    file lock instead. Without xdist the mark does nothing. Before that, the marks of the tiers are checked.
+
+    tryfirst: pytest loads this conftest (the testpaths') before xdist's worker plugin, so without it xdist names
+    the groups first and sees no mark: each module fixture was then built once per worker that ran one of its tests
+    (seen 2026-11-26: the two-node SLURM job, the elastic reference, the LoRA reference, the acceptance smoke run,
+    twice each)."""
     tiers.pytest_collection_modifyitems(config, items)
     for item in items:
         fixtures = getattr(item, "_fixtureinfo", None)
