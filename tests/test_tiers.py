@@ -102,9 +102,9 @@ def test_free(i):
 @pytest.mark.slow
 def test_loadgroup_keeps_a_module_fixtures_tests_on_one_worker(tmp_path):
     """conftest.py's groups under the README's `-n 2 --dist loadgroup`, with the pytest and pytest-xdist installed:
-    the tests that use a module-scoped fixture run on one worker, which builds it once. pytest 9 with pytest-xdist
-    3.8 drops the groups from pytest 9.2 on, without a word (pyproject.toml pins pytest below it), as did this conftest's hook before it
-    ran ahead of xdist's: each worker then built the fixture (the two-node SLURM job, the elastic reference)."""
+    the tests that use a module-scoped fixture run on one worker, which builds it once. pytest-xdist 3.8 drops the
+    groups without a word under pytest 9.2 (pyproject.toml pins pytest below it), as it did while this conftest's
+    hook ran after xdist's: each worker then built the fixture (the two-node SLURM job, the elastic reference)."""
     import subprocess
     import sys
 
