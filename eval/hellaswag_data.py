@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import UserError
-from common.network import reaching_the_hub
+from common.network import offline_mode, reaching_the_hub
 
 HUB_DATASET = "Rowan/hellaswag"
 N_ENDINGS = 4
@@ -97,6 +97,10 @@ def _load_hub(flag: str) -> list[Any]:
                         f"install it or pass a local jsonl with {flag}") from err
     try:
         with reaching_the_hub(f"load {HUB_DATASET}", f"pass a local HellaSwag jsonl with {flag}"):
+            if not offline_mode():  # one request first: a Hub out of reach answers at once, where datasets'
+                from huggingface_hub import HfApi  # download retries for about 25 s before it says so
+
+                HfApi().dataset_info(HUB_DATASET)
             return list(datasets.load_dataset(HUB_DATASET, split="validation"))
     except UserError:
         raise

@@ -31,8 +31,8 @@ COMMANDS = {
     "train.py --init_from": ([*RUN, "--init_from", "gpt2", "--out_dir", "{tmp}/run"], "to download model gpt2 "),
     "eval.val_loss --model": (["-m", "eval.val_loss", "--model", "gpt2@main"], "to download model gpt2@main "),
     "model.sample": (["-m", "model.sample", "--model", "gpt2", "--prompt", "Hello"], "to download model gpt2 "),
-    # (about 25 s: huggingface_hub tries a download that is not cached 5 more times; train.py's --hellaswag_every
-    # without --hellaswag_data goes through the same `load_items`)
+    # (train.py's --hellaswag_every without --hellaswag_data goes through the same `load_items`, which asks the Hub
+    # once before datasets' download, whose retries took about 25 s to give up)
     "eval.hellaswag": (["-m", "eval.hellaswag", "--model", "{base}", "--limit", "2"], "to load Rowan/hellaswag "),
     "publish.hub": (["-m", "publish.hub", "--run_dir", "{run}", "--hub_model_id", "alice/tiny"],
                     "push to alice/tiny failed: could not reach the Hub at {endpoint} "),
