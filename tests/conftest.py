@@ -1,10 +1,12 @@
 """Shared test setup: everything runs offline, on the CPU, with the repo root importable.
 
-The helpers every end-to-end test uses (a tiny model's flags, `launch` for a train.py process, weight and metric
-comparisons, `run_in_process` for a refusal) and the reference runs (`uninterrupted`, `ddp_run`) and tiny HF
-GPT-2 folder (`tiny_hf_gpt2`), which are built once per pytest session and shared by every file that compares
-against them; and `project_files`, the project's own files for the tests that read the code (never a virtual
-environment or a run's output inside the clone). Plain helpers are imported as `from conftest import ...`;
+The helpers every end-to-end test uses (a tiny model's flags, `launch` for a train.py run, in this process where
+the claim allows, `resume_copy` for a feature's resume, weight and metric comparisons, bit for bit or to float
+rounding with the bounds of tests/bounds.py, `run_in_process` for a refusal) and the reference runs
+(`uninterrupted`, `single_run`, `ddp_run`) and tiny HF GPT-2 folder (`tiny_hf_gpt2`), which are built once per
+pytest session and shared by every file that compares against them; `project_files`, the project's own files for
+the tests that read the code (never a virtual environment or a run's output inside the clone); and the hooks of
+the tiers (tests/tiers.py) and of xdist's groups. Plain helpers are imported as `from conftest import ...`;
 fixtures are found by name.
 
 Under pytest-xdist the session fixtures are built once for all workers: the first worker to need one builds it

@@ -28,9 +28,6 @@ number of attempts is unchanged), for the tests that exhaust them.
 
 ENGINE_SHIM=1 (environment): a DeepSpeed or FSDP accelerate config runs on this CPU machine, on gloo
 (tests/engine_shim.py); ENGINE_PROBE (a folder) then receives each rank's parameter and optimizer-state sizes.
-
-FAKE_HUB_PARQUET (environment, comma-separated files): any Hub dataset id streams these local parquet files
-instead (the streaming path of train.py, offline).
 """
 import importlib.util
 import os
@@ -217,17 +214,5 @@ if os.environ.get("NO_RETRY_WAIT"):
     datasets.config.STREAMING_READ_RETRY_INTERVAL = datasets.config.STREAMING_READ_SERVER_UNAVAILABLE_RETRY_INTERVAL = 0
     streaming.RETRY_WAIT = 0.0
 
-if os.environ.get("FAKE_HUB_PARQUET"):
-    import data.source as source
-    import data.streaming as streaming
-    from data.hub import HubData
-
-    open_hub_stream = streaming.open_hub_stream
-
-    def open_local_parquet(name, config, split="train", data_files=None, revision=None):
-        return open_hub_stream("parquet", None, "train", data_files=os.environ["FAKE_HUB_PARQUET"].split(","))
-
-    streaming.open_hub_stream = source.open_hub_stream = open_local_parquet  # where it is defined and where it is used
-    source.locate_hub_dataset = lambda name, config, revision: HubData(name, "0" * 40, config)  # no Hub to ask
 
 train.run_cli(train.main)

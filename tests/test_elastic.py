@@ -152,9 +152,10 @@ def test_a_crash_of_one_rank_keeps_its_traceback_and_stops_after_the_first_resta
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_a_worker_killed_more_often_than_the_restarts_allow_leaves_the_last_checkpoint_intact(reference, tmp_path):
+def test_a_worker_killed_more_often_than_the_restarts_allow_leaves_the_last_checkpoint_intact(tmp_path):
     """Rank 1 killed after step 5 in every attempt, --max_restarts 1: the agent gives up after the restart (exit
-    status 1), the checkpoint of step 3 is whole (its manifest verifies) and a later launch finishes exactly."""
+    status 1), and the checkpoint of step 3, the only one, is whole (its manifest verifies): what a resume from it
+    gives is the killed-worker cases' claim (each resumes step 3 and ends bit-identical)."""
     from training.manifest import verify_checkpoint
     from training.resume import find_resume_point
 
@@ -167,9 +168,6 @@ def test_a_worker_killed_more_often_than_the_restarts_allow_leaves_the_last_chec
                                             "continue with --resume latest"), output[-5000:]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000003"]
     verify_checkpoint(find_resume_point("latest", out))
-    launch(ARGS + ["--out_dir", str(out)], nproc=2)
-    assert_same_weights(reference, out)
-    assert_each_step_once(out, reference)
 
 
 def test_the_line_names_the_silent_ranks_the_step_and_what_happens_next(tmp_path):

@@ -62,11 +62,12 @@ def test_token_shards_through_train_py_resume_exactly(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_streamed_dataset_through_train_py_resumes_exactly_twice(tmp_path):
+def test_a_streamed_dataset_through_train_py_resumes_exactly_twice(tmp_path, monkeypatch):
     """The Hub streaming path (datasets' IterableDataset, resumed from its state_dict plus carried-over
-    tokens), fed by local parquet files in place of a Hub id; resumed twice."""
+    tokens), fed by local parquet files in place of a Hub id (tests/fake_streams.py); resumed twice, in process."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from fake_streams import stream_local_parquet
 
     # More documents than the stream holds out for validation (the first 1,000).
     lines = [line for line in (Path(__file__).parents[1] / "data" / "tinyshakespeare.txt").read_text().split("\n\n")
@@ -77,9 +78,9 @@ def test_a_streamed_dataset_through_train_py_resumes_exactly_twice(tmp_path):
         path = tmp_path / f"part{i}.parquet"
         pq.write_table(pa.table({"text": lines[i::2]}), path, row_group_size=100)
         files.append(str(path))
-    env = {"FAKE_HUB_PARQUET": ",".join(files)}
+    stream_local_parquet(files, monkeypatch)
     args = SOURCE_ARGS + ["--dataset", "someone/a-streamed-corpus"]
     reference, out = tmp_path / "ref", tmp_path / "run"
-    launch(args + ["--out_dir", str(reference)], extra_env=env)
-    _resumed_twice(reference, out, args, env)
+    launch(args + ["--out_dir", str(reference)])
+    _resumed_twice(reference, out, args)
     assert_same_weights(reference, out)
