@@ -451,15 +451,3 @@ def pytest_collection_modifyitems(config, items):
         scopes = {d.scope for defs in fixtures.name2fixturedefs.values() for d in defs}
         if scopes & {"module", "class", "package"}:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-    # The longest first, so that no worker starts a minute-long launch while the other has nothing left to do: the
-    # files with multi-process tests, then those with other slow tests, then the rest; each file's tests stay
-    # together and in their order (a module fixture is built once without xdist too). xdist hands out work in
-    # this order.
-    def weight(item) -> int:
-        return 0 if item.get_closest_marker("multiprocess") else 1 if item.get_closest_marker("slow") else 2
-
-    files: dict[str, int] = {}
-    for item in items:
-        file = item.nodeid.split("::")[0]
-        files[file] = min(files.get(file, 2), weight(item))
-    items.sort(key=lambda item: files[item.nodeid.split("::")[0]])
