@@ -104,7 +104,9 @@ def measure(shape: Shape, folder: Path, device: str, hellaswag_data: str) -> dic
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
-        raise UserError(f"the run failed (exit {os.waitstatus_to_exitcode(status)}); see {log}")
+        # the folder may be a temporary one, gone when this exits: the log's end goes to stderr first
+        print(log.read_text(errors="replace")[-4000:], file=sys.stderr)
+        raise UserError(f"the run failed (exit {os.waitstatus_to_exitcode(status)}); its log's end is above ({log})")
     ranks = [json.loads((reports / f"rank{r}.json").read_text()) for r in range(shape.processes)]
     return {"ranks": ranks, "max_rss": usage.ru_maxrss * 1024}
 
