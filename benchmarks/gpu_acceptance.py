@@ -1,5 +1,6 @@
 """The GPU acceptance run: what a session with a GPU runs first, and CI runs small (`--smoke`).
 
+    python benchmarks/gpu_acceptance.py --lease --out DIR          # a GPU window: one call, at most 7 minutes
     python benchmarks/gpu_acceptance.py --out DIR                  # one H100: at most 20 minutes (--budget)
     python benchmarks/gpu_acceptance.py --smoke --out DIR          # CPU, tiny model: 1-2 minutes (CI)
     python benchmarks/gpu_acceptance.py --out DIR --stages hellaswag,step_eager   # some stages only
@@ -13,6 +14,18 @@ Each stage is its own subprocess with its own time limit, so a crash, a hang or 
 costs that stage only; a stage past its limit is ended and reported as `timeout`. The stages reuse the
 project's own entry points: pytest, `benchmarks.bench_train` (train.py's step against a bare PyTorch loop),
 `accelerate launch ... train.py` (through tests/fault_train.py for the kill), `benchmarks.bench_hellaswag`.
+
+The lease (`--lease`): what a short GPU window runs, one call. The stages run by priority (LEASE_ORDER: versions and
+device, the compiled step, a real single-GPU run killed and resumed, FSDP2, HellaSwag, then what time is left), each
+under its lease budget (`Stage.lease_budget_s`); a stage whose budget no longer fits in what is left of the call
+(LEASE_BUDGET_S, a minute short of the 8-minute call LEASE_CALL_S) is not started and waits for the next call. A
+later call with the same --out continues: the stages that passed are kept, and the ones never tried come before the
+ones that failed, so one broken stage does not take every window. benchmarks/prepare_lease.py fills the folder that
+travels (the HellaSwag file, DeepSpeed's wheel) and prints the command.
+
+Compile once: every stage runs with inductor's caches (FX graph, AOT autograd, Triton kernels) in one folder of
+the call (`work/compile_cache`), so the second compiled stage finds the first one's kernels; each stage's report
+says how many files the cache held after it.
 
 Script or module: `python benchmarks/gpu_acceptance.py` (the form outside scripts use) and
 `python -m benchmarks.gpu_acceptance` both work without a sys.path edit or a re-exec, because this file
@@ -34,6 +47,7 @@ limit for the whole call unless `--budget` is given (the GPU run's default is 20
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -65,6 +79,24 @@ ENGINE_STAGES = {"fsdp": ("fsdp_8gpu.yaml", "FSDP"), "zero3": ("zero3_8gpu.yaml"
 SMOKE_HANG_FACTOR = 5
 # The GPU run's default --budget for the whole call: 20 minutes.
 GPU_RUN_BUDGET_S = 1200.0
+# The lease: one device call of at most 8 minutes, and the stages' whole budget a minute short of it, so that the
+# call ends with a minute to spare (the env stage's import and the copy of the report fit in that minute).
+LEASE_CALL_S = 480.0
+LEASE_SPARE_S = 60.0
+LEASE_BUDGET_S = LEASE_CALL_S - LEASE_SPARE_S
+# What matters most comes first; after hellaswag, whatever the time left allows.
+LEASE_ORDER = ("env", "step_compile", "train_resume", "fsdp", "hellaswag",
+               "zero3", "step_eager", "tensor_parallel", "memory_plan", "tests")
+LEASE_FIRST = LEASE_ORDER[:5]  # the stages a lease call must always have time for
+# The versions the device image holds, which the lease's budgets were sized on, and the stages a different version
+# puts in question (the figures would be another version's; a stage may also break).
+DEVICE_VERSIONS = {"torch": "2.11", "transformers": "5.17", "accelerate": "1.15"}
+VERSION_AFFECTS = {
+    "torch": ("step_compile", "train_resume", "fsdp", "hellaswag", "zero3", "step_eager", "tensor_parallel",
+              "memory_plan", "tests"),
+    "transformers": ("tests", "train_resume", "fsdp", "zero3", "tensor_parallel"),  # HF parity and the export
+    "accelerate": ("step_compile", "train_resume", "fsdp", "zero3", "tensor_parallel", "memory_plan"),
+}
 
 # Targets of issue 11 (one H100); judged only in the full (non-smoke) run.
 TARGET_TOK_S = 550_000
@@ -82,12 +114,23 @@ class Ctx:
     out: Path
     work: Path
     hellaswag_data: str | None
+    lease: bool = False
     log_tail: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def compile_cache(self) -> Path:
+        return self.work / "compile_cache"
+
+    def cache_env(self) -> dict[str, str]:
+        """Inductor's on-disk caches in one folder of the call, shared by every stage (the module docstring)."""
+        return {"TORCHINDUCTOR_CACHE_DIR": str(self.compile_cache),
+                "TRITON_CACHE_DIR": str(self.compile_cache / "triton"),
+                "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
 
     def sh(self, stage: str, cmd: list[str], timeout: float, env: dict[str, str] | None = None,
            check: bool = True) -> subprocess.CompletedProcess:
         """Run `cmd` in the repo root; its output (stdout and stderr together) is kept for the report."""
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.cache_env(), **(env or {})}
         log = self.work / f"{stage}.log"
         with open(log, "a") as f:
             f.write(f"$ {' '.join(cmd)}\n")
@@ -114,6 +157,7 @@ class Stage:
     name: str
     proves: str
     budget_s: float  # the full run's time limit
+    lease_budget_s: float  # --lease's (its shorter runs)
     smoke_budget_s: float  # --smoke's, not asserted: its limit is SMOKE_HANG_FACTOR times this (a hang)
     run: Callable[[Ctx, float], dict]
     headline: tuple[str, ...] = ()  # the figures shown in acceptance.md (the JSON has them all)
@@ -122,7 +166,7 @@ class Stage:
 # ---- the stages -----------------------------------------------------------------------------------------
 
 ENV_SCRIPT = """
-import json, importlib, importlib.util, platform, datetime
+import json, importlib, importlib.metadata, importlib.util, platform, datetime
 import torch
 out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
        "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -137,6 +181,10 @@ for name in ("accelerate", "transformers", "tiktoken", "safetensors", "evaluate"
             out[name] = importlib.import_module(name).__version__
         except Exception as err:
             out[name] = f"import fails: {type(err).__name__}"
+try:  # its version only: importing it takes seconds, and the zero3 stage imports it
+    out["deepspeed"] = importlib.metadata.version("deepspeed")
+except importlib.metadata.PackageNotFoundError:
+    out["deepspeed"] = None
 print("ENV_JSON " + json.dumps(out))
 """
 
@@ -146,7 +194,21 @@ def stage_env(ctx: Ctx, timeout: float) -> dict:
     figures = json.loads(re.findall(r"^ENV_JSON (\{.*\})$", proc.stdout, re.M)[-1])
     if not ctx.smoke and not figures["cuda_available"]:
         raise StageError("no CUDA device visible (use --smoke on a machine without a GPU)")
+    mismatches = version_mismatches(figures)
+    if mismatches:
+        figures["version_mismatches"] = mismatches
     return figures
+
+
+def version_mismatches(versions: dict) -> list[str]:
+    """One line per package whose version is not the device image's that the lease was sized on, naming the
+    stages it puts in question."""
+    lines = []
+    for name, expected in DEVICE_VERSIONS.items():
+        found = versions.get(name) or "missing"
+        if found != expected and not found.startswith(expected + "."):
+            lines.append(f"{name} {found}, not {expected}: affects {', '.join(VERSION_AFFECTS[name])}")
+    return lines
 
 
 # Tests whose code paths differ on CUDA or under bf16: HF parity of the model, the fp32 head under bf16
@@ -170,8 +232,9 @@ def bench_train_args(ctx: Ctx) -> list[str]:
     if ctx.smoke:  # tiny model, bf16 autocast on the CPU; no inductor (its CPU compile alone takes ~45 s here)
         return ["--model", "tiny", "--micro_batch_size", "2", "--grad_accum", "2", "--steps", "2", "--warmup", "1",
                 "--trials", "2", "--device", "cpu", "--mixed_precision", "bf16"]
+    trials = "4" if ctx.lease else "8"
     return ["--model", "gpt2", "--block_size", "1024", "--micro_batch_size", "16", "--grad_accum", "2",
-            "--steps", "16", "--warmup", "2", "--trials", "8", "--device", "cuda", "--mixed_precision", "bf16"]
+            "--steps", "16", "--warmup", "2", "--trials", trials, "--device", "cuda", "--mixed_precision", "bf16"]
 
 
 def step_stage(name: str, compile_: bool) -> Callable[[Ctx, float], dict]:
@@ -214,9 +277,10 @@ def train_args(ctx: Ctx, sharded: bool) -> tuple[list[str], int, int]:
         return (["--n_layer", "2", "--n_head", "2", "--n_embd", "64", "--block_size", "64", "--micro_batch_size", "2",
                  "--total_batch_size", "256", "--max_steps", "6", "--save_every", "2", "--log_every", "1",
                  "--eval_every", "3", "--val_tokens", "256", "--eval_batch_size", "4", "--sample_tokens", "4"], 3, 2)
-    steps, save, kill = (20, 10, 15) if sharded else (40, 20, 30)
+    short = sharded or ctx.lease  # the lease's single-GPU run is the engines' length
+    steps, save, kill = (20, 10, 15) if short else (40, 20, 30)
     return (["--n_layer", "12", "--n_head", "12", "--n_embd", "768", "--block_size", "1024",
-             "--micro_batch_size", "16", "--total_batch_size", str(65536 if sharded else 131072),
+             "--micro_batch_size", "16", "--total_batch_size", str(65536 if short else 131072),
              "--max_steps", str(steps), "--save_every", str(save), "--log_every", "5", "--eval_every", str(save),
              "--val_tokens", "65536", "--sample_tokens", "16"], kill, save)
 
@@ -242,9 +306,11 @@ def train_stage(name: str, processes: int = 1, extra: tuple[str, ...] = ()) -> C
         out_dir = ctx.work / name
         args += ["--out_dir", str(out_dir)]
         figures: dict = {"config": config, "processes": processes, "kill_after_step": kill_at}
+        t0 = time.monotonic()
         killed = ctx.sh(name, [*launch, "tests/fault_train.py", *args], deadline - time.monotonic(),
                         env={"FAULT": f"kill_after_step:{kill_at}"}, check=False)
         figures["killed_exit_code"] = killed.returncode
+        figures["first_run_s"] = time.monotonic() - t0
         header = re.search(r"distributed: (\S+)(?: \(ZeRO-\d\))?( x tensor parallel \d+)? \| precision: (\S+) \| "
                            r"(.+?) \| (\S+)\s*$", killed.stdout, re.M)
         if header:
@@ -308,10 +374,16 @@ def stage_tensor_parallel(ctx: Ctx, timeout: float) -> dict:
     return {**figures, "gpus": count}
 
 
+DEEPSPEED_SKIP = ("skipped: deepspeed is not installed here; benchmarks/prepare_lease.py carries its wheel, "
+                  "or pip install -e \".[deepspeed]\"")
+
+
 def engine_stage(name: str) -> Callable[[Ctx, float], dict]:
     def run(ctx: Ctx, timeout: float) -> dict:
         if ctx.smoke:
             return {"skip_reason": ENGINE_SKIP.format(ENGINE_STAGES[name][1])}
+        if ENGINE_STAGES[name][1] == "DEEPSPEED" and importlib.util.find_spec("deepspeed") is None:
+            return {"skip_reason": DEEPSPEED_SKIP}
         return train_stage(name)(ctx, timeout)
     return run
 
@@ -326,7 +398,8 @@ def stage_hellaswag(ctx: Ctx, timeout: float) -> dict:
         if data is None:
             raise StageError("no HellaSwag data: pass --hellaswag_data or copy ../shared/assets/"
                              f"{HELLASWAG_NAME} to shared/assets/ inside the checkout (docs/benchmarks.md)")
-        args = ["--model", "gpt2", "--batch_sizes", "16,64", "--device", "cuda"]
+        # the lease times the batch size the trainer's evaluation uses most (64) only
+        args = ["--model", "gpt2", "--batch_sizes", "64" if ctx.lease else "16,64", "--device", "cuda"]
     proc = ctx.sh("hellaswag", [PY, "-m", "benchmarks.bench_hellaswag", *args, "--data", data, "--limit", "0",
                                 "--json", str(path)], timeout, check=False)
     if not path.exists():
@@ -351,11 +424,15 @@ def stage_hellaswag(ctx: Ctx, timeout: float) -> dict:
 # 16 x 1024 with activation checkpointing, each phase's torch.cuda.max_memory_allocated against the planner's plan of
 # the run (training.memory_plan.plan_run). One RUN_PLAN line of JSON per run.
 MEMORY_PLAN_SKIP = "skipped: compares torch.cuda.max_memory_allocated with the plan; needs a GPU"
+EVALUATE_SKIP = ("skipped: the runs' HellaSwag evaluation needs the evaluate package, not installed here; "
+                 "benchmarks/prepare_lease.py carries its wheels")
 
 
 def stage_memory_plan(ctx: Ctx, timeout: float) -> dict:
     if ctx.smoke:
         return {"skip_reason": MEMORY_PLAN_SKIP}
+    if importlib.util.find_spec("evaluate") is None:
+        return {"skip_reason": EVALUATE_SKIP}
     data = ctx.hellaswag_data or next((str(p) for p in HELLASWAG_PLACES if p.exists()), None)
     if data is None:
         raise StageError("no HellaSwag data: pass --hellaswag_data or copy ../shared/assets/"
@@ -387,35 +464,35 @@ STEP_FIGURES = ("accelerate_tokens_per_s", "bare_tokens_per_s", "accelerate_over
 TRAIN_FIGURES = ("distributed", "precision", "compiled", "checkpoint_at_kill", "resumed", "tok_per_sec", "mfu",
                  "val_loss", "final_files")
 STAGES = [
-    Stage("env", "versions, device, date (what the figures were measured with)", 120, 60, stage_env,
-          ("date", "device_name", "torch", "cuda", "accelerate", "transformers", "evaluate")),
+    Stage("env", "versions, device, date (what the figures were measured with)", 120, 20, 60, stage_env,
+          ("date", "device_name", "torch", "cuda", "accelerate", "transformers", "deepspeed", "version_mismatches")),
     Stage("tests", "pytest selection (HF parity, fp32 head under bf16 autocast, optimizer groups, accumulation, "
           "MFU): on this machine's torch, but on CPU tensors even with a GPU (the tests pin the CPU)",
-          150, 120, stage_tests, ("passed", "failed", "skipped", "errors")),
+          150, 45, 120, stage_tests, ("passed", "failed", "skipped", "errors")),
     Stage("step_compile", "train.py's train_step vs a bare PyTorch loop: GPT-2 124M, T=1024, bf16, torch.compile, "
           "fused AdamW, TF32 (tokens/s, MFU, peak memory). --smoke: tiny model, bf16, no compile",
-          420, 90, step_stage("step_compile", compile_=True), STEP_FIGURES),
+          420, 115, 90, step_stage("step_compile", compile_=True), STEP_FIGURES),
     Stage("train_resume", "accelerate launch single_gpu.yaml train.py (bf16, inductor): train, SIGKILL after a "
           "checkpoint, --resume latest, export. --smoke: --cpu, no dynamo",
-          360, 150, train_stage("train_resume"), TRAIN_FIGURES),
+          360, 145, 150, train_stage("train_resume"), TRAIN_FIGURES),
     Stage("fsdp", "accelerate launch fsdp_8gpu.yaml --num_processes 1: FSDP2 train, sharded checkpoint, kill, "
-          "resume, full-state-dict export", 300, 10, engine_stage("fsdp"), ("skip_reason", *TRAIN_FIGURES)),
+          "resume, full-state-dict export", 300, 100, 10, engine_stage("fsdp"), ("skip_reason", *TRAIN_FIGURES)),
     Stage("zero3", "accelerate launch zero3_8gpu.yaml --num_processes 1 (pip install -e \".[deepspeed]\"): DeepSpeed "
-          "ZeRO-3 bf16 train, its checkpoint, kill, resume, the fp32 master weights gathered into final/", 300, 10,
-          engine_stage("zero3"), ("skip_reason", *TRAIN_FIGURES)),
+          "ZeRO-3 bf16 train, its checkpoint, kill, resume, the fp32 master weights gathered into final/", 300, 150,
+          10, engine_stage("zero3"), ("skip_reason", *TRAIN_FIGURES)),
     Stage("tensor_parallel", "accelerate launch fsdp_8gpu.yaml --num_processes 2 (or 4: 2-D, FSDP2 over 2 x TP 2) "
           "train.py --tensor_parallel 2: the blocks split over 2 GPUs, bf16, kill, resume from the sharded checkpoint, "
-          "final/ in the HF layout. Needs 2 GPUs or more; --smoke: skipped", 300, 10, stage_tensor_parallel,
+          "final/ in the HF layout. Needs 2 GPUs or more; --smoke: skipped", 300, 30, 10, stage_tensor_parallel,
           ("skip_reason", "gpus", "processes", "tensor_parallel", *TRAIN_FIGURES)),
     Stage("hellaswag", "all 10,042 HellaSwag items (approximate offline copy), GPT-2 124M random weights: speed "
-          "only. --smoke: the 7-item fixture", 240, 60, stage_hellaswag,
+          "only. --smoke: the 7-item fixture", 240, 40, 60, stage_hellaswag,
           ("items", "best_seconds", "best_batch_size", "accuracy_metric", "target_met")),
     Stage("step_eager", "the step_compile measurement with --compile off (what compile buys)",
-          240, 90, step_stage("step_eager", compile_=False), STEP_FIGURES),
+          240, 60, 90, step_stage("step_eager", compile_=False), STEP_FIGURES),
     Stage("memory_plan", "the memory planner's run peak (training.memory_plan.plan_run) against "
           "torch.cuda.max_memory_allocated over whole short eager bf16 runs of train.py (2 steps, validation, "
           "HellaSwag, checkpoint save, export): GPT-2 124M and 350M, and 124M with activation checkpointing; within "
-          "15%. --smoke: skipped (the CPU check is benchmarks/bench_run_memory.py)", 420, 10, stage_memory_plan,
+          "15%. --smoke: skipped (the CPU check is benchmarks/bench_run_memory.py)", 420, 200, 10, stage_memory_plan,
           ("skip_reason", "worst_error")),
 ]
 
@@ -443,6 +520,8 @@ def write_report(out: Path, report: dict) -> None:
     for name, r in report["stages"].items():
         shown = HEADLINES.get(name) or tuple(r.get("figures", {}))
         figures = "; ".join(f"{k} {fmt(r['figures'][k])}" for k in shown if k in r.get("figures", {}))
+        if r.get("compile_cache_files"):
+            figures += f"; compile cache {r['compile_cache_files']} files"
         status = r["status"] + (f": {r['error']}" if r.get("error") else "")
         lines.append(f"| {name} | {status} | {r.get('seconds', 0):.0f} | {figures} | {r['proves']} |")
     c, e = report["stages"].get("step_compile", {}), report["stages"].get("step_eager", {})
@@ -453,18 +532,48 @@ def write_report(out: Path, report: dict) -> None:
     (out / "acceptance.md").write_text("\n".join(lines) + "\n")
 
 
+def call_order(chosen: list[str], earlier: dict, lease: bool) -> list[Stage]:
+    """The stages this call runs, in order. Without --lease: STAGES' order. With it: LEASE_ORDER, leaving out the
+    stages an earlier call passed (env excepted: it records this call's machine), and putting the ones an earlier
+    call failed, timed out or could not start after those never tried."""
+    by_name = {s.name: s for s in STAGES}
+    if not lease:
+        return [s for s in STAGES if s.name in chosen]
+    todo = [n for n in LEASE_ORDER if n in chosen and (n == "env" or earlier.get(n, {}).get("status") != "pass")]
+    tried = {n for n, r in earlier.items() if r.get("status") in ("fail", "timeout")}
+    return [by_name[n] for n in sorted(todo, key=lambda n: (n in tried, LEASE_ORDER.index(n)))]
+
+
+def stage_limit(stage: Stage, smoke: bool, lease: bool) -> tuple[float, float, str]:
+    """(its nominal budget, the limit it is ended at, why that limit) for this kind of call."""
+    if smoke:  # the budget is not asserted, the limit ends a hang (the module docstring, "Time limits")
+        return (stage.smoke_budget_s, SMOKE_HANG_FACTOR * stage.smoke_budget_s,
+                f" ({SMOKE_HANG_FACTOR} x its {stage.smoke_budget_s:.0f} s smoke budget: a hang)")
+    budget = stage.lease_budget_s if lease else stage.budget_s
+    return budget, budget, ""
+
+
+def count_files(folder: Path) -> int:
+    return sum(1 for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="folder for acceptance.json and acceptance.md")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, few steps: the same stages in 1-2 min")
+    p.add_argument("--lease", action="store_true",
+                   help=f"a GPU window: one call of at most {LEASE_CALL_S / 60:.0f} minutes, the stages by priority "
+                   f"({', '.join(LEASE_ORDER)}) within {LEASE_BUDGET_S:.0f} s; a later call with the same --out goes "
+                   "on with the stages not yet passed")
     p.add_argument("--stages", default=",".join(s.name for s in STAGES),
                    help=f"comma-separated subset of {','.join(s.name for s in STAGES)}")
     p.add_argument("--hellaswag_data", help=f"HellaSwag jsonl(.gz); default: {HELLASWAG_NAME} in ../shared/assets "
                    "or shared/assets (full run), the test fixture (--smoke)")
     p.add_argument("--budget", type=float,
-                   help=f"seconds for the whole call (default: {GPU_RUN_BUDGET_S:.0f} for the GPU run; none for "
-                   "--smoke, whose stages' limits only end a hang); each stage gets the smaller of its own limit and "
-                   "what is left, and a stage with under 30 s left is not started")
+                   help=f"seconds for the whole call (default: {GPU_RUN_BUDGET_S:.0f} for the GPU run, "
+                   f"{LEASE_BUDGET_S:.0f} for --lease; none for --smoke, whose stages' limits only end a hang); each "
+                   "stage gets the smaller of its own limit and what is left, and a stage with under 30 s left is not "
+                   "started (--lease: one whose budget does not fit in what is left)")
     p.add_argument("--keep_work", action="store_true", help="keep the runs' folders and logs (in DIR/work)")
     args = p.parse_args()
     chosen = args.stages.split(",")
@@ -477,7 +586,7 @@ def main() -> int:
     # Checkpoints of 124M models (GBs) stay out of DIR unless asked for: DIR is what gets copied back.
     work = out / "work" if args.keep_work else Path(tempfile.mkdtemp(prefix="gpu_acceptance_"))
     work.mkdir(exist_ok=True)
-    ctx = Ctx(smoke=args.smoke, out=out, work=work, hellaswag_data=args.hellaswag_data)
+    ctx = Ctx(smoke=args.smoke, out=out, work=work, hellaswag_data=args.hellaswag_data, lease=args.lease)
     report = {"smoke": args.smoke, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
               "command": " ".join(["python benchmarks/gpu_acceptance.py", *sys.argv[1:]]), "stages": {}}
     previous = out / "acceptance.json"
@@ -488,22 +597,19 @@ def main() -> int:
             report["command"] = old.get("command", "") + " ; " + report["command"]
     whole_call = args.budget
     if whole_call is None and not args.smoke:
-        whole_call = GPU_RUN_BUDGET_S
+        whole_call = LEASE_BUDGET_S if args.lease else GPU_RUN_BUDGET_S
     t_all = time.monotonic()
-    for stage in STAGES:
-        if stage.name not in chosen:
-            continue
+    for stage in call_order(chosen, report["stages"], args.lease):
+        nominal, limit, why = stage_limit(stage, args.smoke, args.lease)
         left = float("inf") if whole_call is None else whole_call - (time.monotonic() - t_all)
-        if left < 30:
-            report["stages"][stage.name] = {"proves": stage.proves, "status": "not run",
-                                            "error": f"under 30 s of --budget {whole_call:.0f} s left", "seconds": 0}
+        if left < 30 or (args.lease and nominal > left):
+            reason = (f"its {nominal:.0f} s do not fit in the {left:.0f} s left of the call; the next call runs it"
+                      if args.lease else f"under 30 s of --budget {whole_call:.0f} s left")
+            report["stages"][stage.name] = {"proves": stage.proves, "status": "not run", "error": reason,
+                                            "seconds": 0}
             write_report(out, report)
+            print(f"[gpu_acceptance] {stage.name}: not run ({reason})", flush=True)
             continue
-        if args.smoke:  # the budget is not asserted, the limit ends a hang (the module docstring, "Time limits")
-            limit = SMOKE_HANG_FACTOR * stage.smoke_budget_s
-            why = f" ({SMOKE_HANG_FACTOR} x its {stage.smoke_budget_s:.0f} s smoke budget: a hang)"
-        else:
-            limit, why = stage.budget_s, ""
         budget = min(limit, left)
         why = why if budget == limit else f" (what was left of --budget {whole_call:.0f} s)"
         print(f"[gpu_acceptance] {stage.name} (at most {budget:.0f} s{why}) ...", flush=True)
@@ -519,6 +625,7 @@ def main() -> int:
         except Exception as err:  # a bug in this script's reading of a stage: report it, go on with the next
             result.update(status="fail", error=f"{type(err).__name__}: {err}")
         result["seconds"] = time.monotonic() - t0
+        result["compile_cache_files"] = count_files(ctx.compile_cache)
         if result["status"] != "pass" and stage.name in ctx.log_tail:
             result["output_tail"] = ctx.log_tail[stage.name]
         report["stages"][stage.name] = result
