@@ -108,8 +108,8 @@ def main() -> None:
         schedule = LRSchedule(cfg.optim.warmup_steps, max_steps, cfg.optim.min_lr_ratio)
         report = StepReport(cfg.log, accelerator, max_steps, progress.step, geometry.tokens_per_step, flops_per_token,
                             clock)
-        accelerator.print(run_header(accelerator, model, n_params, geometry, plan, lora_summary(cfg.model),
-                                     source.describe(), Attempt.of_launch().describe(), layout.degree))
+        accelerator.print(run_header(accelerator, engine, model, n_params, geometry, plan, lora_summary(cfg.model),
+                                     source.describe(), Attempt.of_launch().describe()))
         if accelerator.is_main_process and (warning := schedule.warmup_warning()):
             print(f"warning: {warning}", file=sys.stderr, flush=True)  # the run goes on (a smoke run, say)
         # The loop: one optimizer step, then what is due after it (log line, evals, checkpoint, a signal's stop).

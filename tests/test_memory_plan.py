@@ -168,7 +168,7 @@ def test_a_plan_that_does_not_fit_names_the_setting_to_change():
 def test_bad_input_is_one_line():
     with pytest.raises(UserError, match="--micro_batch_size must be positive"):
         Launch(0)
-    with pytest.raises(UserError, match="Muon is refused under FSDP"):
+    with pytest.raises(UserError, match="--optimizer muon is not supported under FSDP2"):
         Launch(1, processes=8, fsdp=True, optimizer="muon")
     with pytest.raises(UserError, match="choose one of"):
         model_config("gpt5")

@@ -24,6 +24,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from common.errors import UserError
+from training.support import DDP, DEEPSPEED, FAMILY_NAMES, FSDP, engine_name, refusal
 
 
 def _env_flag(name: str) -> bool:
@@ -37,28 +38,31 @@ class Engine:
     `zero_stage`: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters); `tensor_parallel`:
     the ranks each block's matrices are split over (`training.tensor_parallel`; more than 1 under FSDP2 only)."""
 
-    kind: str = "ddp"
+    kind: str = DDP
     zero_stage: int = 0
     tensor_parallel: int = 1
 
     @property
     def name(self) -> str:
-        name = {"ddp": "DDP", "fsdp": "FSDP2"}.get(self.kind, f"DeepSpeed ZeRO-{self.zero_stage}")
-        return name + (f" x tensor parallel {self.tensor_parallel}" if self.tensor_parallel > 1 else "")
+        return engine_name(self.kind, self.zero_stage, self.tensor_parallel)
+
+    def refusal(self, feature: str) -> str | None:
+        """`training.support`'s refusal of `feature` under this engine, or None where it runs."""
+        return refusal(feature, self.kind, self.zero_stage, self.tensor_parallel)
 
     @property
     def shards_parameters(self) -> bool:
         """Whether no rank holds the whole model between forwards (every rank must then run every forward)."""
-        return self.kind == "fsdp" or (self.kind == "deepspeed" and self.zero_stage == 3)
+        return self.kind == FSDP or (self.kind == DEEPSPEED and self.zero_stage == 3)
 
     @classmethod
     def of(cls, accelerator: Accelerator, tensor_parallel: int = 1) -> Engine:
         """The engine this process's Accelerator runs, with `--tensor_parallel`'s degree."""
         if accelerator.distributed_type == DistributedType.DEEPSPEED:
-            return cls("deepspeed", int(accelerator.state.deepspeed_plugin.zero_stage), tensor_parallel)
+            return cls(DEEPSPEED, int(accelerator.state.deepspeed_plugin.zero_stage), tensor_parallel)
         if accelerator.distributed_type == DistributedType.FSDP:
-            return cls("fsdp", tensor_parallel=tensor_parallel)
-        return cls("ddp", tensor_parallel=tensor_parallel)
+            return cls(FSDP, tensor_parallel=tensor_parallel)
+        return cls(DDP, tensor_parallel=tensor_parallel)
 
     @classmethod
     def of_record(cls, record: dict[str, object]) -> Engine:
@@ -84,10 +88,10 @@ def requested_engine() -> str:
     """The engine the accelerate config asked for, as `accelerate launch` tells its processes: "deepspeed", "fsdp"
     or "ddp" (any other config, and no launch at all)."""
     if _env_flag("ACCELERATE_USE_DEEPSPEED"):
-        return "deepspeed"
+        return DEEPSPEED
     if _env_flag("ACCELERATE_USE_FSDP"):
-        return "fsdp"
-    return "ddp"
+        return FSDP
+    return DDP
 
 
 def launch_engine() -> Engine:
@@ -95,7 +99,7 @@ def launch_engine() -> Engine:
     `train.py --plan`): its kind, and for DeepSpeed the ZeRO stage of the config (`zero_stage`, or the
     `zero_optimization.stage` of its `deepspeed_config_file`)."""
     kind = requested_engine()
-    if kind != "deepspeed":
+    if kind != DEEPSPEED:
         return Engine(kind)
     stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
     config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
@@ -105,7 +109,7 @@ def launch_engine() -> Engine:
         except (OSError, ValueError) as err:
             raise UserError(f"cannot read the DeepSpeed config {config_file} ({err}); fix the path in the "
                             "accelerate config") from None
-    return Engine("deepspeed", int(stage or 0))
+    return Engine(DEEPSPEED, int(stage or 0))
 
 
 _FIX = ("DeepSpeed and FSDP run on GPUs; on a CPU, launch with accelerate_configs/cpu_2proc.yaml (DDP on gloo), "
@@ -116,8 +120,8 @@ def refuse_engine_on_cpu() -> None:
     """A DeepSpeed or FSDP config that also asks for the CPU (`use_cpu: true`, ACCELERATE_USE_CPU): accelerate
     would train plain DDP (FSDP) or stop with an AttributeError of its own (DeepSpeed)."""
     asked = requested_engine()
-    if asked != "ddp" and os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes"):
-        name = "DeepSpeed" if asked == "deepspeed" else "FSDP"
+    if asked != DDP and os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes"):
+        name = FAMILY_NAMES[asked]
         raise UserError(f"the accelerate config asks for {name} and for the CPU (use_cpu / ACCELERATE_USE_CPU), "
                         f"which accelerate runs as plain DDP, not {name}; {_FIX}")
 
@@ -126,7 +130,7 @@ def check_world_size(launched: int, joined: int) -> None:
     """A launch of `launched` processes whose ranks each came up alone (`joined` 1): accelerate found no
     backend for the config's engine on this machine, and every rank would train the whole batch by itself."""
     if launched > 1 and joined != launched:
-        engine = {"deepspeed": "DeepSpeed", "fsdp": "FSDP"}.get(requested_engine(), "its engine")
+        engine = FAMILY_NAMES[requested_engine()] if requested_engine() != DDP else "its engine"
         raise UserError(f"this launch started {launched} processes but accelerate brought up {joined} as a group "
                         f"(it found no device for {engine} on this machine); {_FIX}")
 
@@ -135,8 +139,8 @@ def check_engine(accelerator: Accelerator) -> Engine:
     """The engine that runs, which must be the one the config asked for (accelerate falls back silently; the
     cases known are refused earlier, with their causes: `refuse_engine_on_cpu`, `check_world_size`)."""
     asked, engine = requested_engine(), Engine.of(accelerator)
-    if asked != "ddp" and engine.kind != asked:
-        raise UserError(f"the accelerate config asks for {'DeepSpeed' if asked == 'deepspeed' else 'FSDP'}, but "
+    if asked != DDP and engine.kind != asked:
+        raise UserError(f"the accelerate config asks for {FAMILY_NAMES[asked]}, but "
                         f"accelerate runs this launch as {accelerator.distributed_type.value} on "
                         f"{accelerator.device.type}; {_FIX}")
     return engine
@@ -145,7 +149,7 @@ def check_engine(accelerator: Accelerator) -> Engine:
 def deepspeed_missing() -> str | None:
     """The line to print when the launch asks for DeepSpeed and it is not installed; None otherwise. Checked
     before accelerate imports it (its own message is a traceback from inside the Accelerator)."""
-    if requested_engine() == "deepspeed" and find_spec("deepspeed") is None:
+    if requested_engine() == DEEPSPEED and find_spec("deepspeed") is None:
         return ("the accelerate config asks for DeepSpeed, which is not installed; pip install -e \".[deepspeed]\" "
                 "(or use a DDP or FSDP config)")
     return None
@@ -153,30 +157,20 @@ def deepspeed_missing() -> str | None:
 
 def refuse_unsupported(engine: Engine, accelerator: Accelerator, optimizer: str, lora: bool, on_nan: str,
                        activation_checkpointing: bool) -> None:
-    """What this project does not run under `engine`, refused in one line before anything is built."""
-    if engine.tensor_parallel > 1 and (optimizer == "muon" or lora):
-        what = "--optimizer muon" if optimizer == "muon" else "--lora_rank"
-        why = ("Muon orthogonalises whole matrices, which tensor parallelism splits across ranks" if optimizer == "muon"
-               else "peft's adapters wrap the layers tensor parallelism splits")
-        raise UserError(f"{what} is not supported with --tensor_parallel {engine.tensor_parallel} ({why}); "
-                        + ("use --optimizer adamw, or Muon without --tensor_parallel under a DDP launch config"
-                           if optimizer == "muon" else "drop --tensor_parallel (a DDP or single-process config)"))
-    sharded = {"fsdp": "FSDP shards them", "deepspeed": "ZeRO flattens and partitions them"}.get(engine.kind)
-    if optimizer == "muon" and sharded:
-        raise UserError(f"--optimizer muon is not supported under {engine.name} (Muon orthogonalises whole matrices; "
-                        f"{sharded}); use --optimizer adamw with {engine.name}, or Muon with a DDP launch config")
-    if lora and engine.kind != "ddp":
-        raise UserError(f"--lora_rank is not supported under {engine.name} (the adapters are a few MB: there is "
-                        "nothing worth sharding, and its checkpoints would gather and shard the frozen base); use a "
-                        "DDP or single-process accelerate config")
+    """What this project does not run under `engine`, refused in one line before anything is built: the features
+    of `training.support`'s table, then what a config's contents rule out."""
+    for feature, asked in (("--optimizer muon", optimizer == "muon"), ("--lora_rank", lora),
+                           ("--on_nan skip", on_nan == "skip")):
+        if asked and (line := engine.refusal(feature)):
+            raise UserError(line)
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    if activation_checkpointing and engine.kind == "fsdp" and plugin is not None and plugin.activation_checkpointing:
+    if activation_checkpointing and engine.kind == FSDP and plugin is not None and plugin.activation_checkpointing:
         # accelerate's fsdp2_apply_ac wraps the blocks GPT.forward already checkpoints: each would be recomputed twice,
         # the outer time without the forward's RNG state (preserve_rng_state=False: other dropout masks).
         raise UserError("--activation_checkpointing and the accelerate config's fsdp_activation_checkpointing would "
                         "each recompute every block (twice in all); keep --activation_checkpointing and set "
                         "fsdp_activation_checkpointing: false in the accelerate config")
-    if engine.kind != "deepspeed":
+    if engine.kind != DEEPSPEED:
         return
     config = accelerator.state.deepspeed_plugin.deepspeed_config
     for block, ours in (("an \"optimizer\"", "--optimizer/--lr/--weight_decay"), ("a \"scheduler\"", "--warmup_steps")):
@@ -186,9 +180,6 @@ def refuse_unsupported(engine: Engine, accelerator: Accelerator, optimizer: str,
     if "activation_checkpointing" in config:
         raise UserError("the DeepSpeed config has an \"activation_checkpointing\" block, which acts only on models "
                         "that call deepspeed.checkpointing; remove it and pass --activation_checkpointing")
-    if on_nan == "skip":
-        raise UserError("--on_nan skip is not supported under DeepSpeed (it applies the update inside the step's "
-                        "backward, before the gradient norm is known here); use --on_nan stop")
 
 
 def fit_deepspeed(accelerator: Accelerator, micro_batch_size: int, accumulation: int, grad_clip: float,

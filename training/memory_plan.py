@@ -46,6 +46,7 @@ from training.engines import launch_engine
 from training.network import scratch_architecture
 from training.optim import plan_optimizers
 from training.processes import BatchGeometry
+from training.support import DDP, DEEPSPEED, FSDP, engine_name, refusal
 from training.tensor_parallel import TensorParallel
 
 GiB = 2**30
@@ -126,12 +127,15 @@ class Launch:
         return Shards(parameters=n, gradients=n, optimizer_state=n) if self.fsdp else Shards()
 
     @property
+    def kind(self) -> str:
+        """The engine, as `training.support` keys it."""
+        return DEEPSPEED if self.zero_stage else FSDP if self.fsdp else DDP
+
+    @property
     def engine(self) -> str:
-        if self.zero_stage:
-            return f"DeepSpeed ZeRO-{self.zero_stage}"
         if self.tensor_parallel > 1:
-            return f"FSDP2 over {self.data_parallel} x tensor parallel {self.tensor_parallel}"
-        return "FSDP2" if self.fsdp else ("DDP" if self.processes > 1 else "one process")
+            return f"{engine_name(FSDP)} over {self.data_parallel} x tensor parallel {self.tensor_parallel}"
+        return engine_name(self.kind, self.zero_stage) if self.processes > 1 or self.kind != DDP else "one process"
 
     @property
     def replicas(self) -> bool:
@@ -167,9 +171,9 @@ class Launch:
             raise UserError(f"tensor parallel {self.tensor_parallel} over {self.processes} process(es)"
                             f"{'' if self.fsdp else ' without FSDP2'} is not a launch train.py runs; plan a degree "
                             "that divides the processes, with FSDP2")
-        if (self.fsdp or self.zero_stage) and self.optimizer == "muon":
-            raise UserError(f"Muon is refused under {self.engine} (it orthogonalises whole matrices, which "
-                            f"{self.engine} shards); use --optimizer adamw with {self.engine}")
+        if self.optimizer == "muon" and (line := refusal("--optimizer muon", self.kind, self.zero_stage,
+                                                          self.tensor_parallel)):
+            raise UserError(line)
 
 
 @dataclass(frozen=True)
@@ -655,7 +659,7 @@ def launch_environment() -> dict[str, object]:
     parses it), the precision, the CPU."""
     env, engine = os.environ, launch_engine()
     return {"processes": int(env.get("WORLD_SIZE", "1")),
-            "fsdp": engine.kind == "fsdp",
+            "fsdp": engine.kind == FSDP,
             "zero_stage": engine.zero_stage,
             "dtype": "bf16" if env.get("ACCELERATE_MIXED_PRECISION", "no") == "bf16" else "fp32",
             "device": "cpu" if env.get("ACCELERATE_USE_CPU", "false").lower() == "true" else "cuda"}

@@ -26,6 +26,7 @@ from training.engines import Engine, precision
 from training.mfu import estimate_mfu, peak_flops
 from training.optim import OptimizerPlan, describe_optimizers
 from training.processes import BatchGeometry
+from training.support import DEEPSPEED
 from training.timing import DATA, SHOW_DATA_ABOVE, RunClock
 
 
@@ -166,15 +167,16 @@ def _clock(seconds: float) -> str:
     return str(timedelta(seconds=round(seconds)))
 
 
-def run_header(accelerator: Accelerator, model: torch.nn.Module, n_params: int, geometry: BatchGeometry,
-               plan: OptimizerPlan, lora: str | None, data: str, restart: str | None = None,
-               tensor_parallel: int = 1) -> str:
+def run_header(accelerator: Accelerator, engine: Engine, model: torch.nn.Module, n_params: int,
+               geometry: BatchGeometry, plan: OptimizerPlan, lora: str | None, data: str,
+               restart: str | None = None) -> str:
     """The run's header: model size (`n_params`: every parameter, tied ones once, as the optimizer line counts
     them; and what LoRA trains), batch geometry, distribution, precision,
     compilation, activation checkpointing (when on), device, and `restart` (`restart k of N` under a launch that may
     restart, `training.elastic.Attempt`); which optimizer trains which parameters; `data`, the data source's own
     line.
-    `model`: as prepared; `tensor_parallel`: the degree (geometry's world is then the data-parallel ranks)."""
+    `engine`: the one train.py checked (with its tensor-parallel degree: geometry's world is then the data-parallel
+    ranks); `model`: as prepared."""
     # accelerate wraps the prepared model in torch.compile's OptimizedModule when a dynamo backend is set.
     compiled = f"torch.compile ({accelerator.state.dynamo_plugin.backend.value.lower()})" \
         if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else "eager"
@@ -186,11 +188,10 @@ def run_header(accelerator: Accelerator, model: torch.nn.Module, n_params: int, 
         params = list(model.parameters())
         trainable = sum(p.numel() for p in params if p.requires_grad)
         adapters = f" ({lora}: {trainable:,} trainable, {trainable / sum(p.numel() for p in params):.2%} of all)"
-    engine = Engine.of(accelerator)
-    zero = f" (ZeRO-{engine.zero_stage})" if engine.kind == "deepspeed" else ""
-    zero += f" x tensor parallel {tensor_parallel}" if tensor_parallel > 1 else ""
+    zero = f" (ZeRO-{engine.zero_stage})" if engine.kind == DEEPSPEED else ""
+    zero += f" x tensor parallel {engine.tensor_parallel}" if engine.tensor_parallel > 1 else ""
     g = geometry
-    ranks = "data-parallel rank(s)" if tensor_parallel > 1 else "process(es)"
+    ranks = "data-parallel rank(s)" if engine.tensor_parallel > 1 else "process(es)"
     return (f"GPT {n_params / 1e6:.2f}M params{adapters} | {g.world_size} {ranks} x {g.accumulation} "
             f"accumulation x {g.micro_batch_size} x {g.block_size} = {g.tokens_per_step:,} tokens per step | "
             f"distributed: {accelerator.distributed_type.value}{zero} | precision: {precision(accelerator)} | "

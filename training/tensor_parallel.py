@@ -28,6 +28,7 @@ from configs import ModelConfig
 from model.tensor_parallel import parallelize, split_problem
 from training.engines import Engine, requested_engine
 from training.processes import process_state
+from training.support import FSDP, refusal
 
 DP, TP = "dp", "tp"  # the mesh's dimensions
 
@@ -71,10 +72,8 @@ class TensorParallel:
         layout = cls(degree, world_size)
         if not layout.enabled:
             return layout
-        if engine != "fsdp":
-            raise UserError(f"--tensor_parallel {degree} runs on accelerate's FSDP2 plugin (FSDP2 across the "
-                            f"tensor-parallel groups), and this launch is {_ENGINE_NAMES[engine]}; launch with "
-                            f"accelerate_configs/fsdp_8gpu.yaml, or leave out --tensor_parallel")
+        if engine != FSDP:
+            raise UserError(refusal("--tensor_parallel", engine, asked=f"--tensor_parallel {degree}"))
         if world_size % degree:
             raise UserError(f"--tensor_parallel {degree} needs a multiple of {degree} processes, this launch has "
                             f"{world_size}; launch {max(degree, world_size // degree * degree)} processes "
@@ -118,9 +117,6 @@ class TensorParallel:
         """What the evaluations take as their accelerator: this one, or under tensor parallelism the same one
         seen as its data-parallel ranks (`DataParallelRanks`)."""
         return DataParallelRanks(accelerator, self) if self.enabled else accelerator
-
-
-_ENGINE_NAMES = {"ddp": "DDP (or one process)", "deepspeed": "DeepSpeed"}
 
 
 class DataParallelRanks:

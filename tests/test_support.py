@@ -1,0 +1,80 @@
+"""training/support.py: the one table of what runs under which engine. The refusals train.py makes before a run
+(`refuse_unsupported`, `TensorParallel.checked`) and the memory planner's (`Launch`) agree with it cell by cell, and
+the README shows it as it is."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from accelerate.utils import DistributedType
+from conftest import REPO_ROOT
+
+from common.errors import UserError
+from training.engines import Engine, refuse_unsupported
+from training.memory_plan import Launch
+from training.support import COLUMNS, SUPPORT, column, engine_name, support_table
+from training.tensor_parallel import TensorParallel
+
+# Each column as train.py's Engine.
+ENGINES = {"DDP": Engine("ddp"), "FSDP2": Engine("fsdp"), "ZeRO-1": Engine("deepspeed", 1),
+           "ZeRO-2": Engine("deepspeed", 2), "ZeRO-3": Engine("deepspeed", 3),
+           "FSDP2 x TP": Engine("fsdp", tensor_parallel=2)}
+
+
+def accelerator_of(engine: Engine) -> SimpleNamespace:
+    """What refuse_unsupported reads of an Accelerator: an empty DeepSpeed config, accelerate's AC off."""
+    kind = {"deepspeed": DistributedType.DEEPSPEED, "fsdp": DistributedType.FSDP}.get(engine.kind,
+                                                                                      DistributedType.MULTI_CPU)
+    return SimpleNamespace(distributed_type=kind, state=SimpleNamespace(
+        deepspeed_plugin=SimpleNamespace(deepspeed_config={}, zero_stage=engine.zero_stage),
+        fsdp_plugin=SimpleNamespace(activation_checkpointing=False)))
+
+
+def refused_at_run_time(feature: str, engine: Engine) -> str | None:
+    """The line train.py refuses `feature` with under `engine`, or None when it goes on."""
+    try:
+        if feature == "--tensor_parallel":
+            TensorParallel.checked(2, 4, engine.kind)
+        else:
+            refuse_unsupported(engine, accelerator_of(engine), "muon" if feature == "--optimizer muon" else "adamw",
+                               feature == "--lora_rank", "skip" if feature == "--on_nan skip" else "stop", False)
+    except UserError as err:
+        return str(err)
+    return None
+
+
+def test_the_columns_are_the_engines():
+    assert list(ENGINES) == list(COLUMNS)
+    assert [column(e.kind, e.zero_stage, e.tensor_parallel) for e in ENGINES.values()] == list(COLUMNS)
+    assert [e.name for e in ENGINES.values()] == ["DDP", "FSDP2", "DeepSpeed ZeRO-1", "DeepSpeed ZeRO-2",
+                                                  "DeepSpeed ZeRO-3", "FSDP2 x tensor parallel 2"]
+    assert engine_name("deepspeed") == "DeepSpeed"  # a config whose stage is not read yet
+
+
+@pytest.mark.parametrize("feature", list(SUPPORT))
+def test_the_run_refuses_exactly_what_the_table_says(feature):
+    for name, engine in ENGINES.items():
+        line = refused_at_run_time(feature, engine)
+        if feature == "--tensor_parallel" and name == "FSDP2 x TP":
+            continue  # the column is the feature itself
+        assert (line is not None) == (name in SUPPORT[feature]), (feature, name, line)
+        if line is not None:
+            assert line.startswith(feature.split()[0]) and SUPPORT[feature][name].fix in line and "\n" not in line
+
+
+def test_the_planner_refuses_muon_where_the_table_does():
+    launches = {"DDP": Launch(1, processes=8), "FSDP2": Launch(1, processes=8, fsdp=True),
+                **{f"ZeRO-{s}": Launch(1, processes=8, zero_stage=s) for s in (1, 2, 3)},
+                "FSDP2 x TP": Launch(1, processes=8, fsdp=True, tensor_parallel=2)}
+    for name, launch in launches.items():
+        kwargs = {k: getattr(launch, k) for k in ("processes", "fsdp", "zero_stage", "tensor_parallel")}
+        refused = "--optimizer muon" in SUPPORT and name in SUPPORT["--optimizer muon"]
+        if refused:
+            with pytest.raises(UserError, match="--optimizer muon is not supported"):
+                Launch(1, optimizer="muon", **kwargs)
+        else:
+            Launch(1, optimizer="muon", **kwargs)
+
+
+def test_the_readme_shows_the_table():
+    assert support_table() in (REPO_ROOT / "README.md").read_text()
