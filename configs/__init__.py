@@ -9,8 +9,11 @@ read, so every group is built from typed values and checks them itself.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib.util
 import sys
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -80,9 +83,21 @@ def _hf_argument_parser() -> type:
     return HfArgumentParser
 
 
-class _Parser(CliParser, _hf_argument_parser()):
+_HfArgumentParser = _hf_argument_parser()
+
+
+class _Parser(CliParser, _HfArgumentParser):
     """HfArgumentParser (every field is `--field` and `--fi-eld`, help from the field metadata) in the
     project's CLI style: one-line errors, no prefix matching, every default in `--help`."""
+
+    @staticmethod
+    def _parse_dataclass_field(parser: Any, field: dataclasses.Field) -> None:
+        """HfArgumentParser passes a field's metadata to `add_argument`; its resume rule (`common.resume_rules`,
+        which `training.recipe` reads) is not argparse's, so the field goes on without it."""
+        if "resume" in field.metadata:
+            field = copy.copy(field)
+            field.metadata = types.MappingProxyType({k: v for k, v in field.metadata.items() if k != "resume"})
+        _HfArgumentParser._parse_dataclass_field(parser, field)
 
 
 def _config_parser() -> _Parser:

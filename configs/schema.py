@@ -18,21 +18,23 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import UserError
+from common.resume_rules import ACCEPTED, NOT_COMPARED, RESTORED, SCHEDULE, Refused, resume_rule
 from data.settings import DataConfig, check_val_tokens
 
 REPORT_TO = ("none", "tensorboard", "wandb", "all")
 OPTIMIZERS = ("auto", "adamw", "muon")
 ON_NAN = ("stop", "skip")
-MAX_SEED = 2**32 - 1
+MAX_SEED = 2**32 - 1  # numpy's seed range (accelerate's set_seed seeds numpy too)
 # --collective_timeout's default: GPT-2 1.5B's checkpoint (1.56e9 parameters x 16 bytes = 25 GB) is written, then read
 # back for its manifest's hashes, while the other processes wait in a barrier: 50 GB at 30 MB/s, a slow shared
 # filesystem, is 28 minutes. (torch's defaults: 30 minutes on gloo, 10 on NCCL.)
-COLLECTIVE_TIMEOUT_S = 1800  # numpy's seed range (accelerate's set_seed seeds numpy too)
+COLLECTIVE_TIMEOUT_S = 1800
 
 
-def _field(default: Any, help: str) -> Any:
-    """A config field with its `--help` text (HfArgumentParser reads it from the field's metadata)."""
-    return field(default=default, metadata={"help": help})
+def _field(default: Any, help: str, resume: str | Refused) -> Any:
+    """A config field with its `--help` text (HfArgumentParser reads it from the field's metadata) and what a resume
+    may do with it (`common.resume_rules`; `training.recipe` reads it)."""
+    return field(default=default, metadata={"help": help, "resume": resume})
 
 
 def _positive(group: Any, *names: str) -> None:
@@ -75,17 +77,17 @@ class RunConfig:
 
     _argument_group_name = "run folder and checkpoints"
 
-    out_dir: str = _field("out/shakespeare", "run folder (checkpoints, metrics, final/)")
-    resume: str | None = _field(None, "'latest' or a checkpoint folder; default: start a new run")
-    save_every: int = _field(100, "checkpoint every N steps (and at the last, and on SIGTERM/SIGUSR1)")
-    keep_last: int = _field(3, "checkpoints kept; older ones are deleted")
+    out_dir: str = _field("out/shakespeare", "run folder (checkpoints, metrics, final/)", NOT_COMPARED)
+    resume: str | None = _field(None, "'latest' or a checkpoint folder; default: start a new run", NOT_COMPARED)
+    save_every: int = _field(100, "checkpoint every N steps (and at the last, and on SIGTERM/SIGUSR1)", ACCEPTED)
+    keep_last: int = _field(3, "checkpoints kept; older ones are deleted", ACCEPTED)
     collective_timeout: int = _field(
         COLLECTIVE_TIMEOUT_S, "seconds a process waits for the others in a collective before the run ends with a "
         "line naming the step, the process(es) that did not answer and the last checkpoint (a hung process); 1800 "
         "lets the largest preset's checkpoint (GPT-2 1.5B: 25 GB with its optimizer state) be written and hashed at "
-        "30 MB/s while the others wait")
+        "30 MB/s while the others wait", NOT_COMPARED)
     plan: bool = _field(False, "print this config's per-device memory plan (computed from the shapes, not "
-                               "measured) for the accelerate launch, and exit before anything is built")
+                               "measured) for the accelerate launch, and exit before anything is built", NOT_COMPARED)
 
     def __post_init__(self) -> None:
         _positive(self, "save_every", "keep_last", "collective_timeout")
@@ -111,19 +113,20 @@ class ModelConfig:
 
     init_from: str = _field("scratch", "'scratch', a Hub id (gpt2...gpt2-xl), an HF folder or one of our runs; "
                                        "the architecture flags (n_layer, n_head, n_embd, bias) then come from "
-                                       "those weights")
-    n_layer: int = _field(4, "transformer blocks (with --init_from scratch)")
-    n_head: int = _field(4, "attention heads per block; must divide n_embd")
-    n_embd: int = _field(128, "embedding width")
-    block_size: int = _field(128, "context length in tokens (training windows and the model's positions)")
-    dropout: float = _field(0.0, "dropout probability while training, in [0, 1)")
-    bias: bool = _field(True, "biases in the linear layers and LayerNorms, as GPT-2 (--no_bias: none)")
+                                       "those weights", Refused("the weights the run started from"))
+    n_layer: int = _field(4, "transformer blocks (with --init_from scratch)", ACCEPTED)
+    n_head: int = _field(4, "attention heads per block; must divide n_embd", ACCEPTED)
+    n_embd: int = _field(128, "embedding width", ACCEPTED)
+    block_size: int = _field(128, "context length in tokens (training windows and the model's positions)", ACCEPTED)
+    dropout: float = _field(0.0, "dropout probability while training, in [0, 1)", ACCEPTED)
+    bias: bool = _field(True, "biases in the linear layers and LayerNorms, as GPT-2 (--no_bias: none)", ACCEPTED)
     # LoRA (through peft): only the adapters train and are checkpointed; final/ is the merged model
-    lora_rank: int = _field(0, "LoRA rank r; 0 = full fine-tuning (every weight trains); needs --init_from")
-    lora_alpha: float = _field(16.0, "LoRA scaling: the adapter adds B A x lora_alpha / lora_rank")
-    lora_dropout: float = _field(0.0, "dropout on the adapters' input while training, in [0, 1)")
+    lora_rank: int = _field(0, "LoRA rank r; 0 = full fine-tuning (every weight trains); needs --init_from", ACCEPTED)
+    lora_alpha: float = _field(16.0, "LoRA scaling: the adapter adds B A x lora_alpha / lora_rank", ACCEPTED)
+    lora_dropout: float = _field(0.0, "dropout on the adapters' input while training, in [0, 1)", ACCEPTED)
     lora_targets: str = _field("c_attn,c_proj,c_fc", "comma-separated layers that get adapters: the attention "
-                                                      "(c_attn, attn.c_proj) and MLP (c_fc, mlp.c_proj) projections")
+                                                      "(c_attn, attn.c_proj) and MLP (c_fc, mlp.c_proj) projections",
+                               ACCEPTED)
 
     @property
     def from_scratch(self) -> bool:
@@ -177,18 +180,20 @@ class TrainingConfig:
 
     # Batch: total_batch_size (tokens) = micro_batch_size * block_size * processes * accumulation
     total_batch_size: int = _field(2048, "tokens per optimizer step; gradient accumulation = total_batch_size / "
-                                         "(micro_batch_size x block_size x processes)")
-    micro_batch_size: int = _field(8, "sequences per forward pass on each process")
-    max_steps: int = _field(100, "optimizer steps of the whole run")
-    grad_clip: float = _field(1.0, "clip the global gradient norm to this")
-    on_nan: str = _field("stop", "'stop' (keep the last good checkpoint) or 'skip' the step")
-    max_nan_skips: int = _field(10, "with --on_nan skip: stop after this many skipped steps in a row")
-    seed: int = _field(1337, "seed of the initial weights, data order, dropout and samples")
+                                         "(micro_batch_size x block_size x processes)",
+                                   Refused("the batch of every step, in tokens"))
+    micro_batch_size: int = _field(8, "sequences per forward pass on each process", ACCEPTED)
+    max_steps: int = _field(100, "optimizer steps of the whole run", SCHEDULE)
+    grad_clip: float = _field(1.0, "clip the global gradient norm to this", ACCEPTED)
+    on_nan: str = _field("stop", "'stop' (keep the last good checkpoint) or 'skip' the step", ACCEPTED)
+    max_nan_skips: int = _field(10, "with --on_nan skip: stop after this many skipped steps in a row", ACCEPTED)
+    seed: int = _field(1337, "seed of the initial weights, data order, dropout and samples", Refused("the data order"))
     activation_checkpointing: bool = _field(False, "recompute each transformer block's activations in the backward "
-                                                   "pass: far less activation memory for about a third more compute")
+                                                   "pass: far less activation memory for about a third more compute",
+                                            ACCEPTED)
     tensor_parallel: int = _field(1, "split each block's matrices over groups of N processes (tensor parallelism, "
                                      "with FSDP2 across the groups: needs an FSDP2 accelerate config); N must divide "
-                                     "n_head and the processes; 1 = none")
+                                     "n_head and the processes; 1 = none", ACCEPTED)
 
     def __post_init__(self) -> None:
         _positive(self, "total_batch_size", "micro_batch_size", "max_steps", "max_nan_skips", "tensor_parallel")
@@ -217,18 +222,21 @@ class OptimConfig:
     # Linear warmup, then cosine decay to lr * min_lr_ratio
     lr: float | None = _field(None, "peak learning rate of AdamW (with Muon: of the embeddings/output layer, biases "
                                     "and LayerNorms), reached after --warmup_steps; default: by what trains, "
-                                    + ", ".join(f"{lr:g} {job}" for job, lr in DEFAULT_LRS.items()))
-    min_lr_ratio: float = _field(0.1, "the cosine decay ends at lr x min_lr_ratio, at --max_steps")
-    warmup_steps: int = _field(10, "steps of linear warmup from lr / warmup_steps to lr")
-    weight_decay: float = _field(0.1, "AdamW weight decay, on weights of 2 or more dimensions (matrices, embeddings)")
-    beta1: float = _field(0.9, "AdamW beta1")
-    beta2: float = _field(0.95, "AdamW beta2")
+                                    + ", ".join(f"{lr:g} {job}" for job, lr in DEFAULT_LRS.items()), SCHEDULE)
+    min_lr_ratio: float = _field(0.1, "the cosine decay ends at lr x min_lr_ratio, at --max_steps", SCHEDULE)
+    warmup_steps: int = _field(10, "steps of linear warmup from lr / warmup_steps to lr", SCHEDULE)
+    weight_decay: float = _field(0.1, "AdamW weight decay, on weights of 2 or more dimensions (matrices, embeddings)",
+                                 RESTORED)
+    beta1: float = _field(0.9, "AdamW beta1", RESTORED)
+    beta2: float = _field(0.95, "AdamW beta2", RESTORED)
     optimizer: str = _field("auto", "'muon' (torch.optim.Muon on the blocks' 2-D weights, AdamW with --lr on "
                                     "embeddings/output layer, biases and LayerNorms), 'adamw' (every parameter), or "
-                                    "'auto': muon with --init_from scratch, adamw to fine-tune pretrained weights")
-    muon_lr: float = _field(0.02, "Muon's peak learning rate (--optimizer muon); same warmup and decay as --lr")
-    muon_momentum: float = _field(0.95, "Muon's momentum (Nesterov)")
-    muon_weight_decay: float = _field(0.0, "Muon's decoupled weight decay (each step w -= lr x wd x w)")
+                                    "'auto': muon with --init_from scratch, adamw to fine-tune pretrained weights",
+                            ACCEPTED)
+    muon_lr: float = _field(0.02, "Muon's peak learning rate (--optimizer muon); same warmup and decay as --lr",
+                            SCHEDULE)
+    muon_momentum: float = _field(0.95, "Muon's momentum (Nesterov)", RESTORED)
+    muon_weight_decay: float = _field(0.0, "Muon's decoupled weight decay (each step w -= lr x wd x w)", RESTORED)
 
     def __post_init__(self) -> None:
         _non_negative(self, "warmup_steps")
@@ -261,14 +269,15 @@ class EvalConfig:
 
     _argument_group_name = "evaluation"
 
-    eval_every: int = _field(50, "validation loss and a sample every N steps (and at the last)")
+    eval_every: int = _field(50, "validation loss and a sample every N steps (and at the last)", ACCEPTED)
     eval_batch_size: int | None = _field(None, "sequences (validation) or HellaSwag items per evaluation forward pass; "
-                                               "default: --micro_batch_size (an evaluation then peaks under a step)")
-    hellaswag_every: int = _field(0, "HellaSwag every N steps; 0 = never; needs the eval package")
-    hellaswag_data: str | None = _field(None, "local HellaSwag jsonl; default: the Hub split")
-    hellaswag_limit: int | None = _field(None, "score only the first N HellaSwag items; default: all 10,042")
-    sample_tokens: int = _field(64, "tokens of the text sample printed at each evaluation; 0 = no sample")
-    sample_prompt: str = _field("\n", "prompt of that sample")
+                                               "default: --micro_batch_size (an evaluation then peaks under a step)",
+                                         ACCEPTED)
+    hellaswag_every: int = _field(0, "HellaSwag every N steps; 0 = never; needs the eval package", ACCEPTED)
+    hellaswag_data: str | None = _field(None, "local HellaSwag jsonl; default: the Hub split", ACCEPTED)
+    hellaswag_limit: int | None = _field(None, "score only the first N HellaSwag items; default: all 10,042", ACCEPTED)
+    sample_tokens: int = _field(64, "tokens of the text sample printed at each evaluation; 0 = no sample", ACCEPTED)
+    sample_prompt: str = _field("\n", "prompt of that sample", ACCEPTED)
 
     def __post_init__(self) -> None:
         _positive(self, "eval_every", *(["eval_batch_size"] if self.eval_batch_size is not None else []))
@@ -292,12 +301,13 @@ class LogConfig:
 
     _argument_group_name = "logging and trackers"
 
-    log_every: int = _field(10, "log a line (loss, lr, grad norm, tokens/s, MFU, ETA) every N steps")
-    report_to: str = _field("none", "'none', 'tensorboard', 'wandb', or 'all'")
-    wandb_project: str = _field("gpt2-accelerate", "wandb project (with --report_to wandb)")
-    run_name: str | None = _field(None, "run name for the trackers; default: the --out_dir folder's name")
+    log_every: int = _field(10, "log a line (loss, lr, grad norm, tokens/s, MFU, ETA) every N steps", ACCEPTED)
+    report_to: str = _field("none", "'none', 'tensorboard', 'wandb', or 'all'", ACCEPTED)
+    wandb_project: str = _field("gpt2-accelerate", "wandb project (with --report_to wandb)", ACCEPTED)
+    run_name: str | None = _field(None, "run name for the trackers; default: the --out_dir folder's name", ACCEPTED)
     mfu_peak_flops: float | None = _field(None, "bf16 peak FLOP/s per device for MFU; default: the "
-                                                "accelerator's if known (none on CPU or an unlisted GPU: no MFU)")
+                                                "accelerator's if known (none on CPU or an unlisted GPU: no MFU)",
+                                          ACCEPTED)
 
     def __post_init__(self) -> None:
         _positive(self, "log_every")
@@ -316,9 +326,9 @@ class HubConfig:
 
     _argument_group_name = "Hub"
 
-    push_to_hub: bool = _field(False, "push final/ to the Hub at the end (needs --hub_model_id)")
-    hub_model_id: str | None = _field(None, "Hub repo to push to, user/name; default: none")
-    hub_push_every: int = _field(0, "also push every K-th checkpoint to branch step-N; 0 = never")
+    push_to_hub: bool = _field(False, "push final/ to the Hub at the end (needs --hub_model_id)", ACCEPTED)
+    hub_model_id: str | None = _field(None, "Hub repo to push to, user/name; default: none", ACCEPTED)
+    hub_push_every: int = _field(0, "also push every K-th checkpoint to branch step-N; 0 = never", ACCEPTED)
 
     def __post_init__(self) -> None:
         _non_negative(self, "hub_push_every")
@@ -334,7 +344,7 @@ class PresetConfig:
     _argument_group_name = "preset"
 
     config: str | None = _field(None, "YAML preset, e.g. configs/shakespeare.yaml (or given first, without "
-                                      "--config); flags override it; default: none, the values below")
+                                      "--config); flags override it; default: none, the values below", NOT_COMPARED)
 
     def __post_init__(self) -> None:
         _non_empty(self, "config")
@@ -384,3 +394,5 @@ def field_types() -> dict[str, Any]:
 
 
 FIELD_NAMES = [f.name for group in GROUPS.values() for f in fields(group)]
+# What a resume may do with each field, as the field declares it (`common.resume_rules`), in command-line order.
+RESUME_RULES = {f.name: resume_rule(f.metadata) for group in GROUPS.values() for f in fields(group)}

@@ -7,13 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.errors import UserError
+from common.resume_rules import ACCEPTED
 
 SHAKESPEARE = "shakespeare"  # `--dataset` for the embedded Tiny Shakespeare
 
 
-def _field(default: object, help: str) -> object:
-    """A field with its `--help` text (train.py's HfArgumentParser reads it from the metadata)."""
-    return field(default=default, metadata={"help": help})
+def _field(default: object, help: str, resume: str) -> object:
+    """A field with its `--help` text (train.py's HfArgumentParser reads it from the metadata) and what a resume may
+    do with it (`common.resume_rules`)."""
+    return field(default=default, metadata={"help": help, "resume": resume})
 
 
 @dataclass(frozen=True)
@@ -25,14 +27,15 @@ class DataConfig:
     _argument_group_name = "data"
 
     dataset: str = _field(SHAKESPEARE, "'shakespeare', a local .txt/.jsonl/.parquet file/glob/folder, a shard "
-                                       "folder, or a Hub id[:config]")
-    text_column: str = _field("text", "column holding the text in .jsonl/.parquet files and Hub datasets")
+                                       "folder, or a Hub id[:config]", ACCEPTED)
+    text_column: str = _field("text", "column holding the text in .jsonl/.parquet files and Hub datasets", ACCEPTED)
     prompt_field: str = _field("prompt", "prompt field of prompt/completion .jsonl data (a .jsonl whose first record "
-                                         "has it and --completion_field; the loss counts only completion tokens)")
-    completion_field: str = _field("completion", "completion field of prompt/completion .jsonl data")
+                                         "has it and --completion_field; the loss counts only completion tokens)",
+                               ACCEPTED)
+    completion_field: str = _field("completion", "completion field of prompt/completion .jsonl data", ACCEPTED)
     dataset_config: str | None = _field(None, "Hub dataset config name; default: the one given after ':' in "
-                                              "--dataset, or the dataset's default")
-    val_tokens: int = _field(8_192, "size of the fixed validation set, in tokens")
+                                              "--dataset, or the dataset's default", ACCEPTED)
+    val_tokens: int = _field(8_192, "size of the fixed validation set, in tokens", ACCEPTED)
 
     def __post_init__(self) -> None:
         if self.val_tokens <= 0:

@@ -32,44 +32,23 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
+from common import resume_rules as rules
 from common.errors import UserError
 from common.run_dir import RunDir
 from configs import read_run_config
+from configs.schema import RESUME_RULES
 from training.optim import OptimizerPlan
 from training.resume import ResumePoint
 from training.step import LRSchedule
 
-# A different value would make the steps before and after the resume two different runs under one name.
-REFUSED = {
-    "total_batch_size": "the batch of every step, in tokens",
-    "seed": "the data order",
-    "init_from": "the weights the run started from",
-    # Restored with the optimizer state (torch's load_state_dict puts the saved param_groups back), so a new
-    # value would not even be used, while config.yaml would say it was.
-    "weight_decay": "restored with the optimizer state", "beta1": "restored with the optimizer state",
-    "beta2": "restored with the optimizer state", "muon_momentum": "restored with the optimizer state",
-    "muon_weight_decay": "restored with the optimizer state",
-}
-# How this command was given, not what the run does.
-NOT_COMPARED = frozenset({"config", "out_dir", "resume", "plan", "collective_timeout"})
+# Each field's rule, declared beside the field (`common.resume_rules`). Accepted fields whose checkpoint files
+# check them (the architecture: gpt_config.json; LoRA: adapter_config.json; the optimizers and the engine:
+# run_state.json; the data: its saved position) pass here when they pass there (the module docstring).
+REFUSED = {name: rule.why for name, rule in RESUME_RULES.items() if isinstance(rule, rules.Refused)}
+NOT_COMPARED = frozenset(name for name, rule in RESUME_RULES.items() if rule == rules.NOT_COMPARED)
 # The learning-rate schedule (`LRSchedule`, each optimizer's peak): a change moves the LR from the resumed step on.
-SCHEDULE = ("max_steps", "lr", "muon_lr", "warmup_steps", "min_lr_ratio")
-# Accepted, announced and recorded: the schedule (to extend a run, or to lower the LR after a blow-up as the NaN
-# advice says), the clip and the non-finite policy, how the batch is cut (micro_batch_size: the batch is set in
-# tokens, the accumulation follows), memory (activation_checkpointing), evaluation, logging, checkpoints and the
-# Hub; and the fields the checkpoint's own files check (see the module docstring). The code accepts whatever is
-# neither refused nor left out: this set is the decision, field by field, that a test holds every field to.
-ACCEPTED = frozenset({
-    *SCHEDULE, "grad_clip", "on_nan", "max_nan_skips", "micro_batch_size", "activation_checkpointing",
-    "save_every", "keep_last", "val_tokens", "eval_every", "eval_batch_size", "hellaswag_every", "hellaswag_data",
-    "hellaswag_limit", "sample_tokens", "sample_prompt", "log_every", "report_to", "wandb_project", "run_name",
-    "mfu_peak_flops", "push_to_hub", "hub_model_id", "hub_push_every",
-    "n_layer", "n_head", "n_embd", "block_size", "dropout", "bias",  # gpt_config.json
-    "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",  # adapter_config.json
-    "optimizer",  # run_state.json's optimizers
-    "tensor_parallel",  # run_state.json's engine
-    "dataset", "dataset_config", "text_column", "prompt_field", "completion_field",  # the saved data position
-})
+SCHEDULE = tuple(name for name, rule in RESUME_RULES.items() if rule == rules.SCHEDULE)
+ACCEPTED = frozenset(name for name, rule in RESUME_RULES.items() if rule in (rules.ACCEPTED, rules.SCHEDULE))
 RESUMES = "resumes"  # config.yaml's list of what each resume changed
 _COMMIT = re.compile(r"[0-9a-f]{40}")  # a Hub revision that is a commit
 

@@ -1,0 +1,30 @@
+"""How a resume treats each flag, declared where the flag is defined (`_field(default, help, resume)` in
+`configs.schema` and `data.settings`); `training.recipe` reads the declarations.
+
+- ACCEPTED: the value may change on a resume; the change is announced in one line and recorded in config.yaml.
+- SCHEDULE: accepted, and part of the learning-rate schedule: the LR jump it makes is announced too.
+- NOT_COMPARED: how the command was given, not what the run does.
+- Refused(why): a different value would make the steps before and after the resume two runs under one name; `why`
+  is what the value decides, for the one-line refusal.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+ACCEPTED = "accepted"
+SCHEDULE = "schedule"
+NOT_COMPARED = "not compared"
+
+
+@dataclass(frozen=True)
+class Refused:
+    why: str
+
+
+RESTORED = Refused("restored with the optimizer state")  # torch's load_state_dict puts the saved param_groups back
+
+
+def resume_rule(metadata: Any) -> str | Refused:
+    """A field's declared rule (its metadata's "resume")."""
+    return metadata["resume"]
