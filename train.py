@@ -32,6 +32,7 @@ from training.elastic import Attempt, open_process_group
 from training.engines import fit_deepspeed, refuse_unsupported
 from training.evaluation import TrainingEvals
 from training.export import export_final
+from training.layout import Layout
 from training.lora import lora_summary, use_adapter_checkpoints
 from training.memory_plan import exit_after_plan
 from training.metrics import StepReport, run_header, trackers_for
@@ -49,7 +50,7 @@ from training.recipe import resume_recipe
 from training.resume import find_resume_point
 from training.run_folder import claim_run_folder, open_run_folder, recorded_config
 from training.step import LRSchedule, NonFinitePolicy, train_step
-from training.tensor_parallel import TensorParallel
+from training.tensor_parallel import evaluation_ranks, split
 from training.timing import CHECKPOINT, DATA, EVAL, STEP, RunClock
 
 
@@ -64,14 +65,16 @@ def main() -> None:
             # The process group, its waits bounded: a peer that dies or hangs ends the run in one line.
             peers = on_exit.enter_context(open_process_group(cfg.run.collective_timeout, run.latest_checkpoint))
             plan = plan_optimizers(cfg.optim, cfg.model)  # what trains with what, at which learning rate
-            layout = TensorParallel.of_launch(cfg.training.tensor_parallel, cfg.model)  # groups that split matrices
+            layout = Layout.of_launch(cfg.training.tensor_parallel,  # processes, engine, groups that split matrices
+                                      *((cfg.model.n_head, cfg.model.n_embd) if cfg.model.from_scratch else ()))
             geometry = BatchGeometry.of_launch(cfg.training, cfg.model.block_size,  # of the batch, in tokens; its
                                                layout.data_parallel_size)  # world: the ranks reading other batches
         accelerator = start_accelerator(geometry.accumulation, trackers_for(cfg.log.report_to), run)
-        ranks = layout.for_evaluations(accelerator)  # the data-parallel ranks (the accelerator without TP)
+        ranks = evaluation_ranks(layout, accelerator)  # the data-parallel ranks (the accelerator without TP)
         data_rank = layout.data_parallel_rank(accelerator.process_index)  # a TP group reads one stream of batches
         with shared_across_ranks(accelerator):
-            engine = layout.engine(accelerator)  # DDP, FSDP2 or DeepSpeed ZeRO-n: the accelerate config's; x TP
+            layout = layout.running(accelerator)  # DeepSpeed's ZeRO stage as its plugin runs it
+            engine = layout.engine  # DDP, FSDP2 or DeepSpeed ZeRO-n: the accelerate config's; x TP
             refuse_unsupported(engine, accelerator, plan.kind, bool(cfg.model.lora_rank), cfg.training.on_nan,
                                cfg.training.activation_checkpointing)  # what we do not run under it, in one line
             resume = find_resume_point(cfg.run.resume, run.path)  # never over another run's files
@@ -95,7 +98,7 @@ def main() -> None:
             recipe = resume_recipe(record, resume, plan)  # what a resume may not change is refused here
             on_exit.enter_context(claim_run_folder(accelerator, cfg.run, resume, max_steps,
                                                    checkpoint_bytes(n_params)))  # one run per folder, locked
-        model = layout.split(model, accelerator)  # --tensor_parallel: the blocks split, FSDP2 across the groups
+        model = split(model, layout, accelerator)  # --tensor_parallel: the blocks split, FSDP2 across the groups
         optimizers = build_optimizer(model, plan, accelerator.device.type)  # [AdamW] or [AdamW, Muon]
         model, *optimizers = accelerator.prepare(model, *optimizers)  # no scheduler: the LR is computed from the step
         torch.manual_seed(cfg.training.seed + data_rank)  # each data-parallel rank its own dropout masks from here
@@ -153,7 +156,7 @@ def main() -> None:
         if finished := progress.step == max_steps:
             release_optimizer_state(optimizers)  # in the last checkpoint: the export gets the memory
             export_final(accelerator, model, arch, run, metrics.last_val, init_weights,  # and what to run next
-                         tensor_parallel=layout.degree)
+                         tensor_parallel=layout.tensor_parallel)
             if accelerator.is_main_process:  # final/ gets the card and curves the Hub push would upload
                 write_card(run.path, hub_model_id=cfg.hub.hub_model_id if cfg.hub.push_to_hub else None)
         accelerator.print(clock.summary())  # this process's wall time: step, data, evaluation, checkpoint, other

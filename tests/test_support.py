@@ -1,5 +1,5 @@
 """training/support.py: the one table of what runs under which engine. The refusals train.py makes before a run
-(`refuse_unsupported`, `TensorParallel.checked`) and the memory planner's (`Launch`) agree with it cell by cell, and
+(`refuse_unsupported`, `Layout.checked`) and the memory planner's (`Launch`) agree with it cell by cell, and
 the README shows it as it is."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from conftest import REPO_ROOT
 
 from common.errors import UserError
 from training.engines import Engine, refuse_unsupported
+from training.layout import Layout
 from training.memory_plan import Launch
 from training.support import COLUMNS, SUPPORT, column, engine_name, support_table
-from training.tensor_parallel import TensorParallel
 
 # Each column as train.py's Engine.
 ENGINES = {"DDP": Engine("ddp"), "FSDP2": Engine("fsdp"), "ZeRO-1": Engine("deepspeed", 1),
@@ -34,7 +34,7 @@ def refused_at_run_time(feature: str, engine: Engine) -> str | None:
     """The line train.py refuses `feature` with under `engine`, or None when it goes on."""
     try:
         if feature == "--tensor_parallel":
-            TensorParallel.checked(2, 4, engine.kind)
+            Layout.checked(4, engine.kind, engine.zero_stage, tensor_parallel=2)
         else:
             refuse_unsupported(engine, accelerator_of(engine), "muon" if feature == "--optimizer muon" else "adamw",
                                feature == "--lora_rank", "skip" if feature == "--on_nan skip" else "stop", False)

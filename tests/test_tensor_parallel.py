@@ -33,7 +33,7 @@ from common.errors import UserError
 from model.tensor_parallel import head_group_order, natural_order, split_problem
 from training.checkpoint import refuse_another_engine
 from training.engines import Engine, refuse_unsupported
-from training.tensor_parallel import TensorParallel
+from training.layout import Layout
 
 TP_ARGS = DDP_ARGS + ["--tensor_parallel", "2"]
 
@@ -105,19 +105,19 @@ def test_the_split_model_computes_what_the_whole_one_does(tmp_path):
 ])
 def test_a_launch_tensor_parallelism_cannot_run_is_one_line(degree, world, engine, words):
     with pytest.raises(UserError) as err:
-        TensorParallel.checked(degree, world, engine)
+        Layout.checked(world, engine, tensor_parallel=degree)
     assert words in str(err.value) and "\n" not in str(err.value)
-    assert TensorParallel.checked(1, 3, "ddp").data_parallel_size == 3  # no tensor parallelism: anything goes
-    layout = TensorParallel.checked(2, 4, "fsdp")
+    assert Layout.checked(3, "ddp").data_parallel_size == 3  # no tensor parallelism: anything goes
+    layout = Layout.checked(4, "fsdp", tensor_parallel=2)
     assert (layout.data_parallel_size, [layout.data_parallel_rank(r) for r in range(4)]) == (2, [0, 0, 1, 1])
 
 
 def test_a_model_the_degree_does_not_split_is_one_line():
     with pytest.raises(UserError) as err:
-        TensorParallel(4, 4).check_model(n_head=6, n_embd=384)
+        Layout(4, "fsdp", tensor_parallel=4).check_model(n_head=6, n_embd=384)
     assert "n_head 6 is not divisible by 4" in str(err.value) and "pass one of 1, 2, 3, 6" in str(err.value)
-    TensorParallel(2, 4).check_model(n_head=6, n_embd=384)
-    TensorParallel(1, 1).check_model(n_head=5, n_embd=5)
+    Layout(4, "fsdp", tensor_parallel=2).check_model(n_head=6, n_embd=384)
+    Layout(1, "fsdp", tensor_parallel=1).check_model(n_head=5, n_embd=5)
 
 
 def test_muon_and_lora_are_refused_with_tensor_parallelism():

@@ -42,12 +42,11 @@ from common.errors import UserError
 from model.config import SIZES, GPTConfig
 from model.loss import LOSS_CHUNK_ROWS
 from model.tensor_parallel import split_problem
-from training.engines import launch_engine
+from training.layout import Layout
 from training.network import scratch_architecture
 from training.optim import plan_optimizers
 from training.processes import BatchGeometry
 from training.support import DDP, DEEPSPEED, FSDP, engine_name, refusal
-from training.tensor_parallel import TensorParallel
 
 GiB = 2**30
 GB = 10**9
@@ -113,9 +112,14 @@ class Launch:
     tensor_parallel: int = 1
 
     @property
+    def layout(self) -> Layout:
+        """The launch's layout as a run holds it (`training.layout`)."""
+        return Layout(self.processes, self.kind, self.zero_stage, self.tensor_parallel)
+
+    @property
     def data_parallel(self) -> int:
         """The processes that read different batches (and over which FSDP2 shards): all, or one per TP group."""
-        return self.processes // self.tensor_parallel
+        return self.layout.data_parallel_size
 
     @property
     def shards(self) -> Shards:
@@ -655,12 +659,10 @@ def model_config(name: str, block_size: int | None = None) -> GPTConfig:
 
 
 def launch_environment() -> dict[str, object]:
-    """What `accelerate launch` tells the processes it starts: how many, the engine (`training.engines.launch_engine`
-    parses it), the precision, the CPU."""
-    env, engine = os.environ, launch_engine()
+    """What `accelerate launch` tells the processes it starts, beside the layout (`training.layout.Layout`): how
+    many, the precision, the CPU."""
+    env = os.environ
     return {"processes": int(env.get("WORLD_SIZE", "1")),
-            "fsdp": engine.kind == FSDP,
-            "zero_stage": engine.zero_stage,
             "dtype": "bf16" if env.get("ACCELERATE_MIXED_PRECISION", "no") == "bf16" else "fp32",
             "device": "cpu" if env.get("ACCELERATE_USE_CPU", "false").lower() == "true" else "cuda"}
 
@@ -698,14 +700,13 @@ def exit_after_plan(cfg):
                         f"--init_from {model.init_from}; plan the same shape with --init_from scratch and its "
                         "--n_layer, --n_head, --n_embd")
     env = launch_environment()
-    tensor_parallel = cfg.training.tensor_parallel  # refused here as the run would refuse it
-    TensorParallel.checked(tensor_parallel, int(env["processes"]), launch_engine().kind).check_model(config.n_head,
-                                                                                                   config.n_embd)
+    layout = Layout.of_launch(cfg.training.tensor_parallel, config.n_head, config.n_embd,  # refused as a run would
+                              world_size=int(env["processes"]))
     geometry = BatchGeometry.for_total(cfg.training.total_batch_size, cfg.training.micro_batch_size,
-                                       config.block_size, int(env["processes"]) // tensor_parallel)  # the run's rule
-    launch = Launch(micro_batch_size=geometry.micro_batch_size, processes=int(env["processes"]),
-                    tensor_parallel=tensor_parallel,
-                    fsdp=bool(env["fsdp"]), zero_stage=int(env["zero_stage"]),
+                                       config.block_size, layout.data_parallel_size)  # the run's rule
+    launch = Launch(micro_batch_size=geometry.micro_batch_size, processes=layout.world_size,
+                    tensor_parallel=layout.tensor_parallel,
+                    fsdp=layout.kind == FSDP, zero_stage=layout.zero_stage,
                     activation_checkpointing=cfg.training.activation_checkpointing,
                     optimizer=plan_optimizers(cfg.optim, model).kind,  # --optimizer auto resolved as a run does
                     dtype=str(env["dtype"]), accumulation=geometry.accumulation, device=str(env["device"]),

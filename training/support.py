@@ -1,7 +1,7 @@
 """What runs under what: the engines' display names, and every feature refused under some engine, against every
 engine, with its one-line reason and fix.
 
-The refusals before a run (`training.engines.refuse_unsupported`, `training.tensor_parallel.TensorParallel.checked`),
+The refusals before a run (`training.engines.refuse_unsupported`, `training.layout.Layout.checked`),
 the memory planner's (`training.memory_plan.Launch`) and the README's support table all read `SUPPORT`; a test
 holds the README's table equal to `support_table()`. A feature that starts to run under an engine is one cell here.
 

@@ -17,106 +17,45 @@ lacks, and it refuses a CPU launch (docs/architecture.md, ../shared/notes/engine
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 
-from common.errors import UserError
-from configs import ModelConfig
-from model.tensor_parallel import parallelize, split_problem
-from training.engines import Engine, requested_engine
-from training.processes import process_state
-from training.support import FSDP, refusal
+from model.tensor_parallel import parallelize
+from training.layout import Layout
 
 DP, TP = "dp", "tp"  # the mesh's dimensions
 
 
-@dataclass(frozen=True)
-class TensorParallel:
-    """How a launch of `world_size` processes splits the model: groups of `degree` ranks (1: no tensor
-    parallelism), `world_size // degree` of them, which are the data-parallel ranks."""
-
-    degree: int
-    world_size: int
-
-    @property
-    def enabled(self) -> bool:
-        return self.degree > 1
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.world_size // self.degree
-
-    def data_parallel_rank(self, rank: int) -> int:
-        """The data-parallel rank (which batches it reads) of process `rank`."""
-        return rank // self.degree
-
-    def describe(self) -> str:
-        return f"tensor parallel {self.degree} x data parallel {self.data_parallel_size}"
-
-    @classmethod
-    def of_launch(cls, degree: int, model: ModelConfig) -> TensorParallel:
-        """`--tensor_parallel degree` on this launch, refused in one line when the launch cannot run it or (from
-        scratch: the flags give the architecture) the model cannot be split; call before anything is built."""
-        layout = cls.checked(degree, process_state().num_processes, requested_engine())
-        if model.from_scratch:
-            layout.check_model(model.n_head, model.n_embd)
-        return layout
-
-    @classmethod
-    def checked(cls, degree: int, world_size: int, engine: str) -> TensorParallel:
-        """`--tensor_parallel degree` on a launch of `world_size` processes of `engine` ("ddp", "fsdp" or
-        "deepspeed": `training.engines.requested_engine`), or a one-line UserError."""
-        layout = cls(degree, world_size)
-        if not layout.enabled:
-            return layout
-        if engine != FSDP:
-            raise UserError(refusal("--tensor_parallel", engine, asked=f"--tensor_parallel {degree}"))
-        if world_size % degree:
-            raise UserError(f"--tensor_parallel {degree} needs a multiple of {degree} processes, this launch has "
-                            f"{world_size}; launch {max(degree, world_size // degree * degree)} processes "
-                            f"(--num_processes), or pass a --tensor_parallel that divides {world_size}")
-        return layout
-
-    def check_model(self, n_head: int, n_embd: int) -> None:
-        """A model whose heads or MLP width `degree` does not divide, refused in one line."""
-        if self.enabled and (problem := split_problem(n_head, n_embd, self.degree)) is not None:
-            divisors = [d for d in range(1, n_head + 1) if split_problem(n_head, n_embd, d) is None]
-            raise UserError(f"--tensor_parallel {self.degree} cannot split this model: {problem}; pass one of "
-                            f"{', '.join(map(str, divisors))}")
-
-    def engine(self, accelerator: Accelerator) -> Engine:
-        """The engine this process runs, with the tensor-parallel degree (which checkpoints record)."""
-        return Engine.of(accelerator, self.degree)
-
-    def split(self, model: torch.nn.Module, accelerator: Accelerator) -> torch.nn.Module:
-        """Split `model` across each tensor-parallel group and shard it with FSDP2 across the groups, as accelerate
-        would (one FSDP2 unit per block, the root holding the rest, the plugin's mixed precision and resharding);
-        a no-op without tensor parallelism. Call before the optimizers are built: they then hold the DTensors."""
-        if not self.enabled:
-            return model
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        mesh = init_device_mesh(accelerator.device.type, (self.data_parallel_size, self.degree),
-                                mesh_dim_names=(DP, TP))
-        model = parallelize(model.to(accelerator.device), mesh[TP])
-        plugin = accelerator.state.fsdp_plugin
-        # accelerate resolves the config's wrap policy (fsdp_transformer_layer_cls_to_wrap: Block) by class name in
-        # `prepare`; resolved now, while the blocks have it (fully_shard renames their class FSDPBlock).
-        plugin.set_auto_wrap_policy(model)
-        kwargs = {"mesh": mesh[DP], "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy()}
-        for block in model.transformer.h:
-            fully_shard(block, reshard_after_forward=plugin.reshard_after_forward, **kwargs)
-        fully_shard(model, **kwargs)  # the embeddings, the tied output layer and ln_f
+def split(model: torch.nn.Module, layout: Layout, accelerator: Accelerator) -> torch.nn.Module:
+    """Split `model` across each tensor-parallel group of `layout` and shard it with FSDP2 across the groups, as
+    accelerate would (one FSDP2 unit per block, the root holding the rest, the plugin's mixed precision and
+    resharding); a no-op without tensor parallelism. Call before the optimizers are built: they then hold the
+    DTensors."""
+    if layout.tensor_parallel == 1:
         return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    def for_evaluations(self, accelerator: Accelerator) -> Any:
-        """What the evaluations take as their accelerator: this one, or under tensor parallelism the same one
-        seen as its data-parallel ranks (`DataParallelRanks`)."""
-        return DataParallelRanks(accelerator, self) if self.enabled else accelerator
+    mesh = init_device_mesh(accelerator.device.type, (layout.data_parallel_size, layout.tensor_parallel),
+                            mesh_dim_names=(DP, TP))
+    model = parallelize(model.to(accelerator.device), mesh[TP])
+    plugin = accelerator.state.fsdp_plugin
+    # accelerate resolves the config's wrap policy (fsdp_transformer_layer_cls_to_wrap: Block) by class name in
+    # `prepare`; resolved now, while the blocks have it (fully_shard renames their class FSDPBlock).
+    plugin.set_auto_wrap_policy(model)
+    kwargs = {"mesh": mesh[DP], "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy()}
+    for block in model.transformer.h:
+        fully_shard(block, reshard_after_forward=plugin.reshard_after_forward, **kwargs)
+    fully_shard(model, **kwargs)  # the embeddings, the tied output layer and ln_f
+    return model
+
+
+def evaluation_ranks(layout: Layout, accelerator: Accelerator) -> Any:
+    """What the evaluations take as their accelerator: this one, or under tensor parallelism the same one seen as
+    its data-parallel ranks (`DataParallelRanks`)."""
+    return DataParallelRanks(accelerator, layout) if layout.tensor_parallel > 1 else accelerator
 
 
 class DataParallelRanks:
@@ -125,7 +64,7 @@ class DataParallelRanks:
     `reduce`/`gather` combine the data-parallel ranks' results only (each group's ranks hold the same ones).
     Everything else is the Accelerator's."""
 
-    def __init__(self, accelerator: Accelerator, layout: TensorParallel) -> None:
+    def __init__(self, accelerator: Accelerator, layout: Layout) -> None:
         from torch.distributed import new_subgroups_by_enumeration
 
         self._accelerator = accelerator
@@ -133,7 +72,8 @@ class DataParallelRanks:
         self.num_processes = layout.data_parallel_size
         # One group per tensor-parallel index: the ranks that hold the same shard in different groups. Every rank
         # creates every group, in the same order (torch's rule for new groups).
-        ranks = [[d * layout.degree + t for d in range(layout.data_parallel_size)] for t in range(layout.degree)]
+        degree = layout.tensor_parallel
+        ranks = [[d * degree + t for d in range(layout.data_parallel_size)] for t in range(degree)]
         self._group, _ = new_subgroups_by_enumeration(ranks)
 
     def __getattr__(self, name: str) -> Any:
