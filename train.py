@@ -24,6 +24,7 @@ from common.errors import computed_alike_on_every_rank, run_cli
 from common.run_dir import RunDir
 from configs import parse_config
 from data.source import open_source
+from planner import exit_after_plan
 from publish.card import write_card
 from publish.uploads import HubUploads
 from training.checkpoint import Checkpointer, refuse_another_engine, restore
@@ -34,7 +35,6 @@ from training.evaluation import TrainingEvals
 from training.export import export_final
 from training.layout import Layout
 from training.lora import lora_summary, use_adapter_checkpoints
-from training.memory_plan import exit_after_plan
 from training.metrics import StepReport, run_header, trackers_for
 from training.network import build_model
 from training.optim import build_optimizer, plan_optimizers, release_optimizer_state

@@ -7,7 +7,7 @@
 Each shape is one run of train.py itself (its setup, steps, validation, HellaSwag when on, checkpoint saves and
 final export) through `benchmarks.run_phases`, which records each phase's peak RSS; the whole process's is the
 kernel's high-water mark, what `/usr/bin/time -f %M` reports. Beside them, the planner's plan of the same run
-(`training.memory_plan.plan_run`, fp32 on the CPU with train.py's process RSS). Every run trains 2 steps, so the
+(`planner.plan_run`, fp32 on the CPU with train.py's process RSS). Every run trains 2 steps, so the
 second step holds the optimizer state the plan counts (the first step's forward has none yet), and evaluates and
 saves once, at the end. 2-process shapes run on gloo (accelerate_configs/cpu_2proc.yaml); each rank's figures are
 its own, the plan is per process. Exit status 1 when a run's planned peak is more than 15% from its measured one.
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from common.cli import CliParser
 from common.errors import UserError, run_cli
-from training.memory_plan import GiB, Launch, RunPhases, RunPlan, model_config, plan_run
+from planner import GiB, Launch, RunPhases, RunPlan, model_config, plan_run
 
 REPO = Path(__file__).resolve().parent.parent
 TOLERANCE = 0.15

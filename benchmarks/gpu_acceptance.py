@@ -422,7 +422,7 @@ def stage_hellaswag(ctx: Ctx, timeout: float) -> dict:
 # benchmarks.bench_run_memory --device cuda: whole short runs of train.py (2 steps, validation, HellaSwag on 200 items,
 # a checkpoint save, the export; eager, bf16 autocast) of GPT-2 124M at 16 x 1024, 350M at 8 x 1024 and 124M at
 # 16 x 1024 with activation checkpointing, each phase's torch.cuda.max_memory_allocated against the planner's plan of
-# the run (training.memory_plan.plan_run). One RUN_PLAN line of JSON per run.
+# the run (planner.plan_run). One RUN_PLAN line of JSON per run.
 MEMORY_PLAN_SKIP = "skipped: compares torch.cuda.max_memory_allocated with the plan; needs a GPU"
 EVALUATE_SKIP = ("skipped: the runs' HellaSwag evaluation needs the evaluate package, not installed here; "
                  "benchmarks/prepare_lease.py carries its wheels")
@@ -489,7 +489,7 @@ STAGES = [
           ("items", "best_seconds", "best_batch_size", "accuracy_metric", "target_met")),
     Stage("step_eager", "the step_compile measurement with --compile off (what compile buys)",
           240, 60, 90, step_stage("step_eager", compile_=False), STEP_FIGURES),
-    Stage("memory_plan", "the memory planner's run peak (training.memory_plan.plan_run) against "
+    Stage("memory_plan", "the memory planner's run peak (planner.plan_run) against "
           "torch.cuda.max_memory_allocated over whole short eager bf16 runs of train.py (2 steps, validation, "
           "HellaSwag, checkpoint save, export): GPT-2 124M and 350M, and 124M with activation checkpointing; within "
           "15%. --smoke: skipped (the CPU check is benchmarks/bench_run_memory.py)", 420, 200, 10, stage_memory_plan,

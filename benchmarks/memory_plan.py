@@ -11,7 +11,7 @@ It prints each phase of the run (the training step, validation, HellaSwag with -
 export, the Hub staging of checkpoints with --hub_push_every), what the largest holds (parameters, gradients,
 optimizer state, activations per layer, the loss, ...) against the device, and whether the run fits; when it does
 not, one line names the phase that decides and the setting that lowers it (exit status 1).
-The arithmetic is `training.memory_plan` (train.py's `--plan` prints the same table for a run's config).
+The arithmetic is `planner` (train.py's `--plan` prints the same table for a run's config).
 
 `--measure` (what `--validate` runs, each shape in its own subprocess so its ru_maxrss is its own) builds the
 model on the CPU and runs two steps (forward, backward, AdamW step, zero_grad(set_to_none=True)) in fp32 and
@@ -29,7 +29,7 @@ import sys
 from common.cli import CliParser
 from common.errors import UserError, run_cli
 from model.config import SIZES
-from training.memory_plan import (
+from planner import (
     CPU_PROCESS_BYTES,
     DEFAULT_DEVICE_GB,
     DEVICES,

@@ -36,6 +36,7 @@ COMMAND = re.compile(r"python (?:-m )?(train(?:\.py)?|eval\.\w+|model\.sample|da
 SCOPE = {
     "configs/": {"train"},  # the training config's checks; the other CLIs read a run's config.yaml, never parse it
     "training/": {"train"},
+    "planner/": {"train"},  # train.py --plan (benchmarks.memory_plan passes its own spelling of the settings)
     "publish/hub.py": {"publish.hub"},  # train.py imports it for its pushes, whose errors name no flag
     "publish/card.py": {"publish.card"},
     "eval/common.py": {"eval.hellaswag", "eval.val_loss", "eval.harness"},  # --device: the evaluation CLIs'

@@ -24,9 +24,10 @@ ALLOWED = {
     "configs": {"common", "data"},
     "training": {"common", "configs", "data", "eval", "model"},
     "publish": {"common", "configs", "data", "model", "training"},
-    "train": {"common", "configs", "data", "eval", "model", "training", "publish"},  # train.py
+    "planner": {"common", "configs", "data", "model", "training"},  # the memory planner, above training/
+    "train": {"common", "configs", "data", "eval", "model", "training", "publish", "planner"},  # train.py
     # train: benchmarks.run_phases runs train.py's main with its phases wrapped (nothing imports a benchmark back)
-    "benchmarks": {"common", "configs", "data", "eval", "model", "training", "train"},
+    "benchmarks": {"common", "configs", "data", "eval", "model", "training", "planner", "train"},
 }
 PACKAGES = set(ALLOWED)
 
@@ -139,3 +140,14 @@ def test_importing_a_package_installs_no_handlers_or_filters():
     )
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_planner_is_one_way_inside():
+    """planner/: launch -> memory -> advice -> render -> cli, each module importing only those before it (the
+    package's docstring); `planner/__init__.py` gathers them and none imports it back."""
+    order = ["planner.launch", "planner.memory", "planner.advice", "planner.render", "planner.cli"]
+    graph = module_graph()
+    assert sorted(name for name in graph if name.startswith("planner")) == sorted(order + ["planner"])
+    for i, name in enumerate(order):
+        inside = {target for target in graph[name] if target.startswith("planner")}
+        assert inside <= set(order[:i]), f"{name} imports {sorted(inside - set(order[:i]))}"

@@ -8,9 +8,9 @@ import pytest
 from accelerate.utils import DistributedType
 
 from common.errors import UserError
+from planner import Launch
 from training.engines import Engine
 from training.layout import Layout
-from training.memory_plan import Launch
 
 
 def test_the_degrees_multiply_to_the_world_tensor_parallel_innermost():

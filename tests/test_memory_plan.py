@@ -1,4 +1,4 @@
-"""The memory planner (training/memory_plan.py, python -m benchmarks.memory_plan, train.py --plan): its arithmetic
+"""The memory planner (planner/, python -m benchmarks.memory_plan, train.py --plan): its arithmetic
 against the real model and autograd's saved tensors, its prediction against a measured CPU peak, its advice."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from benchmarks.memory_plan import measure_in_subprocess
 from common.errors import UserError, run_cli
 from configs import parse_config
 from model import GPT, GPTConfig
-from training.memory_plan import (
+from planner import (
     GB,
     GiB,
     Launch,
@@ -230,7 +230,7 @@ def test_presets_fit_8_devices_of_80_gb_as_the_planner_says(preset):
 def train_plan(monkeypatch, capsys, *flags: str) -> str:
     """What `python train.py --config configs/gpt2_350m_fineweb_edu.yaml --plan [flags]` prints, in this process,
     as one process without an accelerate launch, on a machine without CUDA (so the same on any machine)."""
-    from training.memory_plan import exit_after_plan
+    from planner import exit_after_plan
 
     for name in ("WORLD_SIZE", "RANK", "ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_CPU"):
         monkeypatch.delenv(name, raising=False)
@@ -354,7 +354,7 @@ def test_zero_with_muon_or_fsdp_is_refused_and_train_plan_reads_the_zero_stage(m
     for kwargs in ({"zero_stage": 2, "optimizer": "muon"}, {"zero_stage": 3, "fsdp": True}, {"zero_stage": 4}):
         with pytest.raises(UserError):
             Launch(4, processes=8, **kwargs)
-    from training.memory_plan import exit_after_plan
+    from planner import exit_after_plan
 
     for name, value in {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "WORLD_SIZE": "8",
                         "RANK": "0"}.items():  # what accelerate launch tells a rank of zero3_8gpu.yaml

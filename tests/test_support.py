@@ -10,9 +10,9 @@ from accelerate.utils import DistributedType
 from conftest import REPO_ROOT
 
 from common.errors import UserError
+from planner import Launch
 from training.engines import Engine, refuse_unsupported
 from training.layout import Layout
-from training.memory_plan import Launch
 from training.support import COLUMNS, SUPPORT, column, engine_name, support_table
 
 # Each column as train.py's Engine.

@@ -2,7 +2,7 @@
 engine, with its one-line reason and fix.
 
 The refusals before a run (`training.engines.refuse_unsupported`, `training.layout.Layout.checked`),
-the memory planner's (`training.memory_plan.Launch`) and the README's support table all read `SUPPORT`; a test
+the memory planner's (`planner.Launch`) and the README's support table all read `SUPPORT`; a test
 holds the README's table equal to `support_table()`. A feature that starts to run under an engine is one cell here.
 
 Refusals that hang on a config's contents rather than on the engine (a DeepSpeed config's own optimizer block;

@@ -35,25 +35,14 @@ fewer activations (it recomputes cheap ones), so a compiled run needs less, not 
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, replace
 
 from common.errors import UserError
-from model.config import SIZES, GPTConfig
+from model.config import GPTConfig
 from model.loss import LOSS_CHUNK_ROWS
 from model.tensor_parallel import split_problem
-from training.layout import Layout
-from training.network import scratch_architecture
-from training.optim import plan_optimizers
-from training.processes import BatchGeometry
-from training.support import DDP, DEEPSPEED, FSDP, engine_name, refusal
+from planner.launch import GiB, Launch
 
-GiB = 2**30
-GB = 10**9
-DEFAULT_DEVICE_GB = 80.0  # an H100 / A100 80 GB
-DTYPES = ("bf16", "fp32")
-OPTIMIZERS = ("adamw", "muon")
-DEVICES = ("cuda", "cpu")
 # RSS of a CPU process with torch and the project's modules imported and one tiny step run (the kernels' thread
 # pools and workspaces): 0.31 GiB measured on the 2-core EPYC of docs/benchmarks.md, torch 2.13
 # (benchmarks/memory_plan.py --validate measures it again in each process it compares).
@@ -75,109 +64,6 @@ HELLASWAG_ROW_TOKENS = 160
 # DeepSpeed's default reduce_bucket_size, in elements: ZeRO-1 and 2 reduce the gradients through buckets this large.
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000
 
-
-@dataclass(frozen=True)
-class Shards:
-    """Over how many processes the parameters, their gradients and the optimizer state are split (each process holds
-    1/n of the term). One process and DDP: 1, 1, 1 (every rank holds everything); FSDP2: N, N, N. An engine that
-    splits them otherwise (DeepSpeed's ZeRO-1 shards the optimizer state only, ZeRO-2 the gradients too, ZeRO-3 all
-    three) is one more case of `Launch.shards`: every phase of the plan takes these terms from here."""
-
-    parameters: int = 1
-    gradients: int = 1
-    optimizer_state: int = 1
-
-    def note(self, n: int) -> str:
-        return f", sharded over {n}" if n > 1 else ""
-
-
-@dataclass(frozen=True)
-class Launch:
-    """What a training process does with the model: its batch, its share of the model, its precision."""
-
-    micro_batch_size: int
-    processes: int = 1
-    fsdp: bool = False
-    zero_stage: int = 0  # DeepSpeed ZeRO-1, 2 or 3; 0: not DeepSpeed
-    activation_checkpointing: bool = False
-    optimizer: str = "adamw"  # "adamw" or "muon" (training.optim's split)
-    dtype: str = "bf16"  # "bf16": accelerate's autocast (fp32 master weights), "fp32": no autocast
-    accumulation: int = 1  # micro-steps per optimizer step: above 1 the gradients live through the forward
-    device: str = "cuda"  # "cpu" adds the process's own RSS (Python, torch) and AdamW's for-loop temporaries
-    # The tokens of one optimizer step when the run fixes them (train.py --plan): the advice then names only the
-    # micro-batches the run accepts, with the accumulation each gives (`resized`). None: any micro-batch.
-    total_batch_size: int | None = None
-    # --tensor_parallel: the blocks' matrices split over groups of this many processes, FSDP2 over the
-    # processes / tensor_parallel groups (`training.tensor_parallel`); 1: none.
-    tensor_parallel: int = 1
-
-    @property
-    def layout(self) -> Layout:
-        """The launch's layout as a run holds it (`training.layout`)."""
-        return Layout(self.processes, self.kind, self.zero_stage, self.tensor_parallel)
-
-    @property
-    def data_parallel(self) -> int:
-        """The processes that read different batches (and over which FSDP2 shards): all, or one per TP group."""
-        return self.layout.data_parallel_size
-
-    @property
-    def shards(self) -> Shards:
-        """Over how many processes each per-process term is split: the engine's say (see `Shards`)."""
-        n = self.data_parallel
-        if self.zero_stage:
-            return Shards(parameters=n if self.zero_stage >= 3 else 1, gradients=n if self.zero_stage >= 2 else 1,
-                          optimizer_state=n)
-        return Shards(parameters=n, gradients=n, optimizer_state=n) if self.fsdp else Shards()
-
-    @property
-    def kind(self) -> str:
-        """The engine, as `training.support` keys it."""
-        return DEEPSPEED if self.zero_stage else FSDP if self.fsdp else DDP
-
-    @property
-    def engine(self) -> str:
-        if self.tensor_parallel > 1:
-            return f"{engine_name(FSDP)} over {self.data_parallel} x tensor parallel {self.tensor_parallel}"
-        return engine_name(self.kind, self.zero_stage) if self.processes > 1 or self.kind != DDP else "one process"
-
-    @property
-    def replicas(self) -> bool:
-        """Every process a full replica that all-reduces whole gradients in DDP's buckets (DDP, several processes)."""
-        return self.processes > 1 and not self.fsdp and not self.zero_stage
-
-    @property
-    def gathers_parameters(self) -> bool:
-        """Parameters sharded and gathered per unit for each forward and backward (FSDP2, ZeRO-3)."""
-        return self.fsdp or self.zero_stage >= 3
-
-    @property
-    def bf16_parameters(self) -> bool:
-        """The module's parameters themselves in bf16 (FSDP2's mixed precision, DeepSpeed's bf16), rather than
-        autocast's bf16 copies of fp32 parameters."""
-        return self.dtype == "bf16" and (self.fsdp or self.zero_stage > 0)
-
-    def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "processes", "accumulation"):
-            if getattr(self, name) < 1:
-                raise UserError(f"--{name} must be positive, got {getattr(self, name)}; pass a value of at least 1")
-        if self.optimizer not in OPTIMIZERS:
-            raise UserError(f"optimizer {self.optimizer!r} is not one the planner knows; use adamw or muon")
-        if self.dtype not in DTYPES:
-            raise UserError(f"precision {self.dtype!r} is not one the planner knows; use bf16 or fp32")
-        if self.device not in DEVICES:
-            raise UserError(f"device {self.device!r} is not one the planner knows; use cuda or cpu")
-        if self.zero_stage not in (0, 1, 2, 3) or (self.zero_stage and self.fsdp):
-            raise UserError(f"ZeRO stage {self.zero_stage} {'with FSDP2 ' if self.fsdp else ''}is not a launch the "
-                            "planner knows; plan ZeRO stage 1, 2 or 3, or FSDP2, one engine at a time")
-        if self.tensor_parallel < 1 or self.processes % self.tensor_parallel or (
-                self.tensor_parallel > 1 and not self.fsdp):
-            raise UserError(f"tensor parallel {self.tensor_parallel} over {self.processes} process(es)"
-                            f"{'' if self.fsdp else ' without FSDP2'} is not a launch train.py runs; plan a degree "
-                            "that divides the processes, with FSDP2")
-        if self.optimizer == "muon" and (line := refusal("--optimizer muon", self.kind, self.zero_stage,
-                                                          self.tensor_parallel)):
-            raise UserError(line)
 
 
 @dataclass(frozen=True)
@@ -213,11 +99,13 @@ class ParamCounts:
                        block_vectors=whole.block_vectors - split_biases + split_biases // tensor_parallel)
 
 
+
 @dataclass(frozen=True)
 class Item:
     name: str
     bytes: int
     note: str = ""
+
 
 
 @dataclass(frozen=True)
@@ -263,6 +151,7 @@ class MemoryPlan:
         return self.peak + self.reserve <= device_bytes
 
 
+
 def activation_bytes_per_layer(config: GPTConfig, launch: Launch) -> int:
     """What one Block saves for its backward, in bytes (the module docstring lists each tensor)."""
     B, T, C, H = launch.micro_batch_size, config.block_size, config.n_embd, config.n_head
@@ -276,14 +165,17 @@ def activation_bytes_per_layer(config: GPTConfig, launch: Launch) -> int:
     return saved
 
 
+
 def _residual_bytes(launch: Launch) -> int:
     return 2 if launch.bf16_parameters else 4
+
 
 
 def _compute_param_bytes(launch: Launch) -> int:
     """Bytes of a parameter as the forward uses it: FSDP2 all-gathers bf16 copies (accelerate's
     MixedPrecisionPolicy(param_dtype=bf16)); otherwise the fp32 parameter itself."""
     return 2 if launch.bf16_parameters else 4
+
 
 
 def plan_memory(config: GPTConfig, launch: Launch, process_bytes: int = CPU_PROCESS_BYTES) -> MemoryPlan:
@@ -324,12 +216,12 @@ def plan_memory(config: GPTConfig, launch: Launch, process_bytes: int = CPU_PROC
     final_norm_input = btc * r + 8 * B * T
     if launch.activation_checkpointing:
         activations = Item("activations", L * btc * r + final_norm_input + per_layer,
-                           f"checkpointed: {L} block inputs of {_gib(btc * r)} + one block recomputed "
-                           f"({_gib(per_layer)})")
+                           f"checkpointed: {L} block inputs of {format_gib(btc * r)} + one block recomputed "
+                           f"({format_gib(per_layer)})")
     else:
         dropout = btc if config.dropout > 0 else 0
         activations = Item("activations", L * per_layer + final_norm_input + dropout,
-                           f"{L} layers x {_gib(per_layer)} + the final LayerNorm's input")
+                           f"{L} layers x {format_gib(per_layer)} + the final LayerNorm's input")
     weight_grad = (2 if launch.bf16_parameters else 4) * V * C  # the loss's output-layer gradient, in wte's dtype
     rows = min(B * T, LOSS_CHUNK_ROWS)
     autocast_temps = 2 * rows * V + 2 * V * C if bf16 else 0  # bf16 logits and weight-gradient products
@@ -357,8 +249,10 @@ def plan_memory(config: GPTConfig, launch: Launch, process_bytes: int = CPU_PROC
     return MemoryPlan(config, launch, counts, per_layer, moments)
 
 
+
 def _process_item(process_bytes: int) -> Item:
     return Item("process", process_bytes, "Python, torch, its kernels' workspaces (measured)")
+
 
 
 def _weights_and_state(counts: ParamCounts, launch: Launch) -> tuple[Item, Item, Item]:
@@ -381,6 +275,7 @@ def _weights_and_state(counts: ParamCounts, launch: Launch) -> tuple[Item, Item,
     return params, grads, state
 
 
+
 @dataclass(frozen=True)
 class RunPhases:
     """What a run does besides its steps, as far as its memory goes (train.py's evaluation and saving settings)."""
@@ -393,6 +288,7 @@ class RunPhases:
     def __post_init__(self) -> None:
         if self.eval_batch_size < 1:
             raise UserError(f"--eval_batch_size must be positive, got {self.eval_batch_size}; pass at least 1")
+
 
 
 @dataclass(frozen=True)
@@ -430,6 +326,7 @@ class RunPlan:
         return self.peak + self.reserve <= device_bytes
 
 
+
 def evaluation_bytes(config: GPTConfig, launch: Launch, rows: int, tokens: int) -> int:
     """What a no-grad evaluation forward of `rows` x `tokens` adds to what the process already holds: the larger of
     a block's live tensors (15 x rows x tokens x n_embd: the residual stream in and out, the q/k/v projection the
@@ -443,6 +340,7 @@ def evaluation_bytes(config: GPTConfig, launch: Launch, rows: int, tokens: int) 
     loss = 4 * min(rows * tokens, LOSS_CHUNK_ROWS) * config.padded_vocab_size + 4 * config.padded_vocab_size * \
         config.n_embd + 4 * 4 * btc
     return max(block, loss)
+
 
 
 def plan_run(config: GPTConfig, launch: Launch, run: RunPhases) -> RunPlan:
@@ -492,230 +390,6 @@ def plan_run(config: GPTConfig, launch: Launch, run: RunPhases) -> RunPlan:
     return RunPlan(step, phases, settings)
 
 
-def _gib(n: int) -> str:
+
+def format_gib(n: int) -> str:
     return f"{n / GiB:.3f} GiB" if n < GiB / 10 else f"{n / GiB:.2f} GiB"
-
-
-def resized(config: GPTConfig, launch: Launch, micro_batch_size: int, processes: int | None = None) -> Launch | None:
-    """`launch` at another micro-batch (and number of processes). With a fixed total batch only a micro-batch the
-    run accepts (`BatchGeometry`'s rule), at the accumulation it gives; None for one the run would refuse."""
-    processes = launch.processes if processes is None else processes
-    if launch.total_batch_size is None:
-        return replace(launch, micro_batch_size=micro_batch_size, processes=processes)
-    data_parallel = processes // launch.tensor_parallel
-    if processes % launch.tensor_parallel or not BatchGeometry.divides(launch.total_batch_size, micro_batch_size,
-                                                                        config.block_size, data_parallel):
-        return None
-    geometry = BatchGeometry.for_total(launch.total_batch_size, micro_batch_size, config.block_size, data_parallel)
-    return replace(launch, micro_batch_size=micro_batch_size, processes=processes, accumulation=geometry.accumulation)
-
-
-def largest_micro_batch(config: GPTConfig, launch: Launch, device_bytes: int, limit: int = 1024) -> int:
-    """The largest micro-batch (<= limit) that the run accepts and whose plan fits in `device_bytes`; 0 when none
-    does. Every candidate is planned, from the largest down: with a fixed total batch the accumulation changes with
-    the micro-batch (and with it whether the gradients are held between micro-steps), so the peak is not monotone."""
-    for micro_batch_size in range(limit, 0, -1):
-        candidate = resized(config, launch, micro_batch_size)
-        if candidate is not None and plan_memory(config, candidate).fits(device_bytes):
-            return micro_batch_size
-    return 0
-
-
-@dataclass(frozen=True)
-class Spelling:
-    """How an entry point names the three settings in its advice."""
-
-    micro_batch: str = "--micro_batch_size"
-    fsdp: str = "--fsdp"
-    checkpointing: str = "--activation_checkpointing"
-    processes: str = "--processes"
-
-
-def advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: Spelling = Spelling()) -> str | None:
-    """None when the plan fits; else one line: what does not fit and the one setting to change."""
-    plan = plan_memory(config, launch)
-    if plan.fits(device_bytes):
-        return None
-    where = f"needs {_gib(plan.peak + plan.reserve)} per device, more than the {device_bytes / GB:g} GB device"
-    B = launch.micro_batch_size
-    if (mb := largest_micro_batch(config, launch, device_bytes, B - 1)) > 0:
-        return f"micro-batch {B} {where}; lower {spelling.micro_batch} to {mb} (the batch keeps its tokens " \
-               "through more accumulation)"
-    if not launch.activation_checkpointing:
-        checkpointed = replace(launch, activation_checkpointing=True)
-        if (mb := largest_micro_batch(config, checkpointed, device_bytes, B)) > 0:
-            return f"micro-batch {B} {where}; add {spelling.checkpointing}" + \
-                   (f" (it fits then at micro-batch {B})" if mb == B else f" and lower {spelling.micro_batch} to {mb}")
-    if launch.replicas and launch.optimizer == "adamw":
-        for checkpointing in (launch.activation_checkpointing, True):
-            sharded = replace(launch, fsdp=True, activation_checkpointing=checkpointing)
-            if (mb := largest_micro_batch(config, sharded, device_bytes, B)) > 0:
-                extra = "" if checkpointing == launch.activation_checkpointing else f" and {spelling.checkpointing}"
-                return f"micro-batch {B} {where}; shard it with {spelling.fsdp}{extra}" + \
-                       ("" if mb == B else f", at {spelling.micro_batch} {mb}")
-    if launch.optimizer == "muon" and launch.processes > 1:
-        return f"micro-batch {B} {where}, even at micro-batch 1; use --optimizer adamw with {spelling.fsdp} " \
-               "(Muon is refused under FSDP)"
-    # More devices under the launch's own sharding engine (FSDP2 for DDP and one process).
-    sharded = replace(launch, fsdp=not launch.zero_stage, activation_checkpointing=True)
-    engine = f"{spelling.fsdp}" if not launch.zero_stage else launch.engine
-
-    def fits_on(processes: int) -> bool:
-        candidate = resized(config, sharded, 1, processes)
-        return candidate is not None and plan_memory(config, candidate).fits(device_bytes)
-
-    devices = next((n for n in (2**k for k in range(1, 11)) if n > launch.processes and fits_on(n)), None)
-    return f"micro-batch {B} {where}, even at micro-batch 1 with {spelling.checkpointing}" + \
-           (f" and {launch.engine}" if launch.fsdp or launch.zero_stage else "") + \
-           (f"; shard it with {engine} over {devices} devices ({spelling.processes} {devices})"
-            if devices and launch.optimizer == "adamw" else "; use a larger device")
-
-
-def run_advice(config: GPTConfig, launch: Launch, run: RunPhases, device_bytes: int,
-               spelling: Spelling = Spelling()) -> str | None:
-    """None when every phase of the run fits; else one line naming the phase that decides the peak and the setting
-    that lowers it: the step's own advice (`advice`), a smaller --eval_batch_size for an evaluation, the Hub staging
-    of every checkpoint, or, for the weights themselves (a save, the export), sharding or a larger device."""
-    plan = plan_run(config, launch, run)
-    if plan.fits(device_bytes):
-        return None
-    phase = plan.phase
-    where = f"the {phase} needs {_gib(plan.peak + plan.reserve)} per device, more than the {device_bytes / GB:g} GB " \
-            "device"
-    if phase == "step":  # (a CPU step fits in `advice`'s plan, with a bare process, and not with train.py's)
-        return advice(config, launch, device_bytes, spelling) or f"{where} (train.py's process included)"
-    if plan.settings[phase] == "--eval_batch_size":
-        smaller = next((b for b in range(run.eval_batch_size - 1, 0, -1)
-                        if plan_run(config, launch, replace(run, eval_batch_size=b)).fits(device_bytes)), 0)
-        if smaller:
-            return f"{where}; lower --eval_batch_size to {smaller} (now {run.eval_batch_size})"
-    if phase == "Hub staging":
-        return f"{where}; push only the final model (--hub_push_every 0)"
-    step_line = advice(config, launch, device_bytes, spelling)
-    if step_line is not None:  # what the step's advice changes (sharding, more devices) lowers what is kept too
-        return f"{where}, and the step does not fit either: {step_line}"
-    return f"{where} (the weights and optimizer state every rank keeps)" + \
-        (f"; shard them with {spelling.fsdp}" if launch.replicas else
-         "; use a larger device")
-
-
-def render(plan: MemoryPlan, device_bytes: int, spelling: Spelling = Spelling(), run: RunPhases | None = None) -> str:
-    """The plan as a table (GiB), the activations per layer, and the verdict against the device. With `run`, every
-    phase of the run is planned: each one's peak, then the items of the largest, and the verdict on the run."""
-    c, l_ = plan.config, plan.launch
-    how = l_.engine
-    precision = "fp32" if l_.dtype == "fp32" else ("bf16 parameters" if l_.zero_stage else "bf16 autocast")
-    lines = [
-        f"Memory plan (computed from the shapes, not measured): {c.n_layer} layers x {c.n_embd} wide, {c.n_head} "
-        f"heads, vocabulary {c.padded_vocab_size} (padded), {plan.params.total / 1e6:,.1f}M parameters",
-        f"  micro-batch {l_.micro_batch_size} x {c.block_size} tokens, {l_.processes} process(es), {how}, "
-        f"{precision}, {l_.optimizer}, activation checkpointing "
-        f"{'on' if l_.activation_checkpointing else 'off'}, accumulation {l_.accumulation}, device {l_.device}",
-        f"  activations per layer: {_gib(plan.activation_per_layer)} (one Block's saved tensors"
-        + (", recomputed: only its input is kept" if l_.activation_checkpointing else "") + ")",
-    ]
-    whole = plan_run(c, l_, run) if run is not None else None
-    if whole is not None:
-        plan = whole.step  # with train.py's process RSS on a CPU
-        lines.append(f"  evaluation batch {run.eval_batch_size}, HellaSwag {'on' if run.hellaswag else 'off'}; "
-                     f"per device, by phase of the run (the peak: {whole.phase}):")
-        for name, total in whole.phases.items():
-            lowered = whole.settings[name] or "the step's moments: " + ", ".join(
-                f"{moment} {t / GiB:.2f}" for moment, t in plan.moments.items())
-            lines.append(f"    {name:<16}  {total / GiB:8.2f} GiB  {lowered}")
-    items, peak = (whole.items, whole.peak) if whole is not None else (plan.items, plan.peak)
-    at = plan.moment if whole is None or whole.phase == "step" else whole.phase
-    reserve = whole.reserve if whole is not None else plan.reserve
-    lines.append(f"  per device, at the peak ({at}):")
-    width = max(len(i.name) for i in items)
-    for item in items:
-        lines.append(f"    {item.name:<{width}}  {item.bytes / GiB:8.2f} GiB  {item.note}")
-    lines.append(f"    {'total':<{width}}  {peak / GiB:8.2f} GiB")
-    if reserve:
-        lines.append(f"    {'reserve':<{width}}  {reserve / GiB:8.2f} GiB  CUDA context (1 GiB) and allocator "
-                     f"slack ({ALLOCATOR_SLACK:.0%} of the total)")
-    lines.append(f"    {'device':<{width}}  {device_bytes / GiB:8.2f} GiB  ({device_bytes / GB:g} GB)")
-    if whole is None:
-        others = ", ".join(f"{name} {t / GiB:.2f} GiB" for name, t in plan.moments.items() if name != plan.moment)
-        lines.append(f"  other moments: {others}")
-        line = advice(plan.config, plan.launch, device_bytes, spelling)
-    else:
-        line = run_advice(c, l_, run, device_bytes, spelling)
-    spare = device_bytes - peak - reserve
-    lines.append("  fits: " + (f"yes, {spare / GiB:.2f} GiB to spare" if line is None else "NO: " + line))
-    return "\n".join(lines)
-
-
-def model_config(name: str, block_size: int | None = None) -> GPTConfig:
-    """A named size (`gpt2` .. `gpt2-xl`, `tiny`, `mini`, `small`; `openai-community/gpt2-xl` too)."""
-    short = name.split("/")[-1] if name.startswith("openai-community/") else name
-    if short not in SIZES:
-        raise UserError(f"model size {name!r} is not one the planner knows; choose one of {', '.join(SIZES)}")
-    overrides = {} if block_size is None else {"block_size": block_size}
-    try:
-        return GPTConfig.from_name(short, **overrides)
-    except ValueError as err:
-        raise UserError(f"{err}") from None
-
-
-def launch_environment() -> dict[str, object]:
-    """What `accelerate launch` tells the processes it starts, beside the layout (`training.layout.Layout`): how
-    many, the precision, the CPU."""
-    env = os.environ
-    return {"processes": int(env.get("WORLD_SIZE", "1")),
-            "dtype": "bf16" if env.get("ACCELERATE_MIXED_PRECISION", "no") == "bf16" else "fp32",
-            "device": "cpu" if env.get("ACCELERATE_USE_CPU", "false").lower() == "true" else "cuda"}
-
-
-def device_here(device: str) -> tuple[int, str]:
-    """The bytes of the device a plan for a `device` ("cuda" or "cpu") launch is made against, and a line that
-    says which: this machine's first GPU, else the default 80 GB (a plan for a GPU run is often made on a machine
-    without one, which has no size to read)."""
-    import torch
-
-    if device == "cuda" and torch.cuda.is_available():
-        gpu = torch.cuda.get_device_properties(0)
-        return gpu.total_memory, f"  planned for cuda:0 of this machine: {gpu.name}, {gpu.total_memory / GB:.1f} GB"
-    what = (f"an {DEFAULT_DEVICE_GB:g} GB CUDA device (an H100 / A100 80 GB), as this machine has none"
-            if device == "cuda" else f"{DEFAULT_DEVICE_GB:g} GB of memory (the planner's default, not this machine's)")
-    return int(DEFAULT_DEVICE_GB * GB), (
-        f"  planned for {what}; for another size, python -m benchmarks.memory_plan --device {device} --device_memory "
-        "GB (with --model, --micro_batch_size, --processes), or --plan on the machine that trains")
-
-
-def exit_after_plan(cfg):
-    """`python train.py ... --plan`: print the memory plan of this config and launch, every phase of the run
-    (`plan_run`: the step, its evaluations, checkpoint saves, the export), exit 0 before anything is built.
-    Otherwise return `cfg` unchanged. The shapes come from the flags, or from `--init_from` when it names one of
-    GPT-2's sizes; processes, FSDP and precision from the accelerate launch (its environment)."""
-    if not cfg.run.plan:
-        return cfg
-    model = cfg.model
-    if model.from_scratch:
-        config = scratch_architecture(model)
-    elif model.init_from.split("/")[-1] in SIZES:
-        config = model_config(model.init_from, model.block_size)
-    else:
-        raise UserError(f"--plan knows the shapes of GPT-2's sizes ({', '.join(list(SIZES)[:4])}), not of "
-                        f"--init_from {model.init_from}; plan the same shape with --init_from scratch and its "
-                        "--n_layer, --n_head, --n_embd")
-    env = launch_environment()
-    layout = Layout.of_launch(cfg.training.tensor_parallel, config.n_head, config.n_embd,  # refused as a run would
-                              world_size=int(env["processes"]))
-    geometry = BatchGeometry.for_total(cfg.training.total_batch_size, cfg.training.micro_batch_size,
-                                       config.block_size, layout.data_parallel_size)  # the run's rule
-    launch = Launch(micro_batch_size=geometry.micro_batch_size, processes=layout.world_size,
-                    tensor_parallel=layout.tensor_parallel,
-                    fsdp=layout.kind == FSDP, zero_stage=layout.zero_stage,
-                    activation_checkpointing=cfg.training.activation_checkpointing,
-                    optimizer=plan_optimizers(cfg.optim, model).kind,  # --optimizer auto resolved as a run does
-                    dtype=str(env["dtype"]), accumulation=geometry.accumulation, device=str(env["device"]),
-                    total_batch_size=cfg.training.total_batch_size)  # so that advised micro-batches divide it
-    if int(os.environ.get("RANK", "0")) == 0:
-        device_bytes, which = device_here(launch.device)
-        run = RunPhases(eval_batch_size=cfg.eval.eval_batch_size, hellaswag=cfg.eval.hellaswag_every > 0,
-                        hub_staging=cfg.hub.push_to_hub and cfg.hub.hub_push_every > 0)
-        print(render(plan_memory(config, launch), device_bytes,
-                     Spelling(fsdp="accelerate_configs/fsdp_8gpu.yaml (FSDP2)", processes="--num_processes"), run))
-        print(which)
-    raise SystemExit(0)

@@ -1,0 +1,118 @@
+"""What to change when a plan does not fit: the largest micro-batch that does, and one line naming the one setting to
+change (a micro-batch the run accepts, FSDP2, activation checkpointing, more devices).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from model.config import GPTConfig
+from planner.launch import GB, Launch
+from planner.memory import RunPhases, format_gib, plan_memory, plan_run
+from training.processes import BatchGeometry
+
+
+def resized(config: GPTConfig, launch: Launch, micro_batch_size: int, processes: int | None = None) -> Launch | None:
+    """`launch` at another micro-batch (and number of processes). With a fixed total batch only a micro-batch the
+    run accepts (`BatchGeometry`'s rule), at the accumulation it gives; None for one the run would refuse."""
+    processes = launch.processes if processes is None else processes
+    if launch.total_batch_size is None:
+        return replace(launch, micro_batch_size=micro_batch_size, processes=processes)
+    data_parallel = processes // launch.tensor_parallel
+    if processes % launch.tensor_parallel or not BatchGeometry.divides(launch.total_batch_size, micro_batch_size,
+                                                                        config.block_size, data_parallel):
+        return None
+    geometry = BatchGeometry.for_total(launch.total_batch_size, micro_batch_size, config.block_size, data_parallel)
+    return replace(launch, micro_batch_size=micro_batch_size, processes=processes, accumulation=geometry.accumulation)
+
+
+
+def largest_micro_batch(config: GPTConfig, launch: Launch, device_bytes: int, limit: int = 1024) -> int:
+    """The largest micro-batch (<= limit) that the run accepts and whose plan fits in `device_bytes`; 0 when none
+    does. Every candidate is planned, from the largest down: with a fixed total batch the accumulation changes with
+    the micro-batch (and with it whether the gradients are held between micro-steps), so the peak is not monotone."""
+    for micro_batch_size in range(limit, 0, -1):
+        candidate = resized(config, launch, micro_batch_size)
+        if candidate is not None and plan_memory(config, candidate).fits(device_bytes):
+            return micro_batch_size
+    return 0
+
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """How an entry point names the three settings in its advice."""
+
+    micro_batch: str = "--micro_batch_size"
+    fsdp: str = "--fsdp"
+    checkpointing: str = "--activation_checkpointing"
+    processes: str = "--processes"
+
+
+
+def advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: Spelling = Spelling()) -> str | None:
+    """None when the plan fits; else one line: what does not fit and the one setting to change."""
+    plan = plan_memory(config, launch)
+    if plan.fits(device_bytes):
+        return None
+    where = f"needs {format_gib(plan.peak + plan.reserve)} per device, more than the {device_bytes / GB:g} GB device"
+    B = launch.micro_batch_size
+    if (mb := largest_micro_batch(config, launch, device_bytes, B - 1)) > 0:
+        return f"micro-batch {B} {where}; lower {spelling.micro_batch} to {mb} (the batch keeps its tokens " \
+               "through more accumulation)"
+    if not launch.activation_checkpointing:
+        checkpointed = replace(launch, activation_checkpointing=True)
+        if (mb := largest_micro_batch(config, checkpointed, device_bytes, B)) > 0:
+            return f"micro-batch {B} {where}; add {spelling.checkpointing}" + \
+                   (f" (it fits then at micro-batch {B})" if mb == B else f" and lower {spelling.micro_batch} to {mb}")
+    if launch.replicas and launch.optimizer == "adamw":
+        for checkpointing in (launch.activation_checkpointing, True):
+            sharded = replace(launch, fsdp=True, activation_checkpointing=checkpointing)
+            if (mb := largest_micro_batch(config, sharded, device_bytes, B)) > 0:
+                extra = "" if checkpointing == launch.activation_checkpointing else f" and {spelling.checkpointing}"
+                return f"micro-batch {B} {where}; shard it with {spelling.fsdp}{extra}" + \
+                       ("" if mb == B else f", at {spelling.micro_batch} {mb}")
+    if launch.optimizer == "muon" and launch.processes > 1:
+        return f"micro-batch {B} {where}, even at micro-batch 1; use --optimizer adamw with {spelling.fsdp} " \
+               "(Muon is refused under FSDP)"
+    # More devices under the launch's own sharding engine (FSDP2 for DDP and one process).
+    sharded = replace(launch, fsdp=not launch.zero_stage, activation_checkpointing=True)
+    engine = f"{spelling.fsdp}" if not launch.zero_stage else launch.engine
+
+    def fits_on(processes: int) -> bool:
+        candidate = resized(config, sharded, 1, processes)
+        return candidate is not None and plan_memory(config, candidate).fits(device_bytes)
+
+    devices = next((n for n in (2**k for k in range(1, 11)) if n > launch.processes and fits_on(n)), None)
+    return f"micro-batch {B} {where}, even at micro-batch 1 with {spelling.checkpointing}" + \
+           (f" and {launch.engine}" if launch.fsdp or launch.zero_stage else "") + \
+           (f"; shard it with {engine} over {devices} devices ({spelling.processes} {devices})"
+            if devices and launch.optimizer == "adamw" else "; use a larger device")
+
+
+
+def run_advice(config: GPTConfig, launch: Launch, run: RunPhases, device_bytes: int,
+               spelling: Spelling = Spelling()) -> str | None:
+    """None when every phase of the run fits; else one line naming the phase that decides the peak and the setting
+    that lowers it: the step's own advice (`advice`), a smaller --eval_batch_size for an evaluation, the Hub staging
+    of every checkpoint, or, for the weights themselves (a save, the export), sharding or a larger device."""
+    plan = plan_run(config, launch, run)
+    if plan.fits(device_bytes):
+        return None
+    phase = plan.phase
+    where = (f"the {phase} needs {format_gib(plan.peak + plan.reserve)} per device, more than the "
+             f"{device_bytes / GB:g} GB device")
+    if phase == "step":  # (a CPU step fits in `advice`'s plan, with a bare process, and not with train.py's)
+        return advice(config, launch, device_bytes, spelling) or f"{where} (train.py's process included)"
+    if plan.settings[phase] == "--eval_batch_size":
+        smaller = next((b for b in range(run.eval_batch_size - 1, 0, -1)
+                        if plan_run(config, launch, replace(run, eval_batch_size=b)).fits(device_bytes)), 0)
+        if smaller:
+            return f"{where}; lower --eval_batch_size to {smaller} (now {run.eval_batch_size})"
+    if phase == "Hub staging":
+        return f"{where}; push only the final model (--hub_push_every 0)"
+    step_line = advice(config, launch, device_bytes, spelling)
+    if step_line is not None:  # what the step's advice changes (sharding, more devices) lowers what is kept too
+        return f"{where}, and the step does not fit either: {step_line}"
+    return f"{where} (the weights and optimizer state every rank keeps)" + \
+        (f"; shard them with {spelling.fsdp}" if launch.replicas else
+         "; use a larger device")

@@ -1,0 +1,99 @@
+"""The planner at the command line: `python train.py ... --plan` (`exit_after_plan`: the plan of a run's resolved config
+and launch, then exit 0), and the model sizes and the device that `python -m benchmarks.memory_plan` plans for.
+"""
+from __future__ import annotations
+
+import os
+
+from common.errors import UserError
+from model.config import SIZES, GPTConfig
+from planner.advice import Spelling
+from planner.launch import GB, Launch
+from planner.memory import RunPhases, plan_memory
+from planner.render import render
+from training.layout import Layout
+from training.network import scratch_architecture
+from training.optim import plan_optimizers
+from training.processes import BatchGeometry
+from training.support import FSDP
+
+DEFAULT_DEVICE_GB = 80.0  # an H100 / A100 80 GB
+
+
+
+def model_config(name: str, block_size: int | None = None) -> GPTConfig:
+    """A named size (`gpt2` .. `gpt2-xl`, `tiny`, `mini`, `small`; `openai-community/gpt2-xl` too)."""
+    short = name.split("/")[-1] if name.startswith("openai-community/") else name
+    if short not in SIZES:
+        raise UserError(f"model size {name!r} is not one the planner knows; choose one of {', '.join(SIZES)}")
+    overrides = {} if block_size is None else {"block_size": block_size}
+    try:
+        return GPTConfig.from_name(short, **overrides)
+    except ValueError as err:
+        raise UserError(f"{err}") from None
+
+
+
+def launch_environment() -> dict[str, object]:
+    """What `accelerate launch` tells the processes it starts, beside the layout (`training.layout.Layout`): how
+    many, the precision, the CPU."""
+    env = os.environ
+    return {"processes": int(env.get("WORLD_SIZE", "1")),
+            "dtype": "bf16" if env.get("ACCELERATE_MIXED_PRECISION", "no") == "bf16" else "fp32",
+            "device": "cpu" if env.get("ACCELERATE_USE_CPU", "false").lower() == "true" else "cuda"}
+
+
+
+def device_here(device: str) -> tuple[int, str]:
+    """The bytes of the device a plan for a `device` ("cuda" or "cpu") launch is made against, and a line that
+    says which: this machine's first GPU, else the default 80 GB (a plan for a GPU run is often made on a machine
+    without one, which has no size to read)."""
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        gpu = torch.cuda.get_device_properties(0)
+        return gpu.total_memory, f"  planned for cuda:0 of this machine: {gpu.name}, {gpu.total_memory / GB:.1f} GB"
+    what = (f"an {DEFAULT_DEVICE_GB:g} GB CUDA device (an H100 / A100 80 GB), as this machine has none"
+            if device == "cuda" else f"{DEFAULT_DEVICE_GB:g} GB of memory (the planner's default, not this machine's)")
+    return int(DEFAULT_DEVICE_GB * GB), (
+        f"  planned for {what}; for another size, python -m benchmarks.memory_plan --device {device} --device_memory "
+        "GB (with --model, --micro_batch_size, --processes), or --plan on the machine that trains")
+
+
+
+def exit_after_plan(cfg):
+    """`python train.py ... --plan`: print the memory plan of this config and launch, every phase of the run
+    (`plan_run`: the step, its evaluations, checkpoint saves, the export), exit 0 before anything is built.
+    Otherwise return `cfg` unchanged. The shapes come from the flags, or from `--init_from` when it names one of
+    GPT-2's sizes; processes, FSDP and precision from the accelerate launch (its environment)."""
+    if not cfg.run.plan:
+        return cfg
+    model = cfg.model
+    if model.from_scratch:
+        config = scratch_architecture(model)
+    elif model.init_from.split("/")[-1] in SIZES:
+        config = model_config(model.init_from, model.block_size)
+    else:
+        raise UserError(f"--plan knows the shapes of GPT-2's sizes ({', '.join(list(SIZES)[:4])}), not of "
+                        f"--init_from {model.init_from}; plan the same shape with --init_from scratch and its "
+                        "--n_layer, --n_head, --n_embd")
+    env = launch_environment()
+    layout = Layout.of_launch(cfg.training.tensor_parallel, config.n_head, config.n_embd,  # refused as a run would
+                              world_size=int(env["processes"]))
+    geometry = BatchGeometry.for_total(cfg.training.total_batch_size, cfg.training.micro_batch_size,
+                                       config.block_size, layout.data_parallel_size)  # the run's rule
+    launch = Launch(micro_batch_size=geometry.micro_batch_size, processes=layout.world_size,
+                    tensor_parallel=layout.tensor_parallel,
+                    fsdp=layout.kind == FSDP, zero_stage=layout.zero_stage,
+                    activation_checkpointing=cfg.training.activation_checkpointing,
+                    optimizer=plan_optimizers(cfg.optim, model).kind,  # --optimizer auto resolved as a run does
+                    dtype=str(env["dtype"]), accumulation=geometry.accumulation, device=str(env["device"]),
+                    total_batch_size=cfg.training.total_batch_size)  # so that advised micro-batches divide it
+    if int(os.environ.get("RANK", "0")) == 0:
+        device_bytes, which = device_here(launch.device)
+        run = RunPhases(eval_batch_size=cfg.eval.eval_batch_size, hellaswag=cfg.eval.hellaswag_every > 0,
+                        hub_staging=cfg.hub.push_to_hub and cfg.hub.hub_push_every > 0)
+        print(render(plan_memory(config, launch), device_bytes,
+                     Spelling(fsdp="accelerate_configs/fsdp_8gpu.yaml (FSDP2)", processes="--num_processes"), run))
+        print(which)
+    raise SystemExit(0)
