@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.gpu_acceptance import HELLASWAG_NAME, HELLASWAG_PLACES, LEASE_CALL_S, ROOT
+from common.errors import print_error
 
 LEASE_DIR = ROOT / ".lease"
 DEVICE_TREE_LIMIT = 64 * 2**20
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                                f"{DEVICE_TREE_LIMIT / 2**20:.0f} MiB; run with --no_wheels or remove large untracked "
                                "files")
     except PrepareError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print_error(str(err))
         return 2
     rel = os.path.relpath(folder, ROOT) if folder.is_relative_to(ROOT) else str(folder)
     print(f"Filled {folder}: {HELLASWAG_NAME}" + "".join(f", {w.name}" for w in wheels))

@@ -47,9 +47,12 @@ def launch_rank() -> int:
 
 
 def print_error(message: str) -> None:
-    """Print `error: message` to stderr, the one form every error line takes."""
+    """Print `error: message` to stderr, the one form every error line takes. One write, its newline included:
+    `print` writes the text and the newline apart, and on an unbuffered stderr shared with other processes (an
+    elastic agent's, a peer's) another line could land between them (seen in CI: the agent's warning glued to ours)."""
     try:
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"error: {message}\n")
+        sys.stderr.flush()
     except OSError:  # stderr is a closed pipe: the exit status still tells
         pass
 

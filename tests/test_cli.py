@@ -260,3 +260,22 @@ def test_val_loss_of_a_run_reproduces_the_logged_loss(tiny_run, capsys, where):
     assert f"settings from {out / 'config.yaml'}" in capsys.readouterr().out
     # A flag the user passes wins over the run's setting.
     assert main(["--model", str(out), "--max-tokens", "100", "--batch-size", "2"]) != logged["val_loss"]
+
+
+def test_an_error_line_is_one_write_with_its_newline(monkeypatch):
+    """Processes share stderr (a launch's ranks, torch elastic's agent): a line written in two parts can get another
+    process's line between them (CI, 2026-11-26: the agent's warning glued to our line), so it is one write."""
+    import io
+
+    from common.errors import print_error
+
+    writes = []
+
+    class Recorder(io.StringIO):
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    print_error("what is wrong; what to do")
+    assert writes == ["error: what is wrong; what to do\n"]
