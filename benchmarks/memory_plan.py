@@ -45,6 +45,7 @@ from planner import (
     render,
     run_advice,
 )
+from training.support import DDP, DEEPSPEED, FSDP, column
 
 # glibc returns a freed block to the system only when it was mmapped, and raises its mmap threshold (up to 32 MB)
 # each time it frees one: from the second step on, most tensors live on the heap, whose freed pages stay in the
@@ -164,8 +165,9 @@ def table(device_gb: float) -> None:
           "FSDP2 and DeepSpeed: bf16 parameters), "
           "AdamW, eager, gradients held between micro-steps; computed by benchmarks.memory_plan (1 GiB + 10% kept "
           "free), not measured")
-    engines = {"DDP": {}, "FSDP2": {"fsdp": True}, "ZeRO-1": {"zero_stage": 1}, "ZeRO-2": {"zero_stage": 2},
-               "ZeRO-3": {"zero_stage": 3}}
+    # the support table's column names (training.support), each engine as the planner's Launch takes it
+    engines = {column(DDP): {}, column(FSDP): {"fsdp": True},
+               **{column(DEEPSPEED, stage): {"zero_stage": stage} for stage in (1, 2, 3)}}
     print("| model | " + " | ".join(f"{e} | {e} + AC" for e in engines) + " |")
     print("| --- " * (1 + 2 * len(engines)) + "|")
     for name in TABLE_MODELS:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import configs.schema
 from common.errors import UserError
 from training.layout import Layout
 from training.support import DDP, DEEPSPEED, FSDP, engine_name, refusal
@@ -13,7 +14,7 @@ from training.support import DDP, DEEPSPEED, FSDP, engine_name, refusal
 GiB = 2**30
 GB = 10**9
 DTYPES = ("bf16", "fp32")
-OPTIMIZERS = ("adamw", "muon")
+OPTIMIZERS = tuple(name for name in configs.schema.OPTIMIZERS if name != "auto")  # as a run resolves them
 DEVICES = ("cuda", "cpu")
 
 
