@@ -48,7 +48,12 @@ from training.processes import (
 )
 from training.recipe import resume_recipe
 from training.resume import find_resume_point
-from training.run_folder import claim_run_folder, open_run_folder, recorded_config
+from training.run_folder import (
+    claim_run_folder,
+    open_run_folder,
+    recorded_config,
+    refuse_while_another_run_writes,
+)
 from training.step import LRSchedule, NonFinitePolicy, train_step
 from training.tensor_parallel import evaluation_ranks, split
 from training.timing import CHECKPOINT, DATA, EVAL, STEP, RunClock
@@ -77,6 +82,7 @@ def main() -> None:
             engine = layout.engine  # DDP, FSDP2 or DeepSpeed ZeRO-n: the accelerate config's; x TP
             refuse_unsupported(engine, accelerator, plan.kind, bool(cfg.model.lora_rank), cfg.training.on_nan,
                                cfg.training.activation_checkpointing)  # what we do not run under it, in one line
+            refuse_while_another_run_writes(run, accelerator.is_main_process)  # first: no advice helps then
             resume = find_resume_point(cfg.run.resume, run.path)  # never over another run's files
             refuse_another_engine(resume, engine, accelerator.num_processes)  # each engine reads only its own format
             uploads = HubUploads(cfg.hub, run, cfg.run.save_every, accelerator.is_main_process)  # token checked now

@@ -421,3 +421,33 @@ def test_a_refused_resume_leaves_no_lock_file_it_did_not_find(tmp_path, monkeypa
     (out / ".lock").write_text("")
     run_in_process(monkeypatch, capsys, args + ["--resume", "latest", "--max_steps", "2", "--n_layer", "3"])
     assert (out / ".lock").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag,new", [("--lr", "0.005"), ("--micro_batch_size", "1")])
+def test_a_finished_run_resumed_with_a_change_is_refused(run_copy, monkeypatch, capsys, flag, new):
+    """Issue 44: the finished 4-step run resumed with another setting and no step left trained nothing, yet recorded
+    the change in config.yaml and rewrote final/'s card with it (exit 0). Now one line, nothing touched."""
+    before = tree_digest(run_copy)
+    err = run_in_process(monkeypatch, capsys, RUN + ["--out_dir", str(run_copy), "--resume", "latest", flag, new])
+    assert f"is where this run finished (step 4 of --max_steps 4): a resume trains no step, so nothing would use " \
+           f"{flag}; pass a --max_steps above 4 to train on" in err
+    assert tree_digest(run_copy) == before
+
+
+@pytest.mark.slow
+def test_a_folder_another_run_writes_into_is_refused_as_such_before_its_contents(run_copy, monkeypatch, capsys):
+    """Issue 44: a second run in a folder while the first runs was told "already holds a run; pass --resume
+    latest", which then met the lock. The lock is judged first: the advice that works is to wait."""
+    from filelock import FileLock
+
+    before = tree_digest(run_copy)
+    holder = FileLock(run_copy / ".lock")  # the first run's lock (another lock object, as another process has)
+    holder.acquire()
+    try:
+        for resume in ([], ["--resume", "latest"]):
+            err = run_in_process(monkeypatch, capsys, RUN + ["--out_dir", str(run_copy), *resume])
+            assert f"another run is writing into {run_copy}" in err and "already holds a run" not in err
+    finally:
+        holder.release()
+    assert tree_digest(run_copy) == before

@@ -133,6 +133,11 @@ def resume_recipe(record: dict[str, Any], resume: ResumePoint | None, plan: Opti
             changes.append(change)
     if not changes:
         return Recipe(values, tuple(earlier))
+    if step >= values["max_steps"]:  # a finished run: no step would use the change, yet config.yaml would record it
+        names = ", ".join(f"--{c.name}" for c in changes)
+        raise UserError(f"{resume.path} is where this run finished (step {step} of --max_steps {values['max_steps']}): "
+                        f"a resume trains no step, so nothing would use {names}; pass a --max_steps above {step} to "
+                        f"train on, or start a new run in another --out_dir (with --init_from {resume.path})")
     entry["changed"] = {c.name: {"old": c.old, "new": c.new} for c in changes}
     lines = [f"resuming at step {step} with {c} (config.yaml records it under '{RESUMES}')" for c in changes]
     old_lrs, new_lrs = _lrs(recorded, plan, step), _lrs(values, plan, step)

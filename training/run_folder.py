@@ -55,6 +55,15 @@ class RunLock:
         self.lock.release()
 
 
+def refuse_while_another_run_writes(run: RunDir, is_main_process: bool) -> None:
+    """Before the folder's contents are judged: a folder whose lock another process holds is refused as such, since
+    no advice about its contents (`--resume latest`, say) can work while that run writes into it. The main process
+    probes the lock (taken and let go at once; only an existing lock file, so a refused run creates none); call
+    inside `training.processes.shared_across_ranks`, which gives its refusal to every rank."""
+    if is_main_process and run.lock_file.exists():
+        RunLock(run).acquire().__exit__(None)
+
+
 def claim_run_folder(accelerator: Accelerator, cfg: RunConfig, resume: ResumePoint | None, max_steps: int,
                      checkpoint_size: int) -> AbstractContextManager:
     """Make the folder this run's own, once `find_resume_point` accepted it (so a refused run created nothing).
