@@ -13,6 +13,20 @@ from pathlib import Path
 from typing import Any
 
 TEMP_PREFIX = ".tmp-"  # temporary names start with a dot: listings of final names never match them
+PLAIN_MODE = 0o666  # what open() gives a new file before the umask: every file a run writes gets it
+
+
+def current_umask() -> int:
+    """The process's umask (Linux: read from /proc, which leaves it as it is; elsewhere set and set back)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def temp_path(final: Path) -> Path:
@@ -55,8 +69,11 @@ def rename_into_place(tmp: Path, final: Path) -> None:
     so a crash at any point leaves the old or the new version under the final name, never neither
     for longer than one rename."""
     paths = [tmp] if tmp.is_file() else [p for p in tmp.rglob("*") if p.is_file()]
+    plain = PLAIN_MODE & ~current_umask()
     for path in paths:  # libraries (save_state, save_pretrained) write without fsync
         _fsync_file(path)
+        if path.stat().st_mode & 0o777 != plain:
+            os.chmod(path, plain)  # safetensors creates its files 0600: teammates on a shared --out_dir read them
     aside = final.with_name(".old-" + final.name)
     if final.is_dir():
         shutil.rmtree(aside, ignore_errors=True)

@@ -203,6 +203,8 @@ def _write_shards(source: TextFiles | HubStream, out: Path, settings: dict[str, 
         manifest["train"].append(writer.finish())
     else:
         writer.abandon()
+    if not manifest["train"] and not manifest["val"]["tokens"]:  # as a run says of it (data.local)
+        raise UserError(f"{dataset!r} contains no text; check the files (or --text_column)")
     if not manifest["train"]:
         raise UserError(f"{dataset} has no documents left after the validation split; use a larger dataset or a "
                         "smaller --val_tokens")

@@ -110,14 +110,16 @@ def _load_hub(flag: str) -> list[Any]:
                         f"pass a local HellaSwag jsonl with {flag}") from err
 
 
-def load_items(path: str | Path | None = None, limit: int | None = None, flag: str = "--data") -> list[dict[str, Any]]:
+def load_items(path: str | Path | None = None, limit: int | None = None, flag: str = "--data",
+               limit_flag: str = "--limit") -> list[dict[str, Any]]:
     """HellaSwag validation items from a local .jsonl/.jsonl.gz, or from the Hub when path is None.
-    `flag`: the caller's option that passes `path`, named in the advice (train.py's is --hellaswag_data).
+    `flag`, `limit_flag`: the caller's options that pass `path` and `limit`, named in the advice (train.py's are
+    --hellaswag_data and --hellaswag_limit).
 
     Every item is checked (fields, four endings, label 0-3); `limit` keeps the first N items.
     """
     if limit is not None and limit < 1:
-        raise UserError(f"limit must be at least 1, got {limit}; drop it to use every item")
+        raise UserError(f"{limit_flag} must be at least 1, got {limit}; leave it out to use every item")
     if path is None:
         rows, source = _load_hub(flag), HUB_DATASET
     else:

@@ -236,3 +236,14 @@ def test_a_refused_prepare_leaves_nothing_that_blocks_the_advised_retry(tmp_path
     with pytest.raises(UserError, match="smaller --val_tokens"):
         prep.prepare(str(PARQUET), empty, shard_tokens=3000, val_tokens=10_000_000, batch_docs=2, progress=False)
     assert empty.is_dir() and not any(empty.iterdir())  # the user's own empty folder stays, emptied again
+
+
+def test_an_empty_file_is_said_to_hold_no_text(tmp_path):
+    """Issue 44: an empty file was told "no documents left after the validation split; use a larger dataset or a
+    smaller --val_tokens", advice that cannot help; a run says "contains no text" of the same file. Nothing written."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    out = tmp_path / "shards"
+    with pytest.raises(UserError, match=r"^'.*empty.txt' contains no text; check the files \(or --text_column\)$"):
+        prep.prepare(str(empty), out, **SETTINGS)
+    assert not out.exists() or not any(p.name.startswith("train_") for p in out.iterdir())

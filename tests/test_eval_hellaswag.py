@@ -274,8 +274,10 @@ def test_bad_files_raise_user_error(tmp_path):
     broken.write_text('{"activity_label": \n')
     with pytest.raises(UserError, match=r"broken.jsonl:1: not valid JSON"):
         load_items(broken)
-    with pytest.raises(UserError, match="limit must be at least 1"):
-        load_items(TINY, limit=0)
+    with pytest.raises(UserError, match="^--limit must be at least 1, got 0; leave it out"):
+        load_items(TINY, limit=0)  # the flag named as the user spells it (issue 44: "limit" without its --)
+    with pytest.raises(UserError, match="^--hellaswag_limit must be at least 1"):
+        load_items(TINY, limit=0, limit_flag="--hellaswag_limit")
 
 
 # ---------------------------------------------------------------- the accuracies (evaluate metric)

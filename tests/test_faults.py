@@ -451,3 +451,13 @@ def test_a_folder_another_run_writes_into_is_refused_as_such_before_its_contents
     finally:
         holder.release()
     assert tree_digest(run_copy) == before
+
+
+@pytest.mark.slow
+def test_no_sample_prints_no_sample_block(tmp_path):
+    """Issue 44: --sample_tokens 0 still printed an empty `---` block at every validation."""
+    stdout, _ = train_in_process(TINY + ["--out_dir", str(tmp_path / "run"), "--max_steps", "2", "--eval_every", "1",
+                                         "--sample_tokens", "0", "--warmup_steps", "1", "--micro_batch_size", "2",
+                                         "--total_batch_size", "64"])
+    assert "step 1: val_loss" in stdout and "step 2: val_loss" in stdout
+    assert "---" not in stdout.splitlines()

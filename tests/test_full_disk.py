@@ -130,3 +130,29 @@ def test_the_final_export_and_the_hub_staging_failing_are_one_line(tmp_path, mon
     monkeypatch.undo()
     export, _ = publish.hub.stage_export(out)
     assert (export / "model.safetensors").is_file()
+
+
+def test_files_moved_into_place_get_the_plain_mode(tmp_path):
+    """Issue 44: safetensors creates its files 0600, so a teammate could not read the weights of a shared --out_dir
+    while every other file was 0644. Whatever `rename_into_place` moves gets the mode `open()` gives (0666 less the
+    umask), the same for a folder's files."""
+    import os
+
+    from common.atomic import rename_into_place, temp_path
+
+    old = os.umask(0o022)
+    try:
+        folder_tmp = temp_path(tmp_path / "final")
+        folder_tmp.mkdir()
+        for name in ("model.safetensors", "config.json"):
+            (folder_tmp / name).write_text("x")
+        os.chmod(folder_tmp / "model.safetensors", 0o600)  # as safetensors writes it
+        rename_into_place(folder_tmp, tmp_path / "final")
+        single = temp_path(tmp_path / "one.safetensors")
+        single.write_text("x")
+        os.chmod(single, 0o600)
+        rename_into_place(single, tmp_path / "one.safetensors")
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in [*(tmp_path / "final").iterdir(), tmp_path / "one.safetensors"]}
+    assert modes == {"model.safetensors": 0o644, "config.json": 0o644, "one.safetensors": 0o644}

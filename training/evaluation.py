@@ -47,7 +47,8 @@ class TrainingEvals:
 
             require_metric_packages()
 
-            self.hellaswag_items = load_items(cfg.hellaswag_data, cfg.hellaswag_limit, flag="--hellaswag_data")
+            self.hellaswag_items = load_items(cfg.hellaswag_data, cfg.hellaswag_limit, flag="--hellaswag_data",
+                                              limit_flag="--hellaswag_limit")
 
     def run_due(self, model: torch.nn.Module, step: int, last: bool, write: Callable[[str], None]) -> dict[str, Any]:
         """The evaluations due after `step` (all of them at the last step), printed and returned as metrics."""
@@ -63,9 +64,13 @@ class TrainingEvals:
         if val:
             results["val_loss"] = evaluate_loss(plain, self.val_tokens, block_size=self.block_size,
                                                 batch_size=cfg.eval_batch_size, accelerator=self.accelerator, bf16=bf16)
-            # Sampling from non-finite logits would fail inside torch.multinomial.
-            text = (sample(plain, cfg.sample_prompt, cfg.sample_tokens, self.seed, self.accelerator.device)
-                    if math.isfinite(results["val_loss"]) else "(no sample: the validation loss is not finite)")
+            # Sampling from non-finite logits would fail inside torch.multinomial. --sample_tokens 0: no sample.
+            if not cfg.sample_tokens:
+                text = None
+            elif math.isfinite(results["val_loss"]):
+                text = sample(plain, cfg.sample_prompt, cfg.sample_tokens, self.seed, self.accelerator.device)
+            else:
+                text = "(no sample: the validation loss is not finite)"
         if hellaswag:
             from eval.hellaswag import evaluate_hellaswag
 
