@@ -9,7 +9,7 @@ from pathlib import Path
 from common.errors import UserError
 from common.run_dir import RunDir
 from configs import HubConfig
-from publish.hub import check_hub_access, push_to_hub, stage_export, upload_export
+from publish.hub import check_hub_access, check_hub_reachable, push_to_hub, stage_export, upload_export
 
 
 class HubUploads:
@@ -21,6 +21,8 @@ class HubUploads:
         self._upload: threading.Thread | None = None  # the step-N upload in flight, at most one
         if cfg.push_to_hub:
             check_hub_access(cfg.hub_model_id)
+            if is_main_process:  # the one that pushes
+                check_hub_reachable(cfg.hub_model_id)
 
     def checkpoint_saved(self, step: int, checkpoint: Path) -> None:
         """After each save: every `hub_push_every`-th checkpoint goes to branch `step-N`."""
@@ -62,5 +64,6 @@ class HubUploads:
             return
         try:
             print(f"pushed to {push_to_hub(self.run.path, self.cfg.hub_model_id)}", flush=True)
-        except UserError as err:
-            print(f"warning: {err}", flush=True)
+        except UserError as err:  # an error, not a warning: the exit status tells a job script the push failed
+            raise UserError(f"the run finished ({self.run.final} holds it) but {err}; push it again with python -m "
+                            f"publish.hub --run_dir {self.run.path} --hub_model_id {self.cfg.hub_model_id}") from None

@@ -378,7 +378,9 @@ def test_hub_access_is_checked_before_training(monkeypatch, capsys, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_failed_push_during_training_is_a_warning(tmp_path):
+def test_a_failed_push_is_a_warning_during_training_and_an_error_at_the_end(tmp_path):
+    """A branch push that fails does not stop the run (the next one may get through); the final push failing is an
+    error with its exit status, naming the command that pushes again (issue 44: it was a warning, exit 0)."""
     from fake_hub import FakeHub
 
     out = tmp_path / "run"
@@ -388,9 +390,12 @@ def test_a_failed_push_during_training_is_a_warning(tmp_path):
     with FakeHub() as hub:
         hub.deny_status = 403
         proc = launch(args, extra_env={"HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_x", "HF_HUB_OFFLINE": "0",
-                                       "HF_HOME": str(tmp_path / "hf_home")})
+                                       "HF_HOME": str(tmp_path / "hf_home")}, check=False)
     output = proc.stdout + proc.stderr
-    assert output.count("warning: push to alice/tiny failed: no write access") == 3, output  # step-1, step-2, main
+    assert output.count("warning: push to alice/tiny failed: no write access") == 2, output  # step-1, step-2
+    assert proc.returncode == 2, output
+    assert f"error: the run finished ({out / 'final'} holds it) but push to alice/tiny failed: no write access" \
+        in output and f"push it again with python -m publish.hub --run_dir {out} --hub_model_id alice/tiny" in output
     assert (out / "final" / "model.safetensors").is_file()
 
 

@@ -36,7 +36,11 @@ COMMANDS = {
     "eval.hellaswag": (["-m", "eval.hellaswag", "--model", "{base}", "--limit", "2"], "to load Rowan/hellaswag "),
     "publish.hub": (["-m", "publish.hub", "--run_dir", "{run}", "--hub_model_id", "alice/tiny"],
                     "push to alice/tiny failed: could not reach the Hub at {endpoint} "),
+    # issue 44: it trained, then warned after the last line and exited 0; now it is refused before training
+    "train.py --push_to_hub": ([*RUN, "--push_to_hub", "true", "--hub_model_id", "alice/tiny", "--out_dir",
+                                "{tmp}/run"], "cannot reach the Hugging Face Hub at {endpoint} to push to alice/tiny "),
 }
+PUSHES = ("publish.hub", "train.py --push_to_hub")  # a push can only be retried: no offline copy to point to
 
 
 def unreachable_hub_env(tmp_path: Path) -> tuple[dict[str, str], str]:
@@ -70,7 +74,7 @@ def test_an_unreachable_hub_is_one_line_naming_the_endpoint(command: str, tmp_pa
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, f"exit {proc.returncode}\n{proc.stderr[-3000:]}"
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert said.format(**fill) in lines[0], lines[0]
-    if command != "publish.hub":  # a read: the endpoint, and the ways around it (a push can only be retried)
+    if command not in PUSHES:  # a read: the endpoint, and the ways around it (a push can only be retried)
         assert f"cannot reach the Hugging Face Hub at {endpoint} " in lines[0], lines[0]
         assert "check the network or HF_ENDPOINT, or set HF_HUB_OFFLINE=1 to use a copy in the local Hub cache, or " \
             in lines[0], lines[0]
