@@ -40,6 +40,7 @@ from planner import (
     Launch,
     RunPhases,
     largest_micro_batch,
+    machine_memory,
     model_config,
     plan_memory,
     render,
@@ -200,7 +201,8 @@ def main() -> int:
     parser.add_argument("--accumulation", type=int, default=1, help="micro-steps per optimizer step (above 1 "
                         "the gradients are held through the forward)")
     parser.add_argument("--device", default="cuda", choices=DEVICES, help="cpu adds the process's own RSS")
-    parser.add_argument("--device_memory", type=float, default=DEFAULT_DEVICE_GB, help="GB (10^9 bytes) per device")
+    parser.add_argument("--device_memory", type=float, default=None, help="GB (10^9 bytes) per device; default: "
+                        f"{DEFAULT_DEVICE_GB:g} for cuda, this machine's memory shared by --processes for cpu")
     parser.add_argument("--eval_batch_size", type=int, default=None, help="validation windows or HellaSwag items "
                         "per evaluation forward; default: --micro_batch_size (train.py's default)")
     parser.add_argument("--hellaswag", action="store_true", help="the run scores HellaSwag (--hellaswag_every)")
@@ -214,6 +216,8 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="measure this shape on --device in a fresh process "
                         "and compare with the plan: one JSON line; exit status 1 beyond 15%%")
     args = parser.parse_args()
+    if args.device_memory is None:
+        args.device_memory = DEFAULT_DEVICE_GB if args.device == "cuda" else machine_memory() / args.processes / GB
     if args.device_memory <= 0:
         raise UserError(f"--device_memory must be positive GB, got {args.device_memory}; e.g. 80 for an H100")
     if args.block_size is not None and args.block_size < 1:

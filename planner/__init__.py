@@ -11,7 +11,14 @@ The planner sits above `training/` (it reads the layout, the optimizer plan, the
 table there), and nothing in `training/` imports it.
 """
 from planner.advice import Spelling, advice, largest_micro_batch, resized, run_advice
-from planner.cli import DEFAULT_DEVICE_GB, device_here, exit_after_plan, launch_environment, model_config
+from planner.cli import (
+    DEFAULT_DEVICE_GB,
+    device_here,
+    exit_after_plan,
+    launch_environment,
+    machine_memory,
+    model_config,
+)
 from planner.launch import DEVICES, DTYPES, GB, OPTIMIZERS, GiB, Launch, Shards
 from planner.memory import (
     CPU_PROCESS_BYTES,
@@ -27,7 +34,8 @@ from planner.memory import (
 )
 from planner.render import render
 
-__all__ = ["CPU_PROCESS_BYTES", "DEFAULT_DEVICE_GB", "DEVICES", "DTYPES", "GB", "OPTIMIZERS", "GiB", "Item", "Launch",
-           "MemoryPlan", "ParamCounts", "RunPhases", "RunPlan", "Shards", "Spelling", "activation_bytes_per_layer",
-           "advice", "device_here", "evaluation_bytes", "exit_after_plan", "largest_micro_batch", "launch_environment",
-           "model_config", "plan_memory", "plan_run", "render", "resized", "run_advice"]
+__all__ = ["CPU_PROCESS_BYTES", "DEFAULT_DEVICE_GB", "DEVICES", "DTYPES", "GB", "GiB", "Item", "Launch",
+           "MemoryPlan", "OPTIMIZERS", "ParamCounts", "RunPhases", "RunPlan", "Shards", "Spelling",
+           "activation_bytes_per_layer", "advice", "device_here", "evaluation_bytes", "exit_after_plan",
+           "largest_micro_batch", "launch_environment", "machine_memory", "model_config", "plan_memory", "plan_run",
+           "render", "resized", "run_advice"]

@@ -44,21 +44,30 @@ def launch_environment() -> dict[str, object]:
 
 
 
-def device_here(device: str) -> tuple[int, str]:
-    """The bytes of the device a plan for a `device` ("cuda" or "cpu") launch is made against, and a line that
-    says which: this machine's first GPU, else the default 80 GB (a plan for a GPU run is often made on a machine
-    without one, which has no size to read)."""
+def machine_memory() -> int:
+    """This machine's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def device_here(device: str, processes_here: int = 1) -> tuple[int, str]:
+    """The bytes per process a plan for a `device` ("cuda" or "cpu") launch is made against, and a line that says
+    which: this machine's first GPU, else the default 80 GB (a plan for a GPU run is often made on a machine without
+    one, which has no size to read); for a CPU launch, this machine's memory shared by the `processes_here` processes
+    it runs (issue 44: an 80 GB "device" told a 24 GB machine it had 69 GiB to spare)."""
     import torch
 
-    if device == "cuda" and torch.cuda.is_available():
+    if device == "cpu":
+        total = machine_memory()
+        share = f", {total / processes_here / GB:.1f} GB for each of its {processes_here} processes" \
+            if processes_here > 1 else ""
+        return total // processes_here, f"  planned for this machine's memory: {total / GB:.1f} GB{share}"
+    if torch.cuda.is_available():
         gpu = torch.cuda.get_device_properties(0)
         return gpu.total_memory, f"  planned for cuda:0 of this machine: {gpu.name}, {gpu.total_memory / GB:.1f} GB"
-    what = (f"an {DEFAULT_DEVICE_GB:g} GB CUDA device (an H100 / A100 80 GB), as this machine has none"
-            if device == "cuda" else f"{DEFAULT_DEVICE_GB:g} GB of memory (the planner's default, not this machine's)")
     return int(DEFAULT_DEVICE_GB * GB), (
-        f"  planned for {what}; for another size, python -m benchmarks.memory_plan --device {device} --device_memory "
-        "GB (with --model, --micro_batch_size, --processes), or --plan on the machine that trains")
-
+        f"  planned for an {DEFAULT_DEVICE_GB:g} GB CUDA device (an H100 / A100 80 GB), as this machine has none; for "
+        "another size, python -m benchmarks.memory_plan --device cuda --device_memory GB (with --model, "
+        "--micro_batch_size, --processes), or --plan on the machine that trains")
 
 
 def exit_after_plan(cfg):
@@ -90,7 +99,7 @@ def exit_after_plan(cfg):
                     dtype=str(env["dtype"]), accumulation=geometry.accumulation, device=str(env["device"]),
                     total_batch_size=cfg.training.total_batch_size)  # so that advised micro-batches divide it
     if int(os.environ.get("RANK", "0")) == 0:
-        device_bytes, which = device_here(launch.device)
+        device_bytes, which = device_here(launch.device, int(os.environ.get("LOCAL_WORLD_SIZE", launch.processes)))
         run = RunPhases(eval_batch_size=cfg.eval.eval_batch_size, hellaswag=cfg.eval.hellaswag_every > 0,
                         hub_staging=cfg.hub.push_to_hub and cfg.hub.hub_push_every > 0)
         print(render(plan_memory(config, launch), device_bytes,

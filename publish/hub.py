@@ -47,28 +47,6 @@ def check_hub_access(hub_model_id: str) -> None:
                         "(a token with write access)")
 
 
-def check_hub_reachable(hub_model_id: str) -> None:
-    """One request before a run that pushes trains: the Hub answers at HF_ENDPOINT. A push that can never start is
-    refused now, in one line, rather than warned about after the run (issue 44). A repo not created yet answers
-    404, which is an answer; whether the token may write is known only at the push."""
-    from huggingface_hub import HfApi, constants
-    from huggingface_hub.errors import HfHubHTTPError
-
-    try:
-        HfApi().repo_info(hub_model_id)
-    except HfHubHTTPError:
-        return  # the Hub answered (a repo to be created, a private one, ...)
-    except Exception as err:
-        cause = network_failure(err)
-        if cause is None:
-            raise
-        detail = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
-        raise UserError(f"cannot reach the Hugging Face Hub at {constants.ENDPOINT} to push to {hub_model_id} "
-                        f"({type(cause).__name__}{': ' + detail if detail else ''}); check the network or "
-                        "HF_ENDPOINT, or leave out --push_to_hub and push the finished run later with python -m "
-                        "publish.hub") from None
-
-
 def _fingerprint(folder: Path) -> list[list[Any]]:
     """Name, size and modification time of every file: enough to tell whether a source was rewritten."""
     return sorted([str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns]

@@ -449,6 +449,7 @@ def test_the_run_level_probe_records_every_phase_of_a_real_run(tmp_path):
     shape = Shape("tiny", 4, 64, hellaswag_items=7)
     reports = tmp_path / "phases"
     args = shape.train_args(tmp_path / "run", REPO_ROOT / "tests" / "fixtures" / "eval" / "hellaswag_tiny.jsonl")
+    args += ["--sample_tokens", "2"]  # the shapes sample nothing (--sample_tokens 0: no sample call); here one runs
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run_phases", str(reports), *args], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=900, env={**os.environ, **OFFLINE})
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -457,3 +458,21 @@ def test_the_run_level_probe_records_every_phase_of_a_real_run(tmp_path):
     assert set(report["phases"]) == {"other", "step", "validation", "sample", "hellaswag", "checkpoint save", "export"}
     assert all(0 < peak <= report["whole"] for peak in report["phases"].values())
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+def test_a_cpu_plan_is_made_against_this_machines_memory(monkeypatch, capsys):
+    """Issue 44: a CPU launch was planned against an 80 GB "device" ("69.47 GiB to spare" on a 24 GiB machine).
+    Now this machine's memory, shared by the processes it runs; a CUDA plan keeps its device."""
+    from planner import device_here, machine_memory
+
+    total = machine_memory()
+    assert total > 0
+    assert device_here("cpu") == (total, f"  planned for this machine's memory: {total / GB:.1f} GB")
+    share, line = device_here("cpu", 2)
+    assert share == total // 2 and f"{total / 2 / GB:.1f} GB for each of its 2 processes" in line
+    from benchmarks.memory_plan import main
+
+    monkeypatch.setattr(sys, "argv", ["prog", "--model", "tiny", "--device", "cpu", "--micro_batch_size", "1",
+                                      "--processes", "2"])
+    main()
+    assert f"({total / 2 / GB:g} GB)" in capsys.readouterr().out  # the device line of the table: this machine's
