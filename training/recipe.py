@@ -29,14 +29,14 @@ a local path spelled another way passes, and is recorded as a change).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from common import resume_rules as rules
 from common.errors import UserError
 from common.run_dir import RunDir
 from configs import read_run_config
-from configs.schema import RESUME_RULES
+from configs.schema import GROUPS, RESUME_RULES
 from training.optim import OptimizerPlan
 from training.resume import ResumePoint
 from training.step import LRSchedule
@@ -49,6 +49,10 @@ NOT_COMPARED = frozenset(name for name, rule in RESUME_RULES.items() if rule == 
 # The learning-rate schedule (`LRSchedule`, each optimizer's peak): a change moves the LR from the resumed step on.
 SCHEDULE = tuple(name for name, rule in RESUME_RULES.items() if rule == rules.SCHEDULE)
 ACCEPTED = frozenset(name for name, rule in RESUME_RULES.items() if rule in (rules.ACCEPTED, rules.SCHEDULE))
+# Accepted here, refused (when they differ) by the checkpoint's own files: the model's group, the data's (its saved
+# position; not --val_tokens), the optimizers (run_state.json), the tensor-parallel degree. The module docstring.
+CHECKED_BY_THE_CHECKPOINT = frozenset({f.name for f in fields(GROUPS["model"])} | {"optimizer", "tensor_parallel"}
+                                      | {f.name for f in fields(GROUPS["data"])} - {"val_tokens"})
 RESUMES = "resumes"  # config.yaml's list of what each resume changed
 _COMMIT = re.compile(r"[0-9a-f]{40}")  # a Hub revision that is a commit
 
@@ -133,7 +137,9 @@ def resume_recipe(record: dict[str, Any], resume: ResumePoint | None, plan: Opti
             changes.append(change)
     if not changes:
         return Recipe(values, tuple(earlier))
-    if step >= values["max_steps"]:  # a finished run: no step would use the change, yet config.yaml would record it
+    # A finished run: no step would use the change, yet config.yaml would record it. (A step past --max_steps, and a
+    # change the checkpoint's own files refuse, each have their own line, later.)
+    if step == values["max_steps"] and not any(c.name in CHECKED_BY_THE_CHECKPOINT for c in changes):
         names = ", ".join(f"--{c.name}" for c in changes)
         raise UserError(f"{resume.path} is where this run finished (step {step} of --max_steps {values['max_steps']}): "
                         f"a resume trains no step, so nothing would use {names}; pass a --max_steps above {step} to "
