@@ -58,10 +58,10 @@ def offline_mode() -> bool:
     return bool(constants.HF_HUB_OFFLINE or getattr(datasets_config, "HF_HUB_OFFLINE", False))
 
 
-def hub_unreachable(err: BaseException, what: str, instead: str) -> UserError:
+def hub_unreachable(err: BaseException, what: str, instead: str, cached_copy: bool = True) -> UserError:
     """The one line for a network failure (`network_failure(err)` is not None) while trying to `what` ("read
     Hub dataset x/y"): the endpoint, the error, then what to do: check the network or HF_ENDPOINT, or use a copy
-    in the local Hub cache, or `instead` (the way that needs no Hub)."""
+    in the local Hub cache (a read: `cached_copy`), or `instead` (the way that needs no Hub)."""
     from huggingface_hub import constants
 
     if offline_mode():  # a library that reports offline mode as a plain ConnectionError (datasets)
@@ -70,8 +70,9 @@ def hub_unreachable(err: BaseException, what: str, instead: str) -> UserError:
     cause = network_failure(err) or err
     detail = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
     return UserError(f"cannot reach the Hugging Face Hub at {constants.ENDPOINT} to {what} ({type(cause).__name__}"
-                     f"{': ' + detail if detail else ''}); check the network or HF_ENDPOINT, or set HF_HUB_OFFLINE=1 "
-                     f"to use a copy in the local Hub cache, or {instead}")
+                     f"{': ' + detail if detail else ''}); check the network or HF_ENDPOINT, or "
+                     + ("set HF_HUB_OFFLINE=1 to use a copy in the local Hub cache, or " if cached_copy else "")
+                     + instead)
 
 
 @contextmanager

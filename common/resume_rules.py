@@ -2,6 +2,9 @@
 `configs.schema` and `data.settings`); `training.recipe` reads the declarations.
 
 - ACCEPTED: the value may change on a resume; the change is announced in one line and recorded in config.yaml.
+- CHECKED: accepted here, and refused when it differs by the checkpoint's own files (the architecture in
+  gpt_config.json, the LoRA settings in adapter_config.json, the optimizers and the engine in run_state.json, the
+  data in its saved position), whose lines name it more precisely.
 - SCHEDULE: accepted, and part of the learning-rate schedule: the LR jump it makes is announced too.
 - NOT_COMPARED: how the command was given, not what the run does.
 - Refused(why): a different value would make the steps before and after the resume two runs under one name; `why`
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 ACCEPTED = "accepted"
+CHECKED = "checked by the checkpoint"
 SCHEDULE = "schedule"
 NOT_COMPARED = "not compared"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import UserError
-from common.resume_rules import ACCEPTED, NOT_COMPARED, RESTORED, SCHEDULE, Refused, resume_rule
+from common.resume_rules import ACCEPTED, CHECKED, NOT_COMPARED, RESTORED, SCHEDULE, Refused, resume_rule
 from data.settings import DataConfig, check_val_tokens
 
 REPORT_TO = ("none", "tensorboard", "wandb", "all")
@@ -114,19 +114,19 @@ class ModelConfig:
     init_from: str = _field("scratch", "'scratch', a Hub id (gpt2...gpt2-xl), an HF folder or one of our runs; "
                                        "the architecture flags (n_layer, n_head, n_embd, bias) then come from "
                                        "those weights", Refused("the weights the run started from"))
-    n_layer: int = _field(4, "transformer blocks (with --init_from scratch)", ACCEPTED)
-    n_head: int = _field(4, "attention heads per block; must divide n_embd", ACCEPTED)
-    n_embd: int = _field(128, "embedding width", ACCEPTED)
-    block_size: int = _field(128, "context length in tokens (training windows and the model's positions)", ACCEPTED)
-    dropout: float = _field(0.0, "dropout probability while training, in [0, 1)", ACCEPTED)
-    bias: bool = _field(True, "biases in the linear layers and LayerNorms, as GPT-2 (--no_bias: none)", ACCEPTED)
+    n_layer: int = _field(4, "transformer blocks (with --init_from scratch)", CHECKED)
+    n_head: int = _field(4, "attention heads per block; must divide n_embd", CHECKED)
+    n_embd: int = _field(128, "embedding width", CHECKED)
+    block_size: int = _field(128, "context length in tokens (training windows and the model's positions)", CHECKED)
+    dropout: float = _field(0.0, "dropout probability while training, in [0, 1)", CHECKED)
+    bias: bool = _field(True, "biases in the linear layers and LayerNorms, as GPT-2 (--no_bias: none)", CHECKED)
     # LoRA (through peft): only the adapters train and are checkpointed; final/ is the merged model
-    lora_rank: int = _field(0, "LoRA rank r; 0 = full fine-tuning (every weight trains); needs --init_from", ACCEPTED)
-    lora_alpha: float = _field(16.0, "LoRA scaling: the adapter adds B A x lora_alpha / lora_rank", ACCEPTED)
-    lora_dropout: float = _field(0.0, "dropout on the adapters' input while training, in [0, 1)", ACCEPTED)
+    lora_rank: int = _field(0, "LoRA rank r; 0 = full fine-tuning (every weight trains); needs --init_from", CHECKED)
+    lora_alpha: float = _field(16.0, "LoRA scaling: the adapter adds B A x lora_alpha / lora_rank", CHECKED)
+    lora_dropout: float = _field(0.0, "dropout on the adapters' input while training, in [0, 1)", CHECKED)
     lora_targets: str = _field("c_attn,c_proj,c_fc", "comma-separated layers that get adapters: the attention "
                                                       "(c_attn, attn.c_proj) and MLP (c_fc, mlp.c_proj) projections",
-                               ACCEPTED)
+                               CHECKED)
 
     @property
     def from_scratch(self) -> bool:
@@ -193,7 +193,7 @@ class TrainingConfig:
                                             ACCEPTED)
     tensor_parallel: int = _field(1, "split each block's matrices over groups of N processes (tensor parallelism, "
                                      "with FSDP2 across the groups: needs an FSDP2 accelerate config); N must divide "
-                                     "n_head and the processes; 1 = none", ACCEPTED)
+                                     "n_head and the processes; 1 = none", CHECKED)
 
     def __post_init__(self) -> None:
         _positive(self, "total_batch_size", "micro_batch_size", "max_steps", "max_nan_skips", "tensor_parallel")
@@ -232,7 +232,7 @@ class OptimConfig:
     optimizer: str = _field("auto", "'muon' (torch.optim.Muon on the blocks' 2-D weights, AdamW with --lr on "
                                     "embeddings/output layer, biases and LayerNorms), 'adamw' (every parameter), or "
                                     "'auto': muon with --init_from scratch, adamw to fine-tune pretrained weights",
-                            ACCEPTED)
+                            CHECKED)
     muon_lr: float = _field(0.02, "Muon's peak learning rate (--optimizer muon); same warmup and decay as --lr",
                             SCHEDULE)
     muon_momentum: float = _field(0.95, "Muon's momentum (Nesterov)", RESTORED)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.errors import UserError
-from common.resume_rules import ACCEPTED
+from common.resume_rules import ACCEPTED, CHECKED
 
 SHAKESPEARE = "shakespeare"  # `--dataset` for the embedded Tiny Shakespeare
 
@@ -27,14 +27,14 @@ class DataConfig:
     _argument_group_name = "data"
 
     dataset: str = _field(SHAKESPEARE, "'shakespeare', a local .txt/.jsonl/.parquet file/glob/folder, a shard "
-                                       "folder, or a Hub id[:config]", ACCEPTED)
-    text_column: str = _field("text", "column holding the text in .jsonl/.parquet files and Hub datasets", ACCEPTED)
+                                       "folder, or a Hub id[:config]", CHECKED)
+    text_column: str = _field("text", "column holding the text in .jsonl/.parquet files and Hub datasets", CHECKED)
     prompt_field: str = _field("prompt", "prompt field of prompt/completion .jsonl data (a .jsonl whose first record "
                                          "has it and --completion_field; the loss counts only completion tokens)",
-                               ACCEPTED)
-    completion_field: str = _field("completion", "completion field of prompt/completion .jsonl data", ACCEPTED)
+                               CHECKED)
+    completion_field: str = _field("completion", "completion field of prompt/completion .jsonl data", CHECKED)
     dataset_config: str | None = _field(None, "Hub dataset config name; default: the one given after ':' in "
-                                              "--dataset, or the dataset's default", ACCEPTED)
+                                              "--dataset, or the dataset's default", CHECKED)
     val_tokens: int = _field(8_192, "size of the fixed validation set, in tokens", ACCEPTED)
 
     def __post_init__(self) -> None:

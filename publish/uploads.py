@@ -7,7 +7,7 @@ import threading
 from pathlib import Path
 
 from common.errors import UserError
-from common.network import network_failure
+from common.network import hub_unreachable, network_failure
 from common.run_dir import RunDir
 from configs import HubConfig
 from publish.hub import check_hub_access, push_to_hub, stage_export, upload_export
@@ -17,7 +17,7 @@ def check_hub_reachable(hub_model_id: str) -> None:
     """One request before a run that pushes trains: the Hub answers at HF_ENDPOINT. A push that can never start is
     refused now, in one line, rather than warned about after the run (issue 44). A repo not created yet answers
     404, which is an answer; whether the token may write is known only at the push."""
-    from huggingface_hub import HfApi, constants
+    from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
     try:
@@ -25,14 +25,10 @@ def check_hub_reachable(hub_model_id: str) -> None:
     except HfHubHTTPError:
         return  # the Hub answered (a repo to be created, a private one, ...)
     except Exception as err:
-        cause = network_failure(err)
-        if cause is None:
+        if network_failure(err) is None:
             raise
-        detail = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
-        raise UserError(f"cannot reach the Hugging Face Hub at {constants.ENDPOINT} to push to {hub_model_id} "
-                        f"({type(cause).__name__}{': ' + detail if detail else ''}); check the network or "
-                        "HF_ENDPOINT, or leave out --push_to_hub and push the finished run later with python -m "
-                        "publish.hub") from None
+        raise hub_unreachable(err, f"push to {hub_model_id}", "leave out --push_to_hub and push the finished run "
+                              "later with python -m publish.hub", cached_copy=False) from None
 
 
 class HubUploads:

@@ -53,9 +53,6 @@ class Layout:
     def name(self) -> str:
         return self.engine.name
 
-    def describe(self) -> str:
-        return f"tensor parallel {self.tensor_parallel} x data parallel {self.data_parallel_size}"
-
     @classmethod
     def of_launch(cls, tensor_parallel: int, n_head: int | None = None, n_embd: int | None = None,
                   world_size: int | None = None) -> Layout:

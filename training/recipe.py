@@ -29,14 +29,14 @@ a local path spelled another way passes, and is recorded as a change).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from common import resume_rules as rules
 from common.errors import UserError
 from common.run_dir import RunDir
 from configs import read_run_config
-from configs.schema import GROUPS, RESUME_RULES
+from configs.schema import RESUME_RULES
 from training.optim import OptimizerPlan
 from training.resume import ResumePoint
 from training.step import LRSchedule
@@ -48,11 +48,10 @@ REFUSED = {name: rule.why for name, rule in RESUME_RULES.items() if isinstance(r
 NOT_COMPARED = frozenset(name for name, rule in RESUME_RULES.items() if rule == rules.NOT_COMPARED)
 # The learning-rate schedule (`LRSchedule`, each optimizer's peak): a change moves the LR from the resumed step on.
 SCHEDULE = tuple(name for name, rule in RESUME_RULES.items() if rule == rules.SCHEDULE)
-ACCEPTED = frozenset(name for name, rule in RESUME_RULES.items() if rule in (rules.ACCEPTED, rules.SCHEDULE))
-# Accepted here, refused (when they differ) by the checkpoint's own files: the model's group, the data's (its saved
-# position; not --val_tokens), the optimizers (run_state.json), the tensor-parallel degree. The module docstring.
-CHECKED_BY_THE_CHECKPOINT = frozenset({f.name for f in fields(GROUPS["model"])} | {"optimizer", "tensor_parallel"}
-                                      | {f.name for f in fields(GROUPS["data"])} - {"val_tokens"})
+ACCEPTED = frozenset(name for name, rule in RESUME_RULES.items()
+                     if rule in (rules.ACCEPTED, rules.CHECKED, rules.SCHEDULE))
+# Accepted here, refused (when they differ) by the checkpoint's own files (`common.resume_rules.CHECKED`).
+CHECKED_BY_THE_CHECKPOINT = frozenset(name for name, rule in RESUME_RULES.items() if rule == rules.CHECKED)
 RESUMES = "resumes"  # config.yaml's list of what each resume changed
 _COMMIT = re.compile(r"[0-9a-f]{40}")  # a Hub revision that is a commit
 
