@@ -62,7 +62,8 @@ class Shape:
         """The planner's plan of this run: fp32 on the CPU, bf16 autocast on CUDA (as train.py runs each)."""
         launch = Launch(self.micro_batch_size, processes=self.processes, dtype="bf16" if device == "cuda" else "fp32",
                         device=device, activation_checkpointing=self.activation_checkpointing)
-        run = RunPhases(eval_batch_size=self.micro_batch_size, hellaswag=bool(self.hellaswag_items))
+        run = RunPhases(eval_batch_size=self.micro_batch_size,
+                        evaluations=("validation", "hellaswag") if self.hellaswag_items else ("validation",))
         return plan_run(model_config(self.model, self.block_size), launch, run)
 
 

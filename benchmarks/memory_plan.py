@@ -46,7 +46,7 @@ from planner import (
     render,
     run_advice,
 )
-from training.support import DDP, DEEPSPEED, FSDP, column
+from training.engine_names import DDP, DEEPSPEED, FSDP, column
 
 # glibc returns a freed block to the system only when it was mmapped, and raises its mmap threshold (up to 32 MB)
 # each time it frees one: from the second step on, most tensors live on the heap, whose freed pages stay in the
@@ -247,7 +247,8 @@ def main() -> int:
                                  args.activation_checkpointing)))
         return 0
     device = int(args.device_memory * GB)
-    run = RunPhases(eval_batch_size=args.eval_batch_size or args.micro_batch_size, hellaswag=args.hellaswag,
+    run = RunPhases(eval_batch_size=args.eval_batch_size or args.micro_batch_size,
+                    evaluations=("validation", "hellaswag") if args.hellaswag else ("validation",),
                     hub_staging=args.hub_push_every)
     print(render(plan_memory(config, launch), device, run=run))
     return 0 if run_advice(config, launch, run, device) is None else 1

@@ -31,8 +31,8 @@ SAMPLE_S = 0.002
 # they are wrapped there; evaluate_loss, sample and evaluate_hellaswag are looked up in their modules at each call.
 PHASES = {
     "step": ("train", "train_step"),
-    "validation": ("training.evaluation", "evaluate_loss"),
-    "sample": ("training.evaluation", "sample"),
+    "validation": ("training.evaluations.validation", "evaluate_loss"),
+    "sample": ("training.evaluations.validation", "sample"),
     "hellaswag": ("eval.hellaswag", "evaluate_hellaswag"),
     "checkpoint save": ("training.checkpoint", "Checkpointer.save"),
     "export": ("train", "export_final"),

@@ -22,7 +22,6 @@ from common.resume_rules import ACCEPTED, CHECKED, NOT_COMPARED, RESTORED, SCHED
 from data.settings import DataConfig, check_val_tokens
 
 REPORT_TO = ("none", "tensorboard", "wandb", "all")
-OPTIMIZERS = ("auto", "adamw", "muon")
 ON_NAN = ("stop", "skip")
 MAX_SEED = 2**32 - 1  # numpy's seed range (accelerate's set_seed seeds numpy too)
 # --collective_timeout's default: GPT-2 1.5B's checkpoint (1.56e9 parameters x 16 bytes = 25 GB) is written, then read
@@ -253,8 +252,6 @@ class OptimConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UserError(f"--{name} must be in [0, 1), got {getattr(self, name)}; "
                                 "use e.g. 0.9 (beta1) or 0.95 (beta2)")
-        if self.optimizer not in OPTIMIZERS:
-            raise UserError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if not self.muon_lr > 0:
             raise UserError(f"--muon_lr must be positive, got {self.muon_lr}; use e.g. 0.02")
         if not 0.0 <= self.muon_momentum < 1.0:
@@ -374,10 +371,6 @@ class TrainConfig:
         check_val_tokens(self.data.val_tokens, self.model.block_size)
         if self.eval.eval_batch_size is None:  # resolved once: config.yaml records the number (eval.val_loss reads it)
             self.eval.eval_batch_size = self.training.micro_batch_size
-        if self.model.lora_rank and self.optim.optimizer == "muon":
-            raise UserError(f"--lora_rank trains its adapters with AdamW only (Muon orthogonalises whole hidden "
-                            f"matrices, not rank-{self.model.lora_rank} factors); drop --optimizer muon or "
-                            "--lora_rank")
 
     def flat(self) -> dict[str, Any]:
         """Every field by its flag name, in command-line order (the keys of `config.yaml`)."""

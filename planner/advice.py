@@ -64,16 +64,16 @@ def advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: Spell
         if (mb := largest_micro_batch(config, checkpointed, device_bytes, B)) > 0:
             return f"micro-batch {B} {where}; add {spelling.checkpointing}" + \
                    (f" (it fits then at micro-batch {B})" if mb == B else f" and lower {spelling.micro_batch} to {mb}")
-    if launch.replicas and launch.optimizer == "adamw":
+    if launch.replicas and launch.optimizer_shards:
         for checkpointing in (launch.activation_checkpointing, True):
             sharded = replace(launch, fsdp=True, activation_checkpointing=checkpointing)
             if (mb := largest_micro_batch(config, sharded, device_bytes, B)) > 0:
                 extra = "" if checkpointing == launch.activation_checkpointing else f" and {spelling.checkpointing}"
                 return f"micro-batch {B} {where}; shard it with {spelling.fsdp}{extra}" + \
                        ("" if mb == B else f", at {spelling.micro_batch} {mb}")
-    if launch.optimizer == "muon" and launch.processes > 1:
+    if not launch.optimizer_shards and launch.processes > 1:
         return f"micro-batch {B} {where}, even at micro-batch 1; use --optimizer adamw with {spelling.fsdp} " \
-               "(Muon is refused under FSDP)"
+               f"({launch.optimizer_spec.display} is refused under FSDP)"
     # More devices under the launch's own sharding engine (FSDP2 for DDP and one process).
     sharded = replace(launch, fsdp=not launch.zero_stage, activation_checkpointing=True)
     engine = f"{spelling.fsdp}" if not launch.zero_stage else launch.engine
@@ -86,7 +86,7 @@ def advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: Spell
     return f"micro-batch {B} {where}, even at micro-batch 1 with {spelling.checkpointing}" + \
            (f" and {launch.engine}" if launch.fsdp or launch.zero_stage else "") + \
            (f"; shard it with {engine} over {devices} devices ({spelling.processes} {devices})"
-            if devices and launch.optimizer == "adamw" else "; use a larger device")
+            if devices and launch.optimizer_shards else "; use a larger device")
 
 
 

@@ -11,11 +11,11 @@ from planner.advice import Spelling
 from planner.launch import GB, Launch
 from planner.memory import RunPhases, plan_memory
 from planner.render import render
+from training.engine_names import FSDP
 from training.layout import Layout
 from training.network import scratch_architecture
 from training.optim import plan_optimizers
 from training.processes import BatchGeometry
-from training.support import FSDP
 
 DEFAULT_DEVICE_GB = 80.0  # an H100 / A100 80 GB
 
@@ -100,8 +100,7 @@ def exit_after_plan(cfg):
                     total_batch_size=cfg.training.total_batch_size)  # so that advised micro-batches divide it
     if int(os.environ.get("RANK", "0")) == 0:
         device_bytes, which = device_here(launch.device, int(os.environ.get("LOCAL_WORLD_SIZE", launch.processes)))
-        run = RunPhases(eval_batch_size=cfg.eval.eval_batch_size, hellaswag=cfg.eval.hellaswag_every > 0,
-                        hub_staging=cfg.hub.push_to_hub and cfg.hub.hub_push_every > 0)
+        run = RunPhases.of_flags(cfg.eval, hub_staging=cfg.hub.push_to_hub and cfg.hub.hub_push_every > 0)
         print(render(plan_memory(config, launch), device_bytes,
                      Spelling(fsdp="accelerate_configs/fsdp_8gpu.yaml (FSDP2)", processes="--num_processes"), run))
         print(which)

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import configs.schema
 from common.errors import UserError
+from training.engine_names import DDP, DEEPSPEED, FSDP, engine_name
 from training.layout import Layout
-from training.support import DDP, DEEPSPEED, FSDP, engine_name, refusal
+from training.optimizers.registry import OPTIMIZERS as REGISTERED
+from training.optimizers.spec import OptimizerSpec
+from training.support import refusal
 
 GiB = 2**30
 GB = 10**9
 DTYPES = ("bf16", "fp32")
-OPTIMIZERS = tuple(name for name in configs.schema.OPTIMIZERS if name != "auto")  # as a run resolves them
+OPTIMIZERS = tuple(REGISTERED)  # as a run resolves --optimizer (auto is resolved before a plan)
 DEVICES = ("cuda", "cpu")
 
 
@@ -44,7 +46,7 @@ class Launch:
     fsdp: bool = False
     zero_stage: int = 0  # DeepSpeed ZeRO-1, 2 or 3; 0: not DeepSpeed
     activation_checkpointing: bool = False
-    optimizer: str = "adamw"  # "adamw" or "muon" (training.optim's split)
+    optimizer: str = "adamw"  # a registered optimizer's name ("adamw", "muon": training.optimizers)
     dtype: str = "bf16"  # "bf16": accelerate's autocast (fp32 master weights), "fp32": no autocast
     accumulation: int = 1  # micro-steps per optimizer step: above 1 the gradients live through the forward
     device: str = "cuda"  # "cpu" adds the process's own RSS (Python, torch) and AdamW's for-loop temporaries
@@ -86,6 +88,16 @@ class Launch:
         return engine_name(self.kind, self.zero_stage) if self.processes > 1 or self.kind != DDP else "one process"
 
     @property
+    def optimizer_spec(self) -> OptimizerSpec:
+        """What the optimizer declares (`training.optimizers`): the parameters it claims, its state per parameter."""
+        return REGISTERED[self.optimizer]
+
+    @property
+    def optimizer_shards(self) -> bool:
+        """Whether the optimizer runs under FSDP2 (the planner's first advice when a replica does not fit)."""
+        return refusal(f"--optimizer {self.optimizer}", FSDP) is None
+
+    @property
     def replicas(self) -> bool:
         """Every process a full replica that all-reduces whole gradients in DDP's buckets (DDP, several processes)."""
         return self.processes > 1 and not self.fsdp and not self.zero_stage
@@ -105,8 +117,9 @@ class Launch:
         for name in ("micro_batch_size", "processes", "accumulation"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be positive, got {getattr(self, name)}; pass a value of at least 1")
-        if self.optimizer not in OPTIMIZERS:
-            raise UserError(f"optimizer {self.optimizer!r} is not one the planner knows; use adamw or muon")
+        if self.optimizer not in REGISTERED:
+            raise UserError(f"optimizer {self.optimizer!r} is not one the planner knows; use one of "
+                            f"{', '.join(REGISTERED)}")
         if self.dtype not in DTYPES:
             raise UserError(f"precision {self.dtype!r} is not one the planner knows; use bf16 or fp32")
         if self.device not in DEVICES:
@@ -119,6 +132,5 @@ class Launch:
             raise UserError(f"tensor parallel {self.tensor_parallel} over {self.processes} process(es)"
                             f"{'' if self.fsdp else ' without FSDP2'} is not a launch train.py runs; plan a degree "
                             "that divides the processes, with FSDP2")
-        if self.optimizer == "muon" and (line := refusal("--optimizer muon", self.kind, self.zero_stage,
-                                                          self.tensor_parallel)):
+        if line := refusal(f"--optimizer {self.optimizer}", self.kind, self.zero_stage, self.tensor_parallel):
             raise UserError(line)

@@ -38,10 +38,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from common.errors import UserError
+from configs import EvalConfig
 from model.config import GPTConfig
 from model.loss import LOSS_CHUNK_ROWS
 from model.tensor_parallel import split_problem
 from planner.launch import GiB, Launch
+from training.evaluations.registry import EVALUATIONS
+from training.evaluations.spec import EvaluationSpec
+from training.optimizers.spec import BLOCK_MATRICES
 
 # RSS of a CPU process with torch and the project's modules imported and one tiny step run (the kernels' thread
 # pools and workspaces): 0.31 GiB measured on the 2-core EPYC of docs/benchmarks.md, torch 2.13
@@ -54,13 +58,8 @@ ALLOCATOR_SLACK = 0.10
 # The RSS of a train.py process on the CPU beside its tensors: torch, accelerate, the tokenizer, the data and
 # evaluation modules. Measured by benchmarks/bench_run_memory.py (docs/benchmarks.md): a run's resident set between
 # its phases less its parameters and AdamW's state, 0.45 GiB for GPT-2 124M and for `small` alike (2-core EPYC,
-# torch 2.13); with HellaSwag on, 0.28 GiB more (the `evaluate` package and its metric, the items).
+# torch 2.13); each evaluation declares what it adds (`EvaluationSpec.cpu_process_bytes`).
 TRAIN_PROCESS_BYTES = int(0.45 * GiB)
-HELLASWAG_PROCESS_BYTES = int(0.28 * GiB)
-# The longest HellaSwag row (context + ending) in tokens, rounded up to eval.hellaswag's padding multiple of 16: the
-# length a batch with the longest item pads to: 150 tokens at most over the 10,042 validation items (the copy in
-# /work/shared/assets, block_size 1024).
-HELLASWAG_ROW_TOKENS = 160
 # DeepSpeed's default reduce_bucket_size, in elements: ZeRO-1 and 2 reduce the gradients through buckets this large.
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000
 
@@ -265,10 +264,11 @@ def _weights_and_state(counts: ParamCounts, launch: Launch) -> tuple[Item, Item,
                   f"{P / 1e6:,.1f}M {dtype}" + shards.note(shards.parameters))
     grads = Item("gradients", size * P // shards.gradients, dtype + shards.note(shards.gradients))
     master = 4 * P // shards.optimizer_state if low else 0
-    if launch.optimizer == "muon":
-        muon = counts.block_matrices
-        state = Item("optimizer state", (4 * muon + 8 * (P - muon)) // shards.optimizer_state,
-                     "Muon momentum on the blocks' matrices, AdamW's 2 on the rest")
+    spec = launch.optimizer_spec
+    if spec.claims is not None:  # it trains the parameters it claims, AdamW the rest
+        claimed = {BLOCK_MATRICES: counts.block_matrices}[spec.claims]
+        state = Item("optimizer state", (spec.state_bytes * claimed + 8 * (P - claimed)) // shards.optimizer_state,
+                     f"{spec.display}'s state on {spec.claims}, AdamW's 2 fp32 tensors on the rest")
     else:
         state = Item("optimizer state", 8 * P // shards.optimizer_state + master, "AdamW: 2 fp32 tensors per parameter"
                      + (" + the fp32 master copy" if master else "") + shards.note(shards.optimizer_state))
@@ -281,13 +281,25 @@ class RunPhases:
     """What a run does besides its steps, as far as its memory goes (train.py's evaluation and saving settings)."""
 
     eval_batch_size: int  # validation windows (of block_size tokens) or HellaSwag items per evaluation forward
-    hellaswag: bool = False
-    hellaswag_tokens: int = HELLASWAG_ROW_TOKENS  # a HellaSwag batch's rows are padded to its longest
+    # the registered evaluations that run (`training.evaluations`), in the registry's order; validation always does
+    evaluations: tuple[str, ...] = ("validation",)
     hub_staging: bool = False  # --push_to_hub with --hub_push_every: a checkpoint converted on the main process
 
     def __post_init__(self) -> None:
         if self.eval_batch_size < 1:
             raise UserError(f"--eval_batch_size must be positive, got {self.eval_batch_size}; pass at least 1")
+        if unknown := set(self.evaluations) - set(EVALUATIONS):
+            raise UserError(f"no evaluation named {', '.join(sorted(unknown))}; plan {', '.join(EVALUATIONS)}")
+
+    @classmethod
+    def of_flags(cls, cfg: EvalConfig, hub_staging: bool = False) -> RunPhases:
+        """The phases a run with these evaluation flags goes through."""
+        return cls(cfg.eval_batch_size, tuple(name for name, spec in EVALUATIONS.items() if spec.every(cfg)),
+                   hub_staging)
+
+    @property
+    def specs(self) -> list[EvaluationSpec]:
+        return [EVALUATIONS[name] for name in EVALUATIONS if name in self.evaluations]
 
 
 
@@ -345,17 +357,18 @@ def evaluation_bytes(config: GPTConfig, launch: Launch, rows: int, tokens: int) 
 
 def plan_run(config: GPTConfig, launch: Launch, run: RunPhases) -> RunPlan:
     """The peak of each phase of a run of `config` under `launch` (see `RunPlan`); on a CPU with train.py's own
-    process RSS (`TRAIN_PROCESS_BYTES`, and `HELLASWAG_PROCESS_BYTES` when it scores HellaSwag).
+    process RSS (`TRAIN_PROCESS_BYTES`, and what each evaluation it scores adds: `cpu_process_bytes`).
 
     Between steps a process keeps its parameters, the optimizer state and DDP's buckets (gradients are freed by
-    `zero_grad(set_to_none=True)`). Evaluations add `evaluation_bytes` to that: validation at `eval_batch_size`
-    windows of block_size tokens, HellaSwag at 4 rows (endings) per item of `hellaswag_tokens`. A checkpoint save
+    `zero_grad(set_to_none=True)`). Evaluations add `evaluation_bytes` to that, each at the forward it declares
+    (`EvaluationSpec.planned`: validation at `eval_batch_size` windows of block_size tokens, HellaSwag at 4 rows,
+    its endings, per item). A checkpoint save
     first checks the weights on one window (`Checkpointer`'s health check); its writers copy nothing
     (safetensors and torch.save write from the tensors). The export follows the last save, which holds the optimizer
     state, so that state is freed first (`training.optim.release_optimizer_state`): it holds the weights and, on the
     main process, the file's transposed block matrices (GPT-2's Conv1D layout) - on a CPU; on CUDA these are host
     copies. The Hub staging of a checkpoint loads it into a second model on the main process, and transposes too."""
-    process = TRAIN_PROCESS_BYTES + (HELLASWAG_PROCESS_BYTES if run.hellaswag else 0) if launch.device == "cpu" else 0
+    process = TRAIN_PROCESS_BYTES + sum(spec.cpu_process_bytes for spec in run.specs) if launch.device == "cpu" else 0
     step = plan_memory(config, launch, process)
     counts = ParamCounts.per_rank(config, launch.tensor_parallel)
     params, _, state = _weights_and_state(counts, launch)
@@ -369,12 +382,11 @@ def plan_run(config: GPTConfig, launch: Launch, run: RunPhases) -> RunPlan:
     def evaluation(rows: int, tokens: int, what: str) -> Item:
         return Item("evaluation forward", evaluation_bytes(config, launch, rows, tokens), what)
 
-    phases = {"validation": kept + [evaluation(B, T, f"{B} windows x {T} tokens, no gradients")]}
-    settings = {"step": "", "validation": "--eval_batch_size"}
-    if run.hellaswag:
-        rows, tokens = 4 * B, min(run.hellaswag_tokens, T)
-        phases["hellaswag"] = kept + [evaluation(rows, tokens, f"{B} items x 4 endings x {tokens} tokens")]
-        settings["hellaswag"] = "--eval_batch_size"
+    phases, settings = {}, {"step": ""}
+    for spec in run.specs:
+        rows, tokens, what = spec.planned(B, T)
+        phases[spec.name] = kept + [evaluation(rows, tokens, what)]
+        settings[spec.name] = "--eval_batch_size"
     phases["checkpoint save"] = kept + [evaluation(1, T, "the health check: one window")]
     settings["checkpoint save"] = "the weights themselves"
     host = launch.device == "cpu"

@@ -28,7 +28,8 @@ def render(plan: MemoryPlan, device_bytes: int, spelling: Spelling | None = None
     whole = plan_run(c, l_, run) if run is not None else None
     if whole is not None:
         plan = whole.step  # with train.py's process RSS on a CPU
-        lines.append(f"  evaluation batch {run.eval_batch_size}, HellaSwag {'on' if run.hellaswag else 'off'}; "
+        evaluations = ", ".join(spec.display for spec in run.specs)
+        lines.append(f"  evaluation batch {run.eval_batch_size} ({evaluations}); "
                      f"per device, by phase of the run (the peak: {whole.phase}):")
         for name, total in whole.phases.items():
             lowered = whole.settings[name] or "the step's moments: " + ", ".join(

@@ -26,6 +26,7 @@ from configs import read_run_config
 from data.settings import DataConfig
 from data.source import DataSource, open_source
 from data.tokenizer import get_tokenizer
+from training.evaluations.registry import EVALUATIONS
 from training.metrics import read_metrics
 
 LOSS_CURVE = "loss_curve.png"
@@ -36,11 +37,17 @@ _SECRET_KEY = re.compile(r"(^|_)token$|secret|password|passwd|api_?key|credentia
 _KNOWN_MODELS = {name: f"openai-community/{name}" for name in GPT2_NAMES}
 
 
+def _results() -> dict[str, str]:
+    """The card's results, by metrics.jsonl key: the run's own, then each evaluation's (`training.evaluations`)."""
+    return {"tokens": "tokens seen", "loss": "train loss",
+            **{m.key: m.label for spec in EVALUATIONS.values() for m in spec.metrics}}
+
+
 def summarize(metrics: list[dict[str, Any]]) -> dict[str, Any]:
     """The numbers a card reports: the last value of each metric and the step it was logged at."""
     summary: dict[str, Any] = {}
     for row in metrics:
-        for key in ("loss", "tokens", "val_loss", "hellaswag_acc", "hellaswag_acc_norm"):
+        for key in _results():
             if isinstance(row.get(key), (int, float)):
                 summary[key] = row[key]
                 summary[f"{key}_step"] = row["step"]
@@ -57,13 +64,11 @@ def plot_curves(metrics: list[dict[str, Any]], path: Path) -> list[str]:
     """Render the run's curves against step as one PNG: train/val loss, HellaSwag when it was measured, the
     learning rate. Returns the titles of the panels drawn; empty (and no file) when there is nothing to plot
     or no matplotlib."""
-    panels = [
-        ("loss", "cross-entropy (nats/token)", [("train loss", _series(metrics, "loss"), "-"),
-                                                ("val loss", _series(metrics, "val_loss"), "o-")]),
-        ("HellaSwag", "accuracy", [("acc", _series(metrics, "hellaswag_acc"), "o-"),
-                                   ("acc_norm", _series(metrics, "hellaswag_acc_norm"), "o-")]),
-        ("learning rate", "learning rate", [("lr", _series(metrics, "lr"), "-")]),
-    ]
+    panels = {"loss": ("cross-entropy (nats/token)", [("train loss", _series(metrics, "loss"), "-")])}
+    for metric in (m for spec in EVALUATIONS.values() for m in spec.metrics):  # each evaluation's, in its panel
+        panels.setdefault(metric.panel, (metric.unit, []))[1].append((metric.line, _series(metrics, metric.key), "o-"))
+    panels["learning rate"] = ("learning rate", [("lr", _series(metrics, "lr"), "-")])
+    panels = [(title, ylabel, lines) for title, (ylabel, lines) in panels.items()]
     panels = [(title, ylabel, [line for line in lines if line[1]]) for title, ylabel, lines in panels]
     panels = [panel for panel in panels if panel[2]]
     # Without any loss the picture says nothing about the run: no image, as without matplotlib.
@@ -193,8 +198,6 @@ def render_card(
     at = f" at revision `{base_revision}`" if base_revision else ""
     tree = f"/tree/{base_revision}" if base_revision else ""
     prompt, new_tokens = usage_prompt(arch.get("n_positions"))
-    labels = {"tokens": "tokens seen", "loss": "train loss", "val_loss": "validation loss",
-              "hellaswag_acc": "HellaSwag acc", "hellaswag_acc_norm": "HellaSwag acc_norm"}
     card = ModelCard.from_template(
         data, template_path=str(CARD_TEMPLATE),
         name=name or model_id.split("/")[-1],
@@ -206,7 +209,7 @@ def render_card(
         revision_arg=f', revision="{revision}"' if revision else "",
         revision_kwarg=f", revision={revision!r}" if revision else "",
         # metrics the run never logged are left out
-        results=[(label, _fmt(summary[key]), _fmt(summary[key + "_step"])) for key, label in labels.items()
+        results=[(label, _fmt(summary[key]), _fmt(summary[key + "_step"])) for key, label in _results().items()
                  if key in summary],
         curves=", ".join(curves), curve_file=LOSS_CURVE, state_step=state_step,
         config=yaml.safe_dump(redact(config), sort_keys=False).strip() if config else "",

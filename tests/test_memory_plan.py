@@ -296,7 +296,7 @@ def test_a_run_plan_has_every_phase_and_its_peak_is_the_largest():
     launch = Launch(8, dtype="fp32", device="cpu", activation_checkpointing=True)
     plan = plan_run(config, launch, RunPhases(eval_batch_size=8))
     assert list(plan.phases) == ["step", "validation", "checkpoint save", "export"]
-    assert list(plan_run(config, launch, RunPhases(8, hellaswag=True)).phases) == \
+    assert list(plan_run(config, launch, RunPhases(8, ("validation", "hellaswag"))).phases) == \
         ["step", "validation", "hellaswag", "checkpoint save", "export"]
     assert plan.peak == max(plan.phases.values()) and plan.phases[plan.phase] == plan.peak
     P = ParamCounts.of(config).total
@@ -310,7 +310,7 @@ def test_a_run_plan_has_every_phase_and_its_peak_is_the_largest():
     for checkpointing in (False, True):
         for mb in (1, 8, 32):
             run = plan_run(config, replace(launch, micro_batch_size=mb, activation_checkpointing=checkpointing),
-                           RunPhases(eval_batch_size=mb, hellaswag=True))
+                           RunPhases(eval_batch_size=mb, evaluations=("validation", "hellaswag")))
             assert run.phase == "step", (mb, checkpointing, run.phases)
 
 
@@ -429,9 +429,10 @@ def test_train_plan_prints_every_phase_of_the_run(monkeypatch, capsys):
     out = train_plan(monkeypatch, capsys, "--micro_batch_size", "32")  # the preset scores HellaSwag
     for phase in ("step", "validation", "hellaswag", "checkpoint save", "export"):
         assert re.search(rf"^    {phase} +\d+\.\d\d GiB", out, re.M), phase
-    assert "evaluation batch 16, HellaSwag on" in out and "(the peak: step)" in out  # the preset's eval_batch_size
+    assert "evaluation batch 16 (validation loss, HellaSwag)" in out  # the preset's eval_batch_size
+    assert "(the peak: step)" in out
     out = train_plan(monkeypatch, capsys, "--micro_batch_size", "32", "--hellaswag_every", "0")
-    assert "HellaSwag off" in out and not re.search(r"^    hellaswag ", out, re.M)
+    assert "evaluation batch 16 (validation loss);" in out and not re.search(r"^    hellaswag ", out, re.M)
     out = train_plan(monkeypatch, capsys, "--micro_batch_size", "32", "--eval_batch_size", "2048")
     assert "(the peak: validation)" in out
     assert re.search(r"fits: NO: the validation needs .* lower --eval_batch_size to \d+ \(now 2048\)", out)

@@ -17,14 +17,13 @@ from conftest import TINY, assert_same_weights, launch, read_metrics, resume_cop
 
 from configs import ModelConfig, OptimConfig
 from model import GPT, GPTConfig
-from training.optim import (
-    Muon,
-    build_optimizer,
-    describe_optimizers,
-    muon_parameter_names,
-    newton_schulz_dtype,
-    plan_optimizers,
-)
+from training.optim import build_optimizer, describe_optimizers, plan_optimizers
+from training.optimizers.muon import Muon, newton_schulz_dtype
+from training.optimizers.spec import BLOCK_MATRICES, claimed_names
+
+
+def muon_parameter_names(model: torch.nn.Module) -> list[str]:
+    return claimed_names(model, BLOCK_MATRICES)
 
 SMALL = GPTConfig(vocab_size=100, n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=0.0)
 MUON = plan_optimizers(OptimConfig(optimizer="muon", lr=1e-3, muon_lr=0.02), ModelConfig())

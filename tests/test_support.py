@@ -11,9 +11,12 @@ from conftest import REPO_ROOT
 
 from common.errors import UserError
 from planner import Launch
+from training.engine_names import COLUMNS, column, engine_name
 from training.engines import Engine, refuse_unsupported
 from training.layout import Layout
-from training.support import COLUMNS, SUPPORT, column, engine_name, support_table
+from training.support import support, support_table
+
+SUPPORT = support()  # the optimizers' rows, declared by their modules, and the rest
 
 # Each column as train.py's Engine.
 ENGINES = {"DDP": Engine("ddp"), "FSDP2": Engine("fsdp"), "ZeRO-1": Engine("deepspeed", 1),
@@ -36,7 +39,8 @@ def refused_at_run_time(feature: str, engine: Engine) -> str | None:
         if feature == "--tensor_parallel":
             Layout.checked(4, engine.kind, engine.zero_stage, tensor_parallel=2)
         else:
-            refuse_unsupported(engine, accelerator_of(engine), "muon" if feature == "--optimizer muon" else "adamw",
+            optimizer = feature.split()[1] if feature.startswith("--optimizer") else "adamw"
+            refuse_unsupported(engine, accelerator_of(engine), optimizer,
                                feature == "--lora_rank", "skip" if feature == "--on_nan skip" else "stop", False)
     except UserError as err:
         return str(err)

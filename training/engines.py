@@ -24,7 +24,8 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from common.errors import UserError
-from training.support import DDP, DEEPSPEED, FAMILY_NAMES, FSDP, engine_name, refusal
+from training.engine_names import DDP, DEEPSPEED, FAMILY_NAMES, FSDP, engine_name
+from training.support import refusal
 
 
 def _env_flag(name: str) -> bool:
@@ -159,7 +160,7 @@ def refuse_unsupported(engine: Engine, accelerator: Accelerator, optimizer: str,
                        activation_checkpointing: bool) -> None:
     """What this project does not run under `engine`, refused in one line before anything is built: the features
     of `training.support`'s table, then what a config's contents rule out."""
-    for feature, asked in (("--optimizer muon", optimizer == "muon"), ("--lora_rank", lora),
+    for feature, asked in ((f"--optimizer {optimizer}", True), ("--lora_rank", lora),
                            ("--on_nan skip", on_nan == "skip")):
         if asked and (line := engine.refusal(feature)):
             raise UserError(line)

@@ -1,4 +1,5 @@
-"""Evaluations during training: validation loss with a text sample, and HellaSwag, each on its schedule.
+"""Evaluations during training: each registered evaluation (`training.evaluations`: validation loss with a text
+sample, HellaSwag) on its schedule, and the health check a checkpoint save makes.
 
 They run on every rank (FSDP forwards need all of them) on the plain module: no-grad passes need
 neither DDP nor torch.compile, whose graphs would recompile for every eval shape; FSDP2 shards the
@@ -13,85 +14,58 @@ import torch
 from accelerate import Accelerator
 
 from configs import EvalConfig
-from data import get_tokenizer
 from data.pairs import PairExamples
 from data.source import DataSource
 from eval.val_loss import evaluate_loss
-from model import GPT
-
-
-def sample(model: GPT, prompt: str, max_new_tokens: int, seed: int, device: torch.device) -> str:
-    """A short sample from a fixed seed, drawn without disturbing the training RNG streams."""
-    enc = get_tokenizer()
-    ids = torch.tensor([enc.encode(prompt, allowed_special="all")], device=device)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        out = model.generate(ids, max_new_tokens=max_new_tokens, temperature=1.0, top_k=200)
-    return enc.decode(out[0].tolist())
+from training.evaluations.registry import EVALUATIONS
+from training.evaluations.spec import Context
 
 
 class TrainingEvals:
-    """The run's fixed validation tokens and HellaSwag items, loaded once, and when to score them.
+    """The evaluations the run's flags turn on, their data loaded once, and when to score them.
 
     Built before the first step: a validation set shorter than one window (block_size + 1 tokens) and bad
     HellaSwag data are refused here, before any training time is spent."""
 
     def __init__(self, cfg: EvalConfig, source: DataSource, block_size: int, seed: int,
                  accelerator: Accelerator) -> None:
-        self.cfg, self.block_size, self.seed, self.accelerator = cfg, block_size, seed, accelerator
-        self.val_tokens = source.val_set(block_size)  # refuses a set shorter than a window, with the fix
+        self.ctx = Context(cfg, source, block_size, seed, accelerator)
+        # name -> (spec, its data), in the registry's order; validation always runs (every --eval_batch_size > 0)
+        self.active = {name: (spec, spec.load(self.ctx)) for name, spec in EVALUATIONS.items() if spec.every(cfg)}
+        self.val_tokens = self.active["validation"][1]  # the health check's first window
         self.pairs = isinstance(self.val_tokens, PairExamples)  # held-out examples (at least one), not a stream
-        self.hellaswag_items = None
-        if cfg.hellaswag_every:
-            from eval.hellaswag import load_items, require_metric_packages
-
-            require_metric_packages()
-
-            self.hellaswag_items = load_items(cfg.hellaswag_data, cfg.hellaswag_limit, flag="--hellaswag_data",
-                                              limit_flag="--hellaswag_limit")
 
     def run_due(self, model: torch.nn.Module, step: int, last: bool, write: Callable[[str], None]) -> dict[str, Any]:
         """The evaluations due after `step` (all of them at the last step), printed and returned as metrics."""
-        cfg = self.cfg
-        val = step % cfg.eval_every == 0 or last
-        hellaswag = self.hellaswag_items is not None and (step % cfg.hellaswag_every == 0 or last)
-        if not (val or hellaswag):
+        due = [(spec, data) for spec, data in self.active.values() if last or step % spec.every(self.ctx.cfg) == 0]
+        if not due:
             return {}
-        plain = self.accelerator.unwrap_model(model, keep_torch_compile=False)
-        bf16 = self.accelerator.mixed_precision == "bf16"
+        accelerator = self.ctx.accelerator
+        plain = accelerator.unwrap_model(model, keep_torch_compile=False)
+        bf16 = accelerator.mixed_precision == "bf16"
         plain.eval()
-        results, text = {}, None
-        if val:
-            results["val_loss"] = evaluate_loss(plain, self.val_tokens, block_size=self.block_size,
-                                                batch_size=cfg.eval_batch_size, accelerator=self.accelerator, bf16=bf16)
-            # Sampling from non-finite logits would fail inside torch.multinomial. --sample_tokens 0: no sample.
-            if not cfg.sample_tokens:
-                text = None
-            elif math.isfinite(results["val_loss"]):
-                text = sample(plain, cfg.sample_prompt, cfg.sample_tokens, self.seed, self.accelerator.device)
-            else:
-                text = "(no sample: the validation loss is not finite)"
-        if hellaswag:
-            from eval.hellaswag import evaluate_hellaswag
-
-            scores = evaluate_hellaswag(plain, self.hellaswag_items, batch_size=cfg.eval_batch_size,
-                                        accelerator=self.accelerator, bf16=bf16)
-            results.update(hellaswag_acc=scores["acc"], hellaswag_acc_norm=scores["acc_norm"])
+        results, texts = {}, []
+        for spec, data in due:
+            scores, text = spec.score(plain, data, self.ctx, bf16)
+            results.update(scores)
+            if text is not None:
+                texts.append(text)
         _reshard(plain)
         plain.train()
-        if self.accelerator.is_main_process:
+        if accelerator.is_main_process:
             write(f"step {step}: " + " ".join(f"{k} {v:.4f}" for k, v in results.items())
-                  + (f"\n---\n{text}\n---" if text is not None else ""))
+                  + "".join(f"\n---\n{text}\n---" for text in texts))
         return results
 
     def finite_loss(self, model: torch.nn.Module) -> bool:
         """Whether the current weights give a finite loss on the first validation window or example (the same
         answer on every rank: a cheap health check before weights are saved)."""
-        plain = self.accelerator.unwrap_model(model, keep_torch_compile=False)
-        block = self.block_size
+        accelerator = self.ctx.accelerator
+        plain = accelerator.unwrap_model(model, keep_torch_compile=False)
+        block = self.ctx.block_size
         first = self.val_tokens[:1] if self.pairs else self.val_tokens[:block + 1]
         loss = evaluate_loss(plain, first, block_size=block, batch_size=1,
-                             accelerator=self.accelerator, bf16=self.accelerator.mixed_precision == "bf16")
+                             accelerator=accelerator, bf16=accelerator.mixed_precision == "bf16")
         _reshard(plain)
         return math.isfinite(loss)
 

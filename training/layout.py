@@ -19,9 +19,10 @@ from accelerate import Accelerator
 
 from common.errors import UserError
 from model.tensor_parallel import split_problem
+from training.engine_names import DDP, FSDP
 from training.engines import Engine, launch_engine
 from training.processes import process_state
-from training.support import DDP, FSDP, refusal
+from training.support import refusal
 
 
 @dataclass(frozen=True)

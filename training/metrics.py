@@ -22,11 +22,11 @@ from accelerate import Accelerator
 
 from common.run_dir import RunDir
 from configs import LogConfig
+from training.engine_names import DEEPSPEED
 from training.engines import Engine, precision
 from training.mfu import estimate_mfu, peak_flops
 from training.optim import OptimizerPlan, describe_optimizers
 from training.processes import BatchGeometry
-from training.support import DEEPSPEED
 from training.timing import DATA, SHOW_DATA_ABOVE, RunClock
 
 

@@ -1,0 +1,40 @@
+"""How the project names its engines, the one place they are spelled, and the columns of the support table.
+
+A DeepSpeed engine's name carries its ZeRO stage; tensor parallelism rides on FSDP2 and has a column of its own.
+`training.support` holds the table itself; the optimizers' modules (`training.optimizers`) declare their cells.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# How the project names each engine, the one place: a DeepSpeed engine's name carries its ZeRO stage.
+DDP, FSDP, DEEPSPEED = "ddp", "fsdp", "deepspeed"
+ENGINE_NAMES = {DDP: "DDP", FSDP: "FSDP2", DEEPSPEED: "DeepSpeed ZeRO-{stage}"}
+# The family an accelerate config asks for, before its stage is known ("the accelerate config asks for DeepSpeed").
+FAMILY_NAMES = {DDP: "DDP", FSDP: "FSDP", DEEPSPEED: "DeepSpeed"}
+
+
+def engine_name(kind: str, zero_stage: int = 0, tensor_parallel: int = 1) -> str:
+    """"DDP", "FSDP2", "DeepSpeed ZeRO-2" ("DeepSpeed" while the stage is not known), with " x tensor parallel N"
+    when the blocks are split over N ranks."""
+    name = ENGINE_NAMES[kind].format(stage=zero_stage) if zero_stage or kind != DEEPSPEED else FAMILY_NAMES[kind]
+    return name + (f" x tensor parallel {tensor_parallel}" if tensor_parallel > 1 else "")
+
+
+# The support table's columns: each engine a launch can run, and tensor parallelism (which rides on FSDP2).
+COLUMNS = ("DDP", "FSDP2", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2 x TP")
+
+
+def column(kind: str, zero_stage: int = 0, tensor_parallel: int = 1) -> str:
+    """The support table's column of a launch."""
+    if tensor_parallel > 1:
+        return "FSDP2 x TP"
+    return f"ZeRO-{zero_stage}" if kind == DEEPSPEED else ENGINE_NAMES[kind]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a feature does not run under an engine, and what to do instead."""
+
+    why: str
+    fix: str

@@ -1,0 +1,24 @@
+"""AdamW: the base optimizer of every run, training every parameter that no other optimizer claims.
+
+It decays matrices and embeddings (>= 2-D) only, not biases or LayerNorm gains. On CUDA the fused kernel does the
+whole update in a few launches instead of one per tensor."""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from training.optimizers.spec import OptimizerPlan, OptimizerSpec
+
+
+def build(params: list[torch.nn.Parameter], plan: OptimizerPlan, device_type: str) -> torch.optim.Optimizer:
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": plan.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
+    return torch.optim.AdamW(groups, lr=plan.lr, betas=plan.betas, **({"fused": True} if fused else {}))
+
+
+SPEC = OptimizerSpec(name="adamw", display="AdamW", claims=None, state_bytes=8, build=build,
+                     peak_lr=lambda plan: plan.lr)

@@ -1,0 +1,110 @@
+"""Muon on the blocks' 2-D weights (attention and MLP projections), AdamW on the rest.
+
+Muon orthogonalises a matrix's update, which suits hidden layers only, and torch's Muon takes 2-D parameters only;
+embeddings, the tied output layer, biases and LayerNorms stay with AdamW. `Muon` below is torch.optim.Muon whose
+Newton-Schulz orthogonalisation runs in the dtype the device multiplies fast (`newton_schulz_dtype`), not always in
+bfloat16 as torch's does: a CPU without bf16 matrix units multiplies bf16 matrices 10x slower than fp32 ones.
+
+Muon orthogonalises whole matrices, so the engines that shard or split them (FSDP2, ZeRO, tensor parallelism)
+refuse it (`SPEC.refused_under`), and LoRA's low-rank factors are not hidden matrices.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from training.engine_names import DEEPSPEED, Refusal, engine_name
+from training.optimizers.spec import BLOCK_MATRICES, OptimizerPlan, OptimizerSpec
+
+
+def newton_schulz_dtype(device_type: str) -> torch.dtype:
+    """The dtype Muon orthogonalises in on `device_type`: bfloat16 on accelerators (torch's choice: tensor cores
+    multiply bf16 fastest), and on CPUs with bf16 matrix instructions (AVX-512-BF16, AMX); float32 on every other
+    CPU, which has no bf16 units and emulates bf16 matmuls (a 512 x 512 one at 1.2 GFLOP/s against 16.8 in fp32 on
+    a 2-core AVX2 EPYC). Decided from the hardware alone, so a resume on the same machine computes the same bits."""
+    if device_type != "cpu":
+        return torch.bfloat16
+    capabilities = torch.cpu.get_capabilities()
+    native_bf16 = capabilities.get("avx512_bf16", False) or capabilities.get("amx_bf16", False)
+    return torch.bfloat16 if native_bf16 else torch.float32
+
+
+def orthogonalise(update: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """torch.optim.Muon's quintic Newton-Schulz iteration in `dtype`: with bfloat16, bit for bit torch's own
+    (the same operations in the same order); with float32, the same iteration without bf16's rounding."""
+    a, b, c = coefficients
+    x = update.to(dtype)
+    tall = update.size(0) > update.size(1)
+    if tall:  # iterate on the wide orientation: the Gram matrix x x^T is the smaller square
+        x = x.T
+    x = x / x.norm().clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+class Muon(torch.optim.Muon):
+    """torch.optim.Muon with its orthogonalisation in `ns_dtype` (`newton_schulz_dtype`). torch's constructor,
+    validation, param groups and state (one `momentum_buffer` per matrix, checkpoints interchangeable with
+    torch's); `step` is torch's update, in which only the Newton-Schulz dtype is ours. The dtype is an attribute,
+    not a param-group field, so it always comes from the machine that runs, also after a resume.
+    Only torch's default LR adjustment (`adjust_lr_fn` "original": lr x sqrt(max(1, rows / cols))) is offered."""
+
+    def __init__(self, params, *, ns_dtype: torch.dtype, **kwargs) -> None:
+        if kwargs.get("adjust_lr_fn") not in (None, "original"):
+            raise ValueError(f"adjust_lr_fn {kwargs['adjust_lr_fn']!r} is not implemented here; use None")
+        super().__init__(params, **kwargs)
+        self.ns_dtype = ns_dtype
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, momentum, weight_decay = group["lr"], group["momentum"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - momentum)
+                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                update = orthogonalise(update, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
+                p.mul_(1 - lr * weight_decay)
+                p.add_(update, alpha=-lr * math.sqrt(max(1, p.size(0) / p.size(1))))
+        return loss
+
+
+def build(params: list[torch.nn.Parameter], plan: OptimizerPlan, device_type: str) -> torch.optim.Optimizer:
+    return Muon(params, lr=plan.muon_lr, momentum=plan.muon_momentum, weight_decay=plan.muon_weight_decay,
+                ns_dtype=newton_schulz_dtype(device_type))
+
+
+def describe(plan: OptimizerPlan, device_type: str) -> str:
+    ns_dtype = str(newton_schulz_dtype(device_type)).removeprefix("torch.")
+    return f"lr {plan.muon_lr:g}, Newton-Schulz in {ns_dtype}"
+
+
+_WHY = "Muon orthogonalises whole matrices; {}"
+SPEC = OptimizerSpec(
+    name="muon", display="Muon", claims=BLOCK_MATRICES, state_bytes=4,  # one fp32 momentum buffer per matrix
+    build=build, peak_lr=lambda plan: plan.muon_lr, describe=describe,
+    refused_under={
+        "FSDP2": Refusal(_WHY.format("FSDP shards them"),
+                         "use --optimizer adamw with FSDP2, or Muon with a DDP launch config"),
+        **{f"ZeRO-{s}": Refusal(_WHY.format("ZeRO flattens and partitions them"),
+                                f"use --optimizer adamw with {engine_name(DEEPSPEED, s)}, or Muon with a DDP "
+                                "launch config")
+           for s in (1, 2, 3)},
+        "FSDP2 x TP": Refusal("Muon orthogonalises whole matrices, which tensor parallelism splits across ranks",
+                              "use --optimizer adamw, or Muon without --tensor_parallel under a DDP launch config"),
+    },
+    lora_refusal="Muon orthogonalises whole hidden matrices, not rank-{rank} factors",
+)
