@@ -27,14 +27,13 @@ from data.source import open_source
 from planner import exit_after_plan
 from publish.card import write_card
 from publish.uploads import HubUploads
-from training.checkpoint import Checkpointer, refuse_another_engine, restore
+from training.checkpoint import Checkpointer, refuse_another_engine, restore, use_adapter_checkpoints
 from training.draw import draw_step
 from training.elastic import Attempt, open_process_group
 from training.engines import fit_deepspeed, refuse_unsupported
 from training.evaluation import TrainingEvals
 from training.export import export_final
 from training.layout import Layout
-from training.lora import lora_summary, use_adapter_checkpoints
 from training.metrics import StepReport, run_header, trackers_for
 from training.network import build_model
 from training.optim import build_optimizer, plan_optimizers, release_optimizer_state
@@ -89,7 +88,7 @@ def main() -> None:
             set_seed(cfg.training.seed)  # identical initial weights on every rank
             model, init_weights = build_model(cfg.model, resume, cfg.training.activation_checkpointing)
             layout.check_model(model.config.n_head, model.config.n_embd)  # --init_from's heads, too
-            use_adapter_checkpoints(accelerator, cfg.model)  # a LoRA run's checkpoints: adapters, not the frozen base
+            use_adapter_checkpoints(accelerator, bool(cfg.model.lora_rank))  # LoRA: adapters only, not the base
             # Data: every rank reads its own rows of the same global batches; validation is one fixed token set.
             source = open_source(cfg.data)  # --dataset, parsed once
             loader = source.train_loader(block_size=geometry.block_size, micro_batch_size=geometry.micro_batch_size,
@@ -117,7 +116,7 @@ def main() -> None:
         schedule = LRSchedule(cfg.optim.warmup_steps, max_steps, cfg.optim.min_lr_ratio)
         report = StepReport(cfg.log, accelerator, max_steps, progress.step, geometry.tokens_per_step, flops_per_token,
                             clock)
-        accelerator.print(run_header(accelerator, engine, model, n_params, geometry, plan, lora_summary(cfg.model),
+        accelerator.print(run_header(accelerator, engine, model, n_params, geometry, plan, cfg.model.lora_summary,
                                      source.describe(), Attempt.of_launch().describe()))
         if accelerator.is_main_process and (warning := schedule.warmup_warning()):
             print(f"warning: {warning}", file=sys.stderr, flush=True)  # the run goes on (a smoke run, say)

@@ -135,6 +135,11 @@ class ModelConfig:
     def lora_target_list(self) -> list[str]:
         return [t.strip() for t in self.lora_targets.split(",")]
 
+    @property
+    def lora_summary(self) -> str | None:
+        """What a LoRA run adds, for the run's header (None for a full fine-tune or a run from scratch)."""
+        return f"LoRA r={self.lora_rank} on {self.lora_targets}" if self.lora_rank else None
+
     def __post_init__(self) -> None:
         _positive(self, "n_layer", "n_head", "n_embd", "block_size")
         _non_empty(self, "init_from")

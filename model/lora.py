@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, inject_adapter_in_model
-from peft.tuners.tuners_utils import check_target_module_exists
-from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from common.errors import UserError
 from common.run_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from common.weights import Kind, Weights
+
+if TYPE_CHECKING:  # peft itself is imported where it is used: only a LoRA run (or a LoRA checkpoint) needs it
+    from peft import LoraConfig, PeftModel
 
 ADAPTER = "default"  # peft's name for the one adapter of a model
 DEFAULT_TARGETS = ("c_attn", "c_proj", "c_fc")  # attention (qkv, output) and MLP (in, out) projections
@@ -41,12 +43,16 @@ def lora_config(rank: int, alpha: float, dropout: float, targets: list[str] | tu
                 revision: str | None = None) -> LoraConfig:
     """peft's LoraConfig for our GPT; `base` names the weights the adapter is added to, `revision` the Hub revision
     of a Hub base (both recorded in adapter_config.json, where `common.weights` finds the base again)."""
+    from peft import LoraConfig
+
     return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), bias="none",
                       base_model_name_or_path=base, revision=revision)
 
 
 def _targeted_layers(model: torch.nn.Module, config: LoraConfig) -> dict[str, torch.nn.Module]:
     """The modules `config.target_modules` names (peft's own matching rule: a name or a dotted suffix)."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
     return {name: module for name, module in model.named_modules() if name and check_target_module_exists(config, name)}
 
 
@@ -71,11 +77,15 @@ def add_adapters(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
     if config.r > smallest:
         raise UserError(f"--lora_rank {config.r} does not fit: the targeted layers have {smallest} features on their "
                         f"smallest side; pass a rank of at most {smallest} (LoRA ranks are usually 4 to 64)")
+    from peft import inject_adapter_in_model
+
     return inject_adapter_in_model(config, model, adapter_name=ADAPTER)
 
 
 def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapter weights only (no base weights), keyed by module path without the adapter name."""
+    from peft.utils import get_peft_model_state_dict
+
     return {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(
         model, adapter_name=ADAPTER, save_embedding_layers=False).items()}
 
@@ -87,6 +97,8 @@ def load_adapter_state(model: torch.nn.Module, state: dict[str, torch.Tensor], s
         odd = sorted(set(state) ^ expected)[:2]
         raise UserError(f"the adapter in {source} does not fit this model's adapters ({', '.join(odd)}); use the "
                         "LoRA settings (--lora_rank, --lora_targets) it was trained with")
+    from peft.utils import set_peft_model_state_dict
+
     result = set_peft_model_state_dict(model, state, adapter_name=ADAPTER)
     assert not result.unexpected_keys, result.unexpected_keys  # checked above: every key is an adapter weight
 
@@ -94,6 +106,8 @@ def load_adapter_state(model: torch.nn.Module, state: dict[str, torch.Tensor], s
 def _peft_model(model: torch.nn.Module) -> PeftModel:
     """A PeftModel over a fresh copy of `model`'s base weights, holding `model`'s adapter (so peft's merge and
     save_pretrained can run without touching the model being trained)."""
+    from peft import LoraConfig, get_peft_model
+
     config = model.peft_config[ADAPTER]
     base_state = {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if ".lora_" not in k}
     with torch.device("meta"):
@@ -151,8 +165,61 @@ def _rewrite_config(directory: Path, **changes: object) -> None:
 
 def read_adapter_config(folder: Path) -> LoraConfig:
     """The LoraConfig saved in `folder` (a checkpoint of a LoRA run)."""
+    from peft import LoraConfig
+
     try:
         return LoraConfig.from_pretrained(str(folder))
     except (OSError, ValueError, TypeError) as err:
         raise UserError(f"{folder / ADAPTER_CONFIG} is damaged ({type(err).__name__}); resume from another "
                         "checkpoint") from None
+
+
+def base_name(weights: Weights) -> str:
+    """How the adapter config names its base weights: an absolute path for a local folder (a resume or a loader
+    from another working directory finds the same folder), the Hub id otherwise (its revision goes beside it)."""
+    return weights.spec if weights.kind is Kind.HUB else str(Path(weights.spec).expanduser().resolve())
+
+
+def run_lora_config(rank: int, alpha: float, dropout: float, targets: list[str] | tuple[str, ...],
+                    weights: Weights) -> LoraConfig:
+    """A run's adapter settings (`--lora_rank`, `--lora_alpha`, `--lora_dropout`, `--lora_targets`) on the base
+    `weights` it loaded (`--init_from`), named as its checkpoints record it (`base_name`)."""
+    return lora_config(rank, alpha, dropout, targets, base_name(weights), weights.revision)
+
+
+def loadable_base(weights: Weights) -> tuple[str, str | None]:
+    """How `final_adapter/` names its base (`base_model_name_or_path`, `revision`), for a loader that has only that
+    folder: peft's `AutoPeftModelForCausalLM` loads the base with transformers from those two. A Hub repo is its id
+    at the commit the run downloaded; local weights are the absolute path of the folder they were read from (for a
+    run folder given as `--init_from`, its final/: transformers cannot load a run folder). The checkpoints keep
+    `base_name`, the name a resume is checked against."""
+    if weights.kind is Kind.HUB:
+        return weights.spec, weights.commit or weights.revision
+    return str(weights.folder.resolve()), None
+
+
+def check_resume(config: LoraConfig | None, checkpoint: Path) -> None:
+    """Refuse to resume a LoRA checkpoint as a full run (`config` None) or the reverse, or with other LoRA settings
+    (`config`, from `run_lora_config`) or base."""
+    saved_lora = (checkpoint / ADAPTER_CONFIG).is_file()
+    if config is not None and not saved_lora:
+        raise UserError(f"{checkpoint} is a checkpoint of a full fine-tune (every weight), not of a LoRA run; resume "
+                        "it without --lora_rank, or start the LoRA run in a new --out_dir")
+    if saved_lora and config is None:
+        raise UserError(f"{checkpoint} is a checkpoint of a LoRA run (adapters only); resume it with the flags it was "
+                        "trained with (--lora_rank, --lora_alpha, --lora_targets, --init_from its base)")
+    if not saved_lora:
+        return
+    saved = read_adapter_config(checkpoint)
+    fields = {"lora_rank": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
+              "lora_targets": "target_modules", "init_from": "base_model_name_or_path"}
+    diffs = [f"{flag}: checkpoint {getattr(saved, attr)!r} vs now {getattr(config, attr)!r}"
+             for flag, attr in fields.items() if getattr(saved, attr) != getattr(config, attr)]
+    if diffs:
+        raise UserError(f"{checkpoint} was trained with other LoRA settings ({'; '.join(diffs)}); use the same "
+                        "flags to resume")
+
+
+def has_adapters(module: torch.nn.Module) -> bool:
+    """Whether peft injected adapters into `module`."""
+    return hasattr(module, "peft_config")

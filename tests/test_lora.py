@@ -158,7 +158,7 @@ def test_final_adapter_loads_by_itself_through_auto_peft_model(base, tmp_path, m
 
 def test_final_adapter_names_a_hub_base_at_the_commit_the_run_downloaded(tmp_path):
     from common.weights import Kind, Weights
-    from training.lora import loadable_base
+    from model.lora import loadable_base
 
     commit = "0123456789abcdef0123456789abcdef01234567"
     downloaded = Weights(Kind.HUB, "gpt2", tmp_path / "models--gpt2" / "snapshots" / commit, revision="main")

@@ -25,9 +25,10 @@ from safetensors import SafetensorError
 
 from common.atomic import fresh_temp_dir, rename_into_place, temp_path, write_failure
 from common.errors import UserError
-from common.run_dir import GPT_CONFIG, RUN_STATE, RunDir, checkpoint_step, data_state_file
+from common.run_dir import ADAPTER_WEIGHTS, GPT_CONFIG, RUN_STATE, RunDir, checkpoint_step, data_state_file
 from configs import RunConfig
 from model import GPTConfig
+from model.lora import adapter_state, has_adapters, load_adapter_state, save_adapter_config
 from training.engines import Engine
 from training.manifest import FORMAT, write_manifest
 from training.resume import Progress, ResumePoint, read_json
@@ -37,6 +38,41 @@ def _quiet_tied_weight_warning(record: logging.LogRecord) -> bool:
     # save_state drops the tied lm_head.weight (it is wte.weight) and warns at every save; the model
     # re-ties it when loading, so the warning is noise.
     return "Removed shared tensor" not in record.getMessage()
+
+
+def use_adapter_checkpoints(accelerator: Accelerator, lora: bool) -> None:
+    """For a LoRA run (`lora`), make `save_state`/`load_state` save and load a model with adapters as its adapter
+    only (`adapter_model.safetensors`, `adapter_config.json`: `model.lora`), not its frozen base; optimizer, RNG
+    and data states are saved as for any run, and the manifest covers every file. Nothing for any other run."""
+    if not lora:
+        return
+
+    def adapted(model: torch.nn.Module) -> torch.nn.Module | None:
+        module = accelerator.unwrap_model(model, keep_torch_compile=False)
+        return module if has_adapters(module) else None
+
+    def save_adapters_only(models: list, weights: list, output_dir: str) -> None:
+        # accelerate saves weights[i] as model(_i).safetensors: a model whose entry is removed is saved here instead.
+        from safetensors.torch import save_file
+
+        for i in reversed(range(len(models))):
+            if (module := adapted(models[i])) is not None:
+                if accelerator.is_main_process:
+                    save_file(adapter_state(module), Path(output_dir) / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+                    save_adapter_config(module, Path(output_dir))
+                weights.pop(i)
+
+    def load_adapters(models: list, input_dir: str) -> None:
+        # accelerate loads every model left in `models` from model(_i).safetensors: this one is loaded here.
+        from safetensors.torch import load_file
+
+        for model in list(models):
+            if (module := adapted(model)) is not None:
+                load_adapter_state(module, load_file(Path(input_dir) / ADAPTER_WEIGHTS), input_dir)
+                models.remove(model)
+
+    accelerator.register_save_state_pre_hook(save_adapters_only)
+    accelerator.register_load_state_pre_hook(load_adapters)
 
 
 def save_checkpoint(

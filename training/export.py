@@ -15,6 +15,7 @@ from common.errors import UserError
 from common.run_dir import RunDir
 from common.weights import Weights
 from model import GPTConfig
+from model.lora import has_adapters
 from model.pretrained import save_state_dict, strip_wrapper_prefixes
 from model.tensor_parallel import natural_order
 from training.engines import full_state_dict
@@ -29,10 +30,9 @@ def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConf
     `tensor_parallel`: the run's degree, whose head-group order of `c_attn` final/ does not keep (it is the Hugging
     Face layout, whatever the degree)."""
     module = accelerator.unwrap_model(model, keep_torch_compile=False)
-    if hasattr(module, "peft_config"):  # LoRA (DDP only): the adapter first, final/ last marks the end
+    if has_adapters(module):  # LoRA (DDP only): the adapter first, final/ last marks the end
         if accelerator.is_main_process:
-            from model.lora import merged, save_adapter_folder
-            from training.lora import loadable_base
+            from model.lora import loadable_base, merged, save_adapter_folder
 
             base, revision = loadable_base(init_weights)
             _write(run, run.final_adapter, lambda tmp: save_adapter_folder(module, tmp, base, revision))

@@ -12,7 +12,7 @@ from common.errors import UserError, launch_rank
 from common.weights import Weights, resolve_weights
 from configs import ModelConfig
 from model import GPT, GPTConfig
-from training.lora import add_run_adapters, check_resume
+from model.lora import add_adapters, check_resume, run_lora_config
 from training.resume import ResumePoint
 
 
@@ -20,21 +20,23 @@ def build_model(cfg: ModelConfig, resume: ResumePoint | None,
                 activation_checkpointing: bool = False) -> tuple[GPT, Weights | None]:
     """The network: from the flags (`init_from scratch`), from `init_from` weights, or, for a fine-tune being
     resumed, the checkpoint's architecture (its weights replace init_from's when loaded). With `--lora_rank`,
-    the network gets adapters and only they train (see `training.lora`). With `activation_checkpointing`, each
+    the network gets adapters and only they train (see `model.lora`). With `activation_checkpointing`, each
     block's activations are recomputed in the backward pass (`GPT.activation_checkpointing`; the weights, the
     checkpoints and the exports are the same either way). Also what `--init_from` resolved to (None from scratch;
     not downloaded for a full fine-tune being resumed, whose checkpoint holds every weight)."""
     download = resume is None or bool(cfg.lora_rank)
     weights = None if cfg.from_scratch else resolve_weights(cfg.init_from, download=download)
+    lora = run_lora_config(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_list, weights) \
+        if cfg.lora_rank else None  # the adapters' settings, on the weights --init_from resolved to
     if resume is not None:
-        check_resume(cfg, weights, resume.path)  # a LoRA checkpoint only into the same LoRA run, a full one into a full
+        check_resume(lora, resume.path)  # a LoRA checkpoint only into the same LoRA run, a full one into a full
     model = _network(cfg, weights, resume)
     model.activation_checkpointing = activation_checkpointing
     if (ignored := ignored_shape_flags(cfg, model.config)) and launch_rank() == 0:
         print(f"warning: {', '.join(ignored)} ignored: with --init_from {cfg.init_from} the architecture comes from "
               "the weights (the run header shows it)", file=sys.stderr, flush=True)
-    if cfg.lora_rank:
-        model = add_run_adapters(model, cfg, weights)
+    if lora is not None:
+        model = add_adapters(model, lora)  # only the adapters require gradients from here
     return model, weights
 
 

@@ -22,7 +22,7 @@ step are the top-level values with the later entries' changes undone; nothing is
 
 Some fields are refused by the checkpoint's own files rather than here, and pass this check when they pass those:
 the architecture and the optimizers (`gpt_config.json`, `run_state.json`: `training.checkpoint.load_checkpoint`),
-the LoRA settings and base (`adapter_config.json`: `training.lora.check_resume`) and the data (the saved data
+the LoRA settings and base (`adapter_config.json`: `model.lora.check_resume`) and the data (the saved data
 position: its kind, shard hash, sequence count, block size, seed and Hub commit, in the loaders' `load_state_dict`;
 a local path spelled another way passes, and is recorded as a change).
 """
