@@ -74,7 +74,8 @@ def main() -> None:
                                       *((cfg.model.n_head, cfg.model.n_embd) if cfg.model.from_scratch else ()))
             geometry = BatchGeometry.of_launch(cfg.training, cfg.model.block_size,  # of the batch, in tokens; its
                                                layout.data_parallel_size)  # world: the ranks reading other batches
-        accelerator = start_accelerator(geometry.accumulation, trackers_for(cfg.log.report_to), run)
+            trackers = trackers_for(cfg.log.report_to)  # an extra's tracker not installed: one line
+        accelerator = start_accelerator(geometry.accumulation, trackers, run)
         ranks = evaluation_ranks(layout, accelerator)  # the data-parallel ranks (the accelerator without TP)
         data_rank = layout.data_parallel_rank(accelerator.process_index)  # a TP group reads one stream of batches
         with shared_across_ranks(accelerator):
