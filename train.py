@@ -163,7 +163,7 @@ def main() -> None:
         if finished := progress.step == max_steps:
             release_optimizer_state(optimizers)  # in the last checkpoint: the export gets the memory
             export_final(accelerator, model, arch, run, metrics.last_val, init_weights,  # and what to run next
-                         tensor_parallel=layout.tensor_parallel)
+                         tensor_parallel=layout.tensor_parallel, hellaswag_data=cfg.eval.hellaswag_data)
             if accelerator.is_main_process:  # final/ gets the card and curves the Hub push would upload
                 write_card(run.path, hub_model_id=cfg.hub.hub_model_id if cfg.hub.push_to_hub else None)
         accelerator.print(clock.summary())  # this process's wall time: step, data, evaluation, checkpoint, other
