@@ -73,7 +73,8 @@ def main() -> None:
                                       *((cfg.model.n_head, cfg.model.n_embd) if cfg.model.from_scratch else ()))
             geometry = BatchGeometry.of_launch(cfg.training, cfg.model.block_size,  # of the batch, in tokens; its
                                                layout.data_parallel_size)  # world: the ranks reading other batches
-        accelerator = start_accelerator(geometry.accumulation, trackers_for(cfg.log.report_to), run)
+            trackers = trackers_for(cfg.log.report_to)  # an extra's tracker not installed: one line
+        accelerator = start_accelerator(geometry.accumulation, trackers, run)
         ranks = evaluation_ranks(layout, accelerator)  # the data-parallel ranks (the accelerator without TP)
         data_rank = layout.data_parallel_rank(accelerator.process_index)  # a TP group reads one stream of batches
         with shared_across_ranks(accelerator):
@@ -161,7 +162,7 @@ def main() -> None:
         if finished := progress.step == max_steps:
             release_optimizer_state(optimizers)  # in the last checkpoint: the export gets the memory
             export_final(accelerator, model, arch, run, metrics.last_val, init_weights,  # and what to run next
-                         tensor_parallel=layout.tensor_parallel)
+                         tensor_parallel=layout.tensor_parallel, hellaswag_data=cfg.eval.hellaswag_data)
             if accelerator.is_main_process:  # final/ gets the card and curves the Hub push would upload
                 write_card(run.path, hub_model_id=cfg.hub.hub_model_id if cfg.hub.push_to_hub else None)
         accelerator.print(clock.summary())  # this process's wall time: step, data, evaluation, checkpoint, other

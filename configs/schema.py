@@ -21,7 +21,7 @@ from common.errors import UserError
 from common.resume_rules import ACCEPTED, CHECKED, NOT_COMPARED, RESTORED, SCHEDULE, Refused, resume_rule
 from data.settings import DataConfig, check_val_tokens
 
-REPORT_TO = ("none", "tensorboard", "wandb", "all")
+REPORT_TO = ("none", "tensorboard", "wandb", "trackio", "all")  # training.metrics.TRACKERS: what each starts
 ON_NAN = ("stop", "skip")
 MAX_SEED = 2**32 - 1  # numpy's seed range (accelerate's set_seed seeds numpy too)
 # --collective_timeout's default: GPT-2 1.5B's checkpoint (1.56e9 parameters x 16 bytes = 25 GB) is written, then read
@@ -304,8 +304,10 @@ class LogConfig:
     _argument_group_name = "logging and trackers"
 
     log_every: int = _field(10, "log a line (loss, lr, grad norm, tokens/s, MFU, ETA) every N steps", ACCEPTED)
-    report_to: str = _field("none", "'none', 'tensorboard', 'wandb', or 'all'", ACCEPTED)
-    wandb_project: str = _field("gpt2-accelerate", "wandb project (with --report_to wandb)", ACCEPTED)
+    report_to: str = _field("none", "'none', 'tensorboard', 'wandb', 'trackio' (a local dashboard, no account: "
+                                    "pip install -e \".[trackio]\"), or 'all' (tensorboard and wandb)", ACCEPTED)
+    wandb_project: str = _field("gpt2-accelerate", "wandb or trackio project (with --report_to wandb or trackio)",
+                                ACCEPTED)
     run_name: str | None = _field(None, "run name for the trackers; default: the --out_dir folder's name", ACCEPTED)
     mfu_peak_flops: float | None = _field(None, "bf16 peak FLOP/s per device for MFU; default: the "
                                                 "accelerator's if known (none on CPU or an unlisted GPU: no MFU)",

@@ -96,6 +96,22 @@ def _write_val(batches: Iterator[tuple[int, np.ndarray, np.ndarray]], out: Path,
     return writer.finish(), rest
 
 
+# The manifest's names of prepare's settings that its command line spells otherwise.
+_FLAG_OF = {"config": "dataset_config"}
+
+
+def settings_changed(recorded: dict[str, Any], asked: dict[str, Any]) -> str:
+    """`--shard_tokens: 1000 there, 500 now; ...`: each setting of a shard folder's prepare that this one asks
+    otherwise."""
+    keys = [k for k in asked if recorded.get(k) != asked[k]] + [k for k in recorded if k not in asked]
+
+    def shown(value: Any) -> str:
+        return "not given" if value is None else str(value)
+
+    return "; ".join(f"--{_FLAG_OF.get(k, k)}: {shown(recorded.get(k))} there, {shown(asked.get(k))} now"
+                     for k in keys)
+
+
 def prepare(
     dataset: str,
     out: str | Path,
@@ -127,8 +143,9 @@ def prepare(
     if (out / MANIFEST).is_file():
         manifest = read_manifest(out)
         if manifest["source"] != settings:
-            raise UserError(f"{out} holds a prepare with other settings ({manifest['source']}); pass another --out or "
-                            f"delete {out}")
+            changed = settings_changed(manifest["source"], settings)
+            raise UserError(f"{out} holds a prepare with other settings ({changed}); pass another --out, or its "
+                            f"settings to finish or keep it, or delete {out}")
         if manifest["complete"]:
             return manifest
     elif out.exists() and any(out.iterdir()):

@@ -248,7 +248,8 @@ def _table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+def parser() -> CliParser:
+    """The command line of `python -m eval.hellaswag`."""
     parser = CliParser(prog="python -m eval.hellaswag", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True,
                         help="Hub id, HF GPT-2 folder, our checkpoint folder or run folder")
@@ -261,7 +262,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         help="cpu, cuda, cuda:1, ... (single process); default: the accelerator's")
     parser.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
                         help="auto: bf16 autocast on CUDA, fp32 elsewhere")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parser().parse_args(argv)
 
     items = load_items(args.data, args.limit)  # before the model: bad data fails fast
     with cli_accelerator(cpu=args.device == "cpu") as accelerator:

@@ -17,6 +17,9 @@ from common.errors import UserError
 from common.network import offline_mode, reaching_the_hub
 
 HUB_DATASET = "Rowan/hellaswag"
+# A few HellaSwag items shipped with the repository (the tests' fixture): `--data` for a try of eval.hellaswag that
+# needs no network; a smoke check, not a score (the validation set has 10,042 items).
+SAMPLE_FILE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "eval" / "hellaswag_tiny.jsonl"
 N_ENDINGS = 4
 _MARKER = re.compile(r"\[.*?\]")
 

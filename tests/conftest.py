@@ -14,6 +14,7 @@ under a file lock in the session's shared temporary folder, the others wait and 
 """
 from __future__ import annotations
 
+import atexit
 import fnmatch
 import json
 import os
@@ -21,6 +22,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -29,6 +31,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
+# trackio keeps every run in one folder, read when it is imported (default ~/.cache/huggingface/trackio): the tests'
+# runs, and the processes they start, use a folder of this session's, removed at its end, never the user's.
+os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="pytest-trackio-")
+atexit.register(shutil.rmtree, os.environ["TRACKIO_DIR"], ignore_errors=True)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Under pytest-xdist (`-n 2`, the README's command) each worker is one of the machine's cores: one thread each, for
 # its in-process tests and the processes it starts, as the end-to-end runs already have (launch sets it), rather

@@ -137,8 +137,13 @@ def test_rerun_of_a_finished_prepare_keeps_it_and_other_settings_are_refused(tmp
     before = _files(out)
     prep.prepare(str(PARQUET), out, **SETTINGS)
     assert _files(out) == before
-    with pytest.raises(UserError, match="other settings"):
+    with pytest.raises(UserError) as refused:
         prep.prepare(str(PARQUET), out, **{**SETTINGS, "shard_tokens": 500})
+    assert str(refused.value) == (f"{out} holds a prepare with other settings (--shard_tokens: 3000 there, 500 now); "
+                                  f"pass another --out, or its settings to finish or keep it, or delete {out}")
+    with pytest.raises(UserError, match=r"\(--dataset_config: not given there, x now; --val_tokens: 1000 there, "
+                                        r"not given now\)"):  # each setting that differs, named as its flag
+        prep.prepare(str(PARQUET), out, **{**SETTINGS, "val_tokens": None, "dataset_config": "x"})
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("user data")
     with pytest.raises(UserError, match="not a shard folder"):

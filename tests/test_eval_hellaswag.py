@@ -7,6 +7,7 @@ import gzip
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import free_port
+from conftest import REPO_ROOT, free_port
 from fake_ranks import CountingModel, run_ranks
 
 import eval.hellaswag as hellaswag
@@ -29,7 +30,7 @@ from eval.hellaswag import (
     preprocess,
     require_metric_packages,
 )
-from eval.hellaswag_data import query_and_choices
+from eval.hellaswag_data import SAMPLE_FILE, query_and_choices
 from model import GPT, GPTConfig
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eval"
@@ -332,3 +333,34 @@ def test_a_damaged_jsonl_gz_is_one_line_naming_the_file(tmp_path, damage):
     message = str(err.value)
     assert message.startswith(f"{path} is a truncated or damaged gzip file (") and "\n" not in message
     assert message.endswith("download it again, or pass the uncompressed .jsonl")
+
+
+
+def suggested_hellaswag(run: Path, hellaswag_data: str | None) -> list[str]:
+    """The arguments of the eval.hellaswag command that a run's `next:` line suggests."""
+    from common.run_dir import RunDir
+    from training.export import next_steps
+
+    line = next_steps(RunDir(run), (6, 5.0), hellaswag_data)
+    (command,) = [part for part in line.split(", python -m ") if part.startswith("eval.hellaswag ")]
+    return shlex.split(command.partition(" (")[0])[1:]  # the command, without its note in parentheses
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["the shipped items", "the run's --hellaswag_data"])
+def test_the_end_of_run_hellaswag_command_parses_and_reads_its_items_offline(tmp_path, monkeypatch, own):
+    """The run's `next:` line suggests eval.hellaswag on a local file (issue 44: without `--data` it read the Hub,
+    which offline failed after 32 s): its arguments, from the repository root where train.py ran, parse and name
+    items that load offline (HF_HUB_OFFLINE=1, conftest: reading the Hub would be a refusal)."""
+    monkeypatch.chdir(REPO_ROOT)
+    own_file = REPO_ROOT / "tests" / "fixtures" / "eval" / "hellaswag_uniform.jsonl"
+    args = hellaswag.parser().parse_args(suggested_hellaswag(tmp_path / "run", str(own_file) if own else None))
+    assert args.model == str(tmp_path / "run")
+    assert len(load_items(args.data, args.limit)) == len((own_file if own else SAMPLE_FILE).read_text().splitlines())
+
+
+@pytest.mark.slow  # eval.hellaswag's first run in a process imports what scoring needs: about 10 s on 2 cores
+def test_the_end_of_run_hellaswag_command_runs_offline_as_written(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)
+    tiny_gpt().save_pretrained(tmp_path / "run")
+    result = hellaswag.main(suggested_hellaswag(tmp_path / "run", None))
+    assert result["n"] == len(SAMPLE_FILE.read_text().splitlines())

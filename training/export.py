@@ -2,6 +2,7 @@
 `final_adapter/`, the adapter as a PEFT folder (`final/` then holds the base with the adapter merged in)."""
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -14,6 +15,7 @@ from common.atomic import fresh_temp_dir, rename_into_place, write_failure
 from common.errors import UserError
 from common.run_dir import RunDir
 from common.weights import Weights
+from eval.hellaswag_data import SAMPLE_FILE
 from model import GPTConfig
 from model.lora import has_adapters
 from model.pretrained import save_state_dict, strip_wrapper_prefixes
@@ -23,10 +25,11 @@ from training.engines import full_state_dict
 
 def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConfig, run: RunDir,
                  last_val: tuple[int, float] | None = None, init_weights: Weights | None = None,
-                 tensor_parallel: int = 1) -> None:
+                 tensor_parallel: int = 1, hellaswag_data: str | None = None) -> None:
     """Write `final/` from the trained weights (gathered from every rank under FSDP and ZeRO), atomically; call on
     every rank. Then say where it is, the run's last validation loss (`last_val`: step, loss) and what to run next.
     `init_weights`: what `--init_from` resolved to, the base a LoRA run's `final_adapter/` names.
+    `hellaswag_data`: the run's local HellaSwag file, if any, for the next line's HellaSwag command.
     `tensor_parallel`: the run's degree, whose head-group order of `c_attn` final/ does not keep (it is the Hugging
     Face layout, whatever the degree)."""
     module = accelerator.unwrap_model(model, keep_torch_compile=False)
@@ -39,7 +42,7 @@ def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConf
             _write(run, run.final, lambda tmp: merged(module).save_pretrained(tmp, overwrite=True))
             accelerator.print(f"final model (adapter merged) written to {run.final}, the adapter to "
                               f"{run.final_adapter}")
-            accelerator.print(_next_steps(run, last_val))
+            accelerator.print(next_steps(run, last_val, hellaswag_data))
         return
     # The whole weights on the main process (gathered to the CPU under FSDP and ZeRO; DeepSpeed's fp32 master copy),
     # written as they are, with no second model built to hold a copy of them.
@@ -48,13 +51,23 @@ def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConf
         state_dict = natural_order(strip_wrapper_prefixes(state_dict), arch.n_embd, tensor_parallel)
         _write(run, run.final, lambda tmp: save_state_dict(state_dict, arch, tmp, overwrite=True))
         accelerator.print(f"final model written to {run.final}")
-        accelerator.print(_next_steps(run, last_val))
+        accelerator.print(next_steps(run, last_val, hellaswag_data))
 
 
-def _next_steps(run: RunDir, last_val: tuple[int, float] | None) -> str:
+def next_steps(run: RunDir, last_val: tuple[int, float] | None, hellaswag_data: str | None = None) -> str:
+    """The run's last line but one: its validation loss and the commands to run next, each of which runs as written,
+    offline too: HellaSwag on the run's own `--hellaswag_data`, else on the items the repository ships (without
+    `--data` eval.hellaswag reads the Hub)."""
     result = f"validation loss {last_val[1]:.4f} at step {last_val[0]}; " if last_val else ""
+    if hellaswag_data:
+        hellaswag = f"--data {hellaswag_data}"
+    else:
+        shown = os.path.relpath(SAMPLE_FILE)
+        items = len(SAMPLE_FILE.read_text().splitlines())
+        hellaswag = (f"--data {SAMPLE_FILE if shown.startswith('..') else shown} ({items} shipped items, a try; "
+                     "without --data, the Hub's validation set)")
     return (f"{result}next: python -m model.sample --model {run.path} --prompt \"...\", python -m eval.hellaswag "
-            f"--model {run.path}, python -m publish.hub --run_dir {run.path} --hub_model_id <user>/<name>")
+            f"--model {run.path} {hellaswag}, python -m publish.hub --run_dir {run.path} --hub_model_id <user>/<name>")
 
 
 def _write(run: RunDir, folder: Path, write: Callable[[Path], None]) -> None:

@@ -14,12 +14,14 @@ import math
 import time
 from contextlib import contextmanager
 from datetime import timedelta
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 from accelerate import Accelerator
 
+from common.errors import UserError
 from common.run_dir import RunDir
 from configs import LogConfig
 from training.engine_names import DEEPSPEED
@@ -29,11 +31,27 @@ from training.optim import OptimizerPlan, describe_optimizers
 from training.processes import BatchGeometry
 from training.timing import DATA, SHOW_DATA_ABOVE, RunClock
 
+# `--report_to` value -> accelerate's trackers. "all" is those of the core install; trackio is an extra.
+TRACKERS = {"none": [], "tensorboard": ["tensorboard"], "wandb": ["wandb"], "trackio": ["trackio"],
+            "all": ["tensorboard", "wandb"]}
+# The trackers that an extra of pyproject.toml installs, and its name.
+EXTRA_OF = {"trackio": "trackio"}
+
 
 def trackers_for(report_to: str) -> list[str] | None:
-    """`--report_to` value -> accelerate's `log_with` list."""
-    choices = {"none": None, "tensorboard": ["tensorboard"], "wandb": ["wandb"], "all": ["tensorboard", "wandb"]}
-    return choices[report_to]
+    """`--report_to` value -> accelerate's `log_with` list; a tracker whose extra is not installed is one line
+    naming the install (before accelerate would warn and run on without it)."""
+    for name in TRACKERS[report_to]:
+        if name in EXTRA_OF and find_spec(name) is None:
+            raise UserError(f"--report_to {report_to} needs {name}, which is not installed; pip install -e "
+                            f"\".[{EXTRA_OF[name]}]\" (or pip install {name}), or choose another --report_to")
+    return TRACKERS[report_to] or None
+
+
+def tracker_run_name(run_name: str | None, run: RunDir, run_id: str) -> str:
+    """The trackio run of this training run: `--run_name` (default: the run folder's name) and the run's id, kept
+    in its checkpoints, so that a resume continues it and another run of the same name starts its own."""
+    return f"{run_name or run.path.name}-{run_id}"
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

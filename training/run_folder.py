@@ -19,7 +19,7 @@ from common.weights import Weights
 from configs import RunConfig, TrainConfig, write_run_config
 from model import GPTConfig
 from training.manifest import verify_checkpoint
-from training.metrics import MetricsLog
+from training.metrics import MetricsLog, tracker_run_name
 from training.optim import OptimizerPlan
 from training.preflight import check_out_dir_writable, warn_if_low_disk
 from training.recipe import Recipe
@@ -127,9 +127,12 @@ def open_run_folder(accelerator: Accelerator, run: RunDir, resume: ResumePoint |
         write_run_config(recipe.config_yaml(), run.config_file)
     # TensorBoard hides the steps past the checkpoint that an earlier attempt logged (purge_step), so that the steps
     # this run logs again replace them: each step once, as in metrics.jsonl.
+    # trackio (its runs in the SQLite of its own folder, $TRACKIO_DIR) continues its run as wandb does, by the run id.
     accelerator.init_trackers(wandb_project, config=recipe.values,
                               init_kwargs={"wandb": {"id": progress.run_id, "resume": "allow",
                                                      "name": run_name or run.path.name, "dir": str(run.path)},
+                                           "trackio": {"name": tracker_run_name(run_name, run, progress.run_id),
+                                                       "resume": "allow"},
                                            "tensorboard": {"purge_step": progress.step + 1} if progress.step else {}})
     return MetricsLog(accelerator, run.path, resume_step=progress.step)
 
