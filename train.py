@@ -37,6 +37,7 @@ from training.layout import Layout
 from training.metrics import StepReport, run_header, trackers_for
 from training.network import build_model
 from training.optim import build_optimizer, plan_optimizers, release_optimizer_state
+from training.pipeline import pipelined, prepare
 from training.preemption import PreemptionFlag
 from training.preflight import checkpoint_bytes
 from training.processes import (
@@ -70,7 +71,9 @@ def main() -> None:
             peers = on_exit.enter_context(open_process_group(cfg.run.collective_timeout, run.latest_checkpoint))
             plan = plan_optimizers(cfg.optim, cfg.model)  # what trains with what, at which learning rate
             layout = Layout.of_launch(cfg.training.tensor_parallel,  # processes, engine, groups that split matrices
-                                      *((cfg.model.n_head, cfg.model.n_embd) if cfg.model.from_scratch else ()))
+                                      *((cfg.model.n_head, cfg.model.n_embd) if cfg.model.from_scratch else ()),
+                                      pipeline_parallel=cfg.training.pipeline_parallel,  # and pipelines' stages
+                                      n_layer=cfg.model.n_layer if cfg.model.from_scratch else None)
             geometry = BatchGeometry.of_launch(cfg.training, cfg.model.block_size,  # of the batch, in tokens; its
                                                layout.data_parallel_size)  # world: the ranks reading other batches
             trackers = trackers_for(cfg.log.report_to)  # an extra's tracker not installed: one line
@@ -105,10 +108,12 @@ def main() -> None:
             on_exit.enter_context(claim_run_folder(accelerator, cfg.run, resume, max_steps,
                                                    checkpoint_bytes(n_params)))  # one run per folder, locked
         model = split(model, layout, accelerator)  # --tensor_parallel: the blocks split, FSDP2 across the groups
+        model = pipelined(model, layout, geometry.accumulation, geometry.micro_batch_size,  # --pipeline_parallel:
+                          accelerator)  # this rank's stage, its micro-batches the step's accumulation
         optimizers = build_optimizer(model, plan, accelerator.device.type)  # [AdamW] or [AdamW, Muon]
-        model, *optimizers = accelerator.prepare(model, *optimizers)  # no scheduler: the LR is computed from the step
+        model, *optimizers = prepare(accelerator, model, optimizers, plan)  # no scheduler: the LR is from the step
         torch.manual_seed(cfg.training.seed + data_rank)  # each data-parallel rank its own dropout masks from here
-        progress = restore(accelerator, resume, cfg.run, arch, plan.names, loader)  # weights, optimizers, RNGs, data
+        progress = restore(accelerator, resume, cfg.run, arch, plan.names, loader, model)  # weights, optimizers, RNG
         peers.follow(progress)
         metrics = open_run_folder(accelerator, run, resume, progress, recipe, cfg.log.wandb_project, cfg.log.run_name)
         checkpoints = Checkpointer(accelerator, run, arch, plan.names, cfg.run.keep_last, healthy=evals.finite_loss,

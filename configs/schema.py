@@ -198,9 +198,13 @@ class TrainingConfig:
     tensor_parallel: int = _field(1, "split each block's matrices over groups of N processes (tensor parallelism, "
                                      "with FSDP2 across the groups: needs an FSDP2 accelerate config); N must divide "
                                      "n_head and the processes; 1 = none", CHECKED)
+    pipeline_parallel: int = _field(1, "put the blocks on N processes in turn (pipeline parallelism, 1F1B over the "
+                                       "step's micro-batches, which must be at least N; a DDP accelerate config); "
+                                       "N must divide the processes; 1 = none", ACCEPTED)
 
     def __post_init__(self) -> None:
-        _positive(self, "total_batch_size", "micro_batch_size", "max_steps", "max_nan_skips", "tensor_parallel")
+        _positive(self, "total_batch_size", "micro_batch_size", "max_steps", "max_nan_skips", "tensor_parallel",
+                  "pipeline_parallel")
         _finite(self)
         if not self.grad_clip > 0:
             raise UserError(f"--grad_clip must be positive (the max gradient norm), got {self.grad_clip}; "

@@ -74,6 +74,14 @@ def advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: Spell
     if not launch.optimizer_shards and launch.processes > 1:
         return f"micro-batch {B} {where}, even at micro-batch 1; use --optimizer adamw with {spelling.fsdp} " \
                f"({launch.optimizer_spec.display} is refused under FSDP)"
+    if launch.pipeline_parallel > 1:  # more stages: each holds fewer blocks
+        more = 2 * launch.pipeline_parallel
+        fits = more <= config.n_layer and (candidate := resized(config, replace(launch, processes=launch.processes * 2,
+                                                                             pipeline_parallel=more), B)) is not None \
+            and plan_memory(config, candidate).fits(device_bytes)
+        return f"micro-batch {B} {where}, even at micro-batch 1" + (
+            f"; split it into {more} stages (--pipeline_parallel {more}, {launch.processes * 2} processes)"
+            if fits else "; use a larger device")
     # More devices under the launch's own sharding engine (FSDP2 for DDP and one process).
     sharded = replace(launch, fsdp=not launch.zero_stage, activation_checkpointing=True)
     engine = f"{spelling.fsdp}" if not launch.zero_stage else launch.engine

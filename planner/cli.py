@@ -88,11 +88,12 @@ def exit_after_plan(cfg):
                         "--n_layer, --n_head, --n_embd")
     env = launch_environment()
     layout = Layout.of_launch(cfg.training.tensor_parallel, config.n_head, config.n_embd,  # refused as a run would
-                              world_size=int(env["processes"]))
+                              world_size=int(env["processes"]), pipeline_parallel=cfg.training.pipeline_parallel,
+                              n_layer=config.n_layer)
     geometry = BatchGeometry.for_total(cfg.training.total_batch_size, cfg.training.micro_batch_size,
                                        config.block_size, layout.data_parallel_size)  # the run's rule
     launch = Launch(micro_batch_size=geometry.micro_batch_size, processes=layout.world_size,
-                    tensor_parallel=layout.tensor_parallel,
+                    tensor_parallel=layout.tensor_parallel, pipeline_parallel=layout.pipeline_parallel,
                     fsdp=layout.kind == FSDP, zero_stage=layout.zero_stage,
                     activation_checkpointing=cfg.training.activation_checkpointing,
                     optimizer=plan_optimizers(cfg.optim, model).kind,  # --optimizer auto resolved as a run does

@@ -56,11 +56,20 @@ class Launch:
     # --tensor_parallel: the blocks' matrices split over groups of this many processes, FSDP2 over the
     # processes / tensor_parallel groups (`training.tensor_parallel`); 1: none.
     tensor_parallel: int = 1
+    # --pipeline_parallel: the blocks in this many stages, one per process of a pipeline (`training.pipeline`), the
+    # processes / pipeline_parallel pipelines averaging their gradients; 1: none.
+    pipeline_parallel: int = 1
 
     @property
     def layout(self) -> Layout:
         """The launch's layout as a run holds it (`training.layout`)."""
-        return Layout(self.processes, self.kind, self.zero_stage, self.tensor_parallel)
+        return Layout(self.processes, self.kind, self.zero_stage, self.tensor_parallel, self.pipeline_parallel)
+
+    @property
+    def bubble(self) -> float:
+        """The share of a pipelined step its stages wait (1F1B): (stages - 1) / (micro-batches + stages - 1)."""
+        n = self.pipeline_parallel
+        return (n - 1) / (self.accumulation + n - 1)
 
     @property
     def data_parallel(self) -> int:
@@ -85,6 +94,8 @@ class Launch:
     def engine(self) -> str:
         if self.tensor_parallel > 1:
             return f"{engine_name(FSDP)} over {self.data_parallel} x tensor parallel {self.tensor_parallel}"
+        if self.pipeline_parallel > 1:
+            return f"{self.data_parallel} pipeline(s) of {self.pipeline_parallel} stages (1F1B)"
         return engine_name(self.kind, self.zero_stage) if self.processes > 1 or self.kind != DDP else "one process"
 
     @property
@@ -100,7 +111,7 @@ class Launch:
     @property
     def replicas(self) -> bool:
         """Every process a full replica that all-reduces whole gradients in DDP's buckets (DDP, several processes)."""
-        return self.processes > 1 and not self.fsdp and not self.zero_stage
+        return self.processes > 1 and not self.fsdp and not self.zero_stage and self.pipeline_parallel == 1
 
     @property
     def gathers_parameters(self) -> bool:
@@ -132,5 +143,9 @@ class Launch:
             raise UserError(f"tensor parallel {self.tensor_parallel} over {self.processes} process(es)"
                             f"{'' if self.fsdp else ' without FSDP2'} is not a launch train.py runs; plan a degree "
                             "that divides the processes, with FSDP2")
-        if line := refusal(f"--optimizer {self.optimizer}", self.kind, self.zero_stage, self.tensor_parallel):
+        if self.pipeline_parallel > 1:
+            Layout.checked(self.processes, self.kind, self.zero_stage, self.tensor_parallel,
+                                self.pipeline_parallel)  # the run's refusals, in its words
+        if line := refusal(f"--optimizer {self.optimizer}", self.kind, self.zero_stage, self.tensor_parallel,
+                           pipeline_parallel=self.pipeline_parallel):
             raise UserError(line)

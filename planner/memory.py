@@ -41,6 +41,7 @@ from common.errors import UserError
 from configs import EvalConfig
 from model.config import GPTConfig
 from model.loss import LOSS_CHUNK_ROWS
+from model.pipeline import stage_blocks
 from model.tensor_parallel import split_problem
 from planner.launch import GiB, Launch
 from training.evaluations.registry import EVALUATIONS
@@ -87,6 +88,18 @@ class ParamCounts:
                    embeddings=(config.padded_vocab_size + config.block_size) * C, final_norm=norm)
 
     @classmethod
+    def per_stage(cls, config: GPTConfig, stages: int, stage: int) -> ParamCounts:
+        """What pipeline stage `stage` of `stages` holds (`model.pipeline`): its blocks; the embeddings on the first;
+        ln_f and the tied output layer's copy of the token embedding on the last."""
+        whole = cls.of(config)
+        share = len(stage_blocks(config.n_layer, stages)[stage]) / config.n_layer
+        first, last = stage == 0, stage == stages - 1
+        wte = config.padded_vocab_size * config.n_embd
+        return cls(block_matrices=round(whole.block_matrices * share), block_vectors=round(whole.block_vectors * share),
+                   embeddings=(whole.embeddings if first else 0) + (wte if last and not first else 0),
+                   final_norm=whole.final_norm if last else 0)
+
+    @classmethod
     def per_rank(cls, config: GPTConfig, tensor_parallel: int) -> ParamCounts:
         """What one rank of a tensor-parallel group holds (`model.tensor_parallel`'s plan): 1/degree of the blocks'
         matrices and of the column-wise layers' biases (c_attn's 3C, c_fc's 4C), the rest whole."""
@@ -116,6 +129,7 @@ class MemoryPlan:
     params: ParamCounts
     activation_per_layer: int  # saved for the backward by one Block (without checkpointing)
     by_moment: dict[str, list[Item]] = field(default_factory=dict)  # what each moment holds, in table order
+    stage: int | None = None  # the pipeline stage planned (the fuller one), None without pipeline parallelism
 
     @property
     def moments(self) -> dict[str, int]:
@@ -177,16 +191,27 @@ def _compute_param_bytes(launch: Launch) -> int:
 
 
 
-def plan_memory(config: GPTConfig, launch: Launch, process_bytes: int = CPU_PROCESS_BYTES) -> MemoryPlan:
+def plan_memory(config: GPTConfig, launch: Launch, process_bytes: int = CPU_PROCESS_BYTES,
+                stage: int | None = None) -> MemoryPlan:
     """The per-process peak of a training step of `config` under `launch`, by item (see the module docstring).
-    `process_bytes`: the process's own RSS on a CPU (a bare step's by default; `plan_run` gives train.py's)."""
+    `process_bytes`: the process's own RSS on a CPU (a bare step's by default; `plan_run` gives train.py's).
+    Under pipeline parallelism, the plan of the fuller of the first stage (the embeddings, and under 1F1B the
+    activations of as many micro-batches in flight as there are stages) and the last (the loss, the output layer's
+    copy); `stage`: that stage's plan."""
+    stages = launch.pipeline_parallel
+    if stages > 1 and stage is None:
+        return max((plan_memory(config, launch, process_bytes, s) for s in (0, stages - 1)), key=lambda p: p.peak)
     if (problem := split_problem(config.n_head, config.n_embd, launch.tensor_parallel)) is not None:
         raise UserError(f"tensor parallel {launch.tensor_parallel} cannot split this model: {problem}; plan a degree "
                         "that divides n_head")
-    counts = ParamCounts.per_rank(config, launch.tensor_parallel)
+    counts = ParamCounts.per_rank(config, launch.tensor_parallel) if stage is None else \
+        ParamCounts.per_stage(config, stages, stage)
     P, N = counts.total, launch.data_parallel
     shards = launch.shards
-    B, T, C, L, V = launch.micro_batch_size, config.block_size, config.n_embd, config.n_layer, config.padded_vocab_size
+    B, T, C, V = launch.micro_batch_size, config.block_size, config.n_embd, config.padded_vocab_size
+    L = config.n_layer if stage is None else len(stage_blocks(config.n_layer, stages)[stage])
+    in_flight = 1 if stage is None else min(stages - stage, launch.accumulation)  # 1F1B's micro-batches held
+    last = stage is None or stage == stages - 1
     bf16 = launch.dtype == "bf16"
     pc = _compute_param_bytes(launch)
     btc = B * T * C
@@ -205,34 +230,37 @@ def plan_memory(config: GPTConfig, launch: Launch, process_bytes: int = CPU_PROC
                            pc * (root_params + 2 * block_params),
                            "embeddings and ln_f (the root) + 2 blocks (this one and the prefetched one)"))
     elif bf16 and not launch.bf16_parameters:
-        static.append(Item("bf16 weight copies", 2 * (counts.block_matrices + V * C),
+        static.append(Item("bf16 weight copies", 2 * (counts.block_matrices + (V * C if last else 0)),
                            "autocast's casts of the matrices, kept for the backward"))
     if launch.accumulation > 1:
         static.append(replace(grads, note=grads.note + ", kept between micro-steps"))
 
     per_layer = activation_bytes_per_layer(config, launch)
     r = _residual_bytes(launch)
-    final_norm_input = btc * r + 8 * B * T
+    final_norm_input = btc * r + 8 * B * T if last else 0
+    flight = f" x {in_flight} micro-batches in flight (1F1B)" if in_flight > 1 else ""
     if launch.activation_checkpointing:
-        activations = Item("activations", L * btc * r + final_norm_input + per_layer,
-                           f"checkpointed: {L} block inputs of {format_gib(btc * r)} + one block recomputed "
+        activations = Item("activations", in_flight * (L * btc * r + final_norm_input) + per_layer,
+                           f"checkpointed: {L} block inputs of {format_gib(btc * r)}{flight} + one block recomputed "
                            f"({format_gib(per_layer)})")
     else:
         dropout = btc if config.dropout > 0 else 0
-        activations = Item("activations", L * per_layer + final_norm_input + dropout,
-                           f"{L} layers x {format_gib(per_layer)} + the final LayerNorm's input")
+        activations = Item("activations", in_flight * (L * per_layer + final_norm_input + dropout),
+                           f"{L} layers x {format_gib(per_layer)}" + (" + the final LayerNorm's input" if last else "")
+                           + flight)
     weight_grad = (2 if launch.bf16_parameters else 4) * V * C  # the loss's output-layer gradient, in wte's dtype
     rows = min(B * T, LOSS_CHUNK_ROWS)
     autocast_temps = 2 * rows * V + 2 * V * C if bf16 else 0  # bf16 logits and weight-gradient products
-    loss_forward = 4 * rows * V + 8 * btc + weight_grad + autocast_temps
-    loss_backward = 8 * btc + 2 * weight_grad  # its saved gradients and their scaled copies
+    loss_forward = 4 * rows * V + 8 * btc + weight_grad + autocast_temps if last else 0  # the last stage's
+    loss_backward = 8 * btc + 2 * weight_grad if last else 0  # its saved gradients and their scaled copies
     fsdp_grads_in_flight = pc * (root_params + block_params) if launch.gathers_parameters else 0
 
     moments: dict[str, list[Item]] = {
-        "forward's end": [*static, activations, Item("loss (chunked)", loss_forward,
-                                                     f"a {rows} x {V} fp32 logits buffer, its gradients")],
-        "backward's start": [*static, activations,
-                             Item("loss (chunked)", loss_backward, "its two gradients, scaled")]
+        "forward's end": [*static, activations] + ([Item("loss (chunked)", loss_forward,
+                                                          f"a {rows} x {V} fp32 logits buffer, its gradients")]
+                                                    if last else []),
+        "backward's start": [*static, activations]
+                            + ([Item("loss (chunked)", loss_backward, "its two gradients, scaled")] if last else [])
                             + ([Item("unsharded gradients", fsdp_grads_in_flight,
                                      "the root's and one block's, before their reduce-scatter")]
                                if launch.gathers_parameters else []),
@@ -245,7 +273,7 @@ def plan_memory(config: GPTConfig, launch: Launch, process_bytes: int = CPU_PROC
     if launch.device == "cpu":
         for items in moments.values():
             items.append(_process_item(process_bytes))
-    return MemoryPlan(config, launch, counts, per_layer, moments)
+    return MemoryPlan(config, launch, counts, per_layer, moments, stage)
 
 
 
@@ -367,10 +395,13 @@ def plan_run(config: GPTConfig, launch: Launch, run: RunPhases) -> RunPlan:
     (safetensors and torch.save write from the tensors). The export follows the last save, which holds the optimizer
     state, so that state is freed first (`training.optim.release_optimizer_state`): it holds the weights and, on the
     main process, the file's transposed block matrices (GPT-2's Conv1D layout) - on a CPU; on CUDA these are host
-    copies. The Hub staging of a checkpoint loads it into a second model on the main process, and transposes too."""
+    copies. The Hub staging of a checkpoint loads it into a second model on the main process, and transposes too.
+    Under pipeline parallelism the plan is the fuller stage's (`plan_memory`), and a checkpoint save and the export
+    gather the whole model (with the optimizer state for a save) on the main process's host memory, where its
+    files are written (`training.pipeline`)."""
     process = TRAIN_PROCESS_BYTES + sum(spec.cpu_process_bytes for spec in run.specs) if launch.device == "cpu" else 0
     step = plan_memory(config, launch, process)
-    counts = ParamCounts.per_rank(config, launch.tensor_parallel)
+    counts = step.params
     params, _, state = _weights_and_state(counts, launch)
     kept = [params, state]
     if launch.replicas:
@@ -387,12 +418,22 @@ def plan_run(config: GPTConfig, launch: Launch, run: RunPhases) -> RunPlan:
         rows, tokens, what = spec.planned(B, T)
         phases[spec.name] = kept + [evaluation(rows, tokens, what)]
         settings[spec.name] = "--eval_batch_size"
-    phases["checkpoint save"] = kept + [evaluation(1, T, "the health check: one window")]
-    settings["checkpoint save"] = "the weights themselves"
     host = launch.device == "cpu"
-    transposed = Item("export's transposed matrices", 4 * counts.block_matrices if host else 0,
+    gathered = []
+    if launch.pipeline_parallel > 1:  # the whole model's files, gathered on the main process's host memory
+        whole = ParamCounts.of(config).total
+        spec = launch.optimizer_spec
+        claimed = ParamCounts.of(config).block_matrices if spec.claims is not None else 0
+        gathered = [Item("gathered whole model", (4 * whole + spec.state_bytes * claimed + 8 * (whole - claimed))
+                         if host else 0, "weights and optimizer state of every stage, on the main process"
+                         + ("" if host else " (host memory)"))]
+    phases["checkpoint save"] = kept + [evaluation(1, T, "the health check: one window")] + gathered
+    settings["checkpoint save"] = "the weights themselves"
+    exported = ParamCounts.of(config) if launch.pipeline_parallel > 1 else counts  # what the main process writes
+    transposed = Item("export's transposed matrices", 4 * exported.block_matrices if host else 0,
                       "GPT-2's Conv1D layout in the file" + ("" if host else " (host memory)"))
-    phases["export"] = [i for i in kept if i.name != "optimizer state"] + [transposed]
+    phases["export"] = [i for i in kept if i.name != "optimizer state"] + [transposed] + \
+        [replace(i, bytes=4 * ParamCounts.of(config).total if host else 0) for i in gathered]
     settings["export"] = "the weights themselves"
     if run.hub_staging:
         loaded = Item("staged checkpoint", 4 * counts.total if host else 0, "loaded into a model on the main process"

@@ -28,6 +28,7 @@ number of attempts is unchanged), for the tests that exhaust them.
 
 ENGINE_SHIM=1 (environment): a DeepSpeed or FSDP accelerate config runs on this CPU machine, on gloo
 (tests/engine_shim.py); ENGINE_PROBE (a folder) then receives each rank's parameter and optimizer-state sizes.
+PIPELINE_PROBE (a folder): each rank of a --pipeline_parallel run writes the parameters it holds there.
 """
 import importlib.util
 import os
@@ -46,6 +47,21 @@ if os.environ.get("ENGINE_SHIM") == "1":  # a DeepSpeed or FSDP launch on this C
     engine_shim.install()
     if os.environ.get("ENGINE_PROBE"):  # a folder: what each rank holds, written at each checkpoint
         engine_shim.probe_shards(os.environ["ENGINE_PROBE"])
+
+if os.environ.get("PIPELINE_PROBE"):  # a folder: the parameters each pipeline rank holds, written at each checkpoint
+    import json
+
+    from training.pipeline import PipelinedGPT
+
+    save_whole = PipelinedGPT.save_whole
+
+    def save_whole_probed(self, directory):
+        held = {name: p.numel() for name, p in self.named_parameters()}
+        Path(os.environ["PIPELINE_PROBE"], f"rank{os.environ.get('RANK', '0')}.json").write_text(
+            json.dumps({"stage": self.pipeline.stage, "replica": self.pipeline.replica, "params": held}))
+        return save_whole(self, directory)
+
+    PipelinedGPT.save_whole = save_whole_probed
 
 spec = importlib.util.spec_from_file_location("train", ROOT / "train.py")
 train = importlib.util.module_from_spec(spec)

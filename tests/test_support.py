@@ -21,7 +21,7 @@ SUPPORT = support()  # the optimizers' rows, declared by their modules, and the 
 # Each column as train.py's Engine.
 ENGINES = {"DDP": Engine("ddp"), "FSDP2": Engine("fsdp"), "ZeRO-1": Engine("deepspeed", 1),
            "ZeRO-2": Engine("deepspeed", 2), "ZeRO-3": Engine("deepspeed", 3),
-           "FSDP2 x TP": Engine("fsdp", tensor_parallel=2)}
+           "FSDP2 x TP": Engine("fsdp", tensor_parallel=2), "DDP x PP": Engine("ddp", pipeline_parallel=2)}
 
 
 def accelerator_of(engine: Engine) -> SimpleNamespace:
@@ -37,7 +37,10 @@ def refused_at_run_time(feature: str, engine: Engine) -> str | None:
     """The line train.py refuses `feature` with under `engine`, or None when it goes on."""
     try:
         if feature == "--tensor_parallel":
-            Layout.checked(4, engine.kind, engine.zero_stage, tensor_parallel=2)
+            Layout.checked(4, engine.kind, engine.zero_stage, tensor_parallel=2,
+                           pipeline_parallel=engine.pipeline_parallel)
+        elif feature == "--pipeline_parallel":
+            Layout.checked(4, engine.kind, engine.zero_stage, engine.tensor_parallel, pipeline_parallel=2)
         else:
             optimizer = feature.split()[1] if feature.startswith("--optimizer") else "adamw"
             refuse_unsupported(engine, accelerator_of(engine), optimizer,
@@ -49,9 +52,10 @@ def refused_at_run_time(feature: str, engine: Engine) -> str | None:
 
 def test_the_columns_are_the_engines():
     assert list(ENGINES) == list(COLUMNS)
-    assert [column(e.kind, e.zero_stage, e.tensor_parallel) for e in ENGINES.values()] == list(COLUMNS)
+    assert [column(e.kind, e.zero_stage, e.tensor_parallel, e.pipeline_parallel) for e in ENGINES.values()] == \
+        list(COLUMNS)
     assert [e.name for e in ENGINES.values()] == ["DDP", "FSDP2", "DeepSpeed ZeRO-1", "DeepSpeed ZeRO-2",
-                                                  "DeepSpeed ZeRO-3", "FSDP2 x tensor parallel 2"]
+                                                  "DeepSpeed ZeRO-3", "FSDP2 x tensor parallel 2", "DDP x pipeline 2"]
     assert engine_name("deepspeed") == "DeepSpeed"  # a config whose stage is not read yet
 
 
@@ -59,7 +63,7 @@ def test_the_columns_are_the_engines():
 def test_the_run_refuses_exactly_what_the_table_says(feature):
     for name, engine in ENGINES.items():
         line = refused_at_run_time(feature, engine)
-        if feature == "--tensor_parallel" and name == "FSDP2 x TP":
+        if (feature, name) in (("--tensor_parallel", "FSDP2 x TP"), ("--pipeline_parallel", "DDP x PP")):
             continue  # the column is the feature itself
         assert (line is not None) == (name in SUPPORT[feature]), (feature, name, line)
         if line is not None:

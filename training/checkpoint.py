@@ -15,7 +15,7 @@ import logging
 import pickle
 import shutil
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -31,6 +31,7 @@ from model import GPTConfig
 from model.lora import adapter_state, has_adapters, load_adapter_state, save_adapter_config
 from training.engines import Engine
 from training.manifest import FORMAT, write_manifest
+from training.pipeline import PipelinedGPT
 from training.resume import Progress, ResumePoint, read_json
 
 
@@ -84,10 +85,12 @@ def save_checkpoint(
     optimizers: tuple[str, ...],
     keep_last: int,
     engine: Engine,
+    model: torch.nn.Module | None = None,
 ) -> Path:
     """Save everything needed to resume after optimizer step `progress.step`; call on every rank.
     `optimizers`: the names of the prepared optimizers, in order; `engine`: the one that runs (recorded, with its
-    tensor-parallel degree). Returns the published checkpoint folder."""
+    tensor-parallel and pipeline degrees); `model`: a pipeline's stage (`PipelinedGPT`) writes the whole model's
+    files itself (accelerate prepares neither it nor its optimizers). Returns the published checkpoint folder."""
     final = run.checkpoint(progress.step)
     tmp = temp_path(final)
     if accelerator.is_main_process:
@@ -97,7 +100,11 @@ def save_checkpoint(
     logging.getLogger("accelerate.utils.other").addFilter(_quiet_tied_weight_warning)  # once: filters are a set
     with _disk_errors_as_user_errors(run, tmp, final):
         accelerator.save_state(str(tmp))
-        (tmp / data_state_file(accelerator.process_index)).write_text(json.dumps(data_state, indent=2))
+        if isinstance(model, PipelinedGPT):
+            model.save_whole(tmp)  # the files a DDP run writes, gathered from the stages
+        index, writes = _data_state_index(accelerator, model)
+        if writes:
+            (tmp / data_state_file(index)).write_text(json.dumps(data_state, indent=2))
     accelerator.wait_for_everyone()  # every rank's files are in tmp
 
     if accelerator.is_main_process:
@@ -105,6 +112,8 @@ def save_checkpoint(
             (tmp / GPT_CONFIG).write_text(json.dumps(asdict(gpt_config), indent=2))
             run_state = {**asdict(progress), "world_size": accelerator.num_processes, "format": FORMAT,
                          "optimizers": list(optimizers), "engine": engine.as_record()}
+            if isinstance(model, PipelinedGPT):  # one data state per pipeline (they are a DDP run's files)
+                run_state["data_ranks"] = model.pipeline.replicas
             (tmp / RUN_STATE).write_text(json.dumps(run_state, indent=2))
             write_manifest(tmp)
             rename_into_place(tmp, final)  # replaces a same-step checkpoint of an earlier attempt
@@ -136,10 +145,19 @@ def _disk_errors_as_user_errors(run: RunDir, tmp: Path, final: Path) -> Iterator
         raise UserError(f"could not write checkpoint {final.name} in {final.parent} ({reason}); {kept}") from None
 
 
+def _data_state_index(accelerator: Accelerator, model: torch.nn.Module | None) -> tuple[int, bool]:
+    """Which data_state_rank{i}.json is this rank's, and whether it writes it: its process index; in a pipeline, its
+    data-parallel rank, written by the first stage (the stages read the same batches), so that the files are those
+    of a DDP run of as many processes as there are pipelines."""
+    if isinstance(model, PipelinedGPT):
+        return model.pipeline.replica, model.pipeline.first
+    return accelerator.process_index, True
+
+
 def load_checkpoint(accelerator: Accelerator, point: ResumePoint, gpt_config: GPTConfig,
-                    optimizers: tuple[str, ...]) -> dict[str, Any]:
-    """Restore accelerate's state from `point` into the prepared model and `optimizers` (their names, in order);
-    return this rank's data-loader state."""
+                    optimizers: tuple[str, ...], model: torch.nn.Module | None = None) -> dict[str, Any]:
+    """Restore accelerate's state from `point` into the prepared model and `optimizers` (their names, in order),
+    or a pipeline's stage (`model`) from the whole model's files; return this rank's data-loader state."""
     current = asdict(gpt_config)
     diffs = [f"{k}: checkpoint {point.gpt_config.get(k)!r} vs now {v!r}" for k, v in current.items()
              if point.gpt_config.get(k) != v]
@@ -150,7 +168,7 @@ def load_checkpoint(accelerator: Accelerator, point: ResumePoint, gpt_config: GP
         saved, now = (f"--optimizer {names[-1]}" for names in (point.optimizers, optimizers))
         raise UserError(f"{point.path} was trained with {saved}, this run has {now}; resume with the optimizer "
                         "it was saved with")
-    own = point.path / data_state_file(accelerator.process_index)
+    own = point.path / data_state_file(_data_state_index(accelerator, model)[0])
     # The strided loaders keep one global cursor, so rank 0's state serves a new rank after a world-size change;
     # loaders that cannot follow such a change refuse it in their load_state_dict.
     data_state = read_json(own if own.is_file() else point.path / data_state_file(0))
@@ -161,6 +179,8 @@ def load_checkpoint(accelerator: Accelerator, point: ResumePoint, gpt_config: GP
                           "(dropout) start afresh")
     try:
         accelerator.load_state(str(point.path))
+        if isinstance(model, PipelinedGPT):
+            model.load_whole(point.path)
     except (OSError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as err:
         # verify_checkpoint found every file intact: what is left is a checkpoint of another kind of run
         # (e.g. another optimizer or parameter layout) or a file changed since.
@@ -180,7 +200,8 @@ def refuse_another_engine(point: ResumePoint | None, engine: Engine, world_size:
     the checkpoint, and under DeepSpeed also as many processes (its partitions do not reshard)."""
     if point is None:
         return
-    saved = Engine.of_record(point.engine)
+    saved = replace(Engine.of_record(point.engine), pipeline_parallel=engine.pipeline_parallel)  # the files a DDP
+    # run writes, whatever the degree (`training.pipeline`): a pipeline's checkpoint resumes under DDP and the reverse
     if saved.tensor_parallel != engine.tensor_parallel and saved.kind == engine.kind:
         # c_attn's rows are saved in the head-group order of the degree (model.tensor_parallel)
         raise UserError(f"{point.path} was saved with --tensor_parallel {saved.tensor_parallel}, this launch has "
@@ -214,18 +235,18 @@ class Checkpointer:
                             f"last good checkpoint: {self.run.latest_checkpoint()}. Lower --lr (or lengthen "
                             "--warmup_steps) and resume from it", on_every_rank=True)
         return save_checkpoint(self.accelerator, self.run, progress, data_state, self.gpt_config, self.optimizers,
-                               self.keep_last, self.engine)
+                               self.keep_last, self.engine, model)
 
 
 def restore(accelerator: Accelerator, resume: ResumePoint | None, cfg: RunConfig, gpt_config: GPTConfig,
-            optimizers: tuple[str, ...], loader: Any) -> Progress:
+            optimizers: tuple[str, ...], loader: Any, model: torch.nn.Module | None = None) -> Progress:
     """Load the resume point into the prepared model and optimizers, the RNGs and the data loader; the run's
     progress (a new run's when there is nothing to resume)."""
     if resume is None:
         if cfg.resume:
             accelerator.print(f"no checkpoint in {cfg.out_dir} yet: starting a new run")
         return Progress()
-    loader.load_state_dict(load_checkpoint(accelerator, resume, gpt_config, optimizers))
+    loader.load_state_dict(load_checkpoint(accelerator, resume, gpt_config, optimizers, model))
     progress = resume.progress
     accelerator.print(f"resumed from {resume.path} at step {progress.step} ({progress.tokens:,} tokens)")
     return progress

@@ -14,19 +14,23 @@ ENGINE_NAMES = {DDP: "DDP", FSDP: "FSDP2", DEEPSPEED: "DeepSpeed ZeRO-{stage}"}
 FAMILY_NAMES = {DDP: "DDP", FSDP: "FSDP", DEEPSPEED: "DeepSpeed"}
 
 
-def engine_name(kind: str, zero_stage: int = 0, tensor_parallel: int = 1) -> str:
+def engine_name(kind: str, zero_stage: int = 0, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> str:
     """"DDP", "FSDP2", "DeepSpeed ZeRO-2" ("DeepSpeed" while the stage is not known), with " x tensor parallel N"
-    when the blocks are split over N ranks."""
+    when the blocks are split over N ranks, " x pipeline N" when they are N stages."""
     name = ENGINE_NAMES[kind].format(stage=zero_stage) if zero_stage or kind != DEEPSPEED else FAMILY_NAMES[kind]
-    return name + (f" x tensor parallel {tensor_parallel}" if tensor_parallel > 1 else "")
+    return name + (f" x tensor parallel {tensor_parallel}" if tensor_parallel > 1 else "") + \
+        (f" x pipeline {pipeline_parallel}" if pipeline_parallel > 1 else "")
 
 
-# The support table's columns: each engine a launch can run, and tensor parallelism (which rides on FSDP2).
-COLUMNS = ("DDP", "FSDP2", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2 x TP")
+# The support table's columns: each engine a launch can run, tensor parallelism (which rides on FSDP2) and pipeline
+# parallelism (on DDP's launch).
+COLUMNS = ("DDP", "FSDP2", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2 x TP", "DDP x PP")
 
 
-def column(kind: str, zero_stage: int = 0, tensor_parallel: int = 1) -> str:
+def column(kind: str, zero_stage: int = 0, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> str:
     """The support table's column of a launch."""
+    if pipeline_parallel > 1:
+        return "DDP x PP"
     if tensor_parallel > 1:
         return "FSDP2 x TP"
     return f"ZeRO-{zero_stage}" if kind == DEEPSPEED else ENGINE_NAMES[kind]

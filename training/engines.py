@@ -37,19 +37,22 @@ class Engine:
     """How the launch's processes hold the model: `kind` "ddp" (full replicas: DDP, or one process), "fsdp"
     (accelerate's FSDP2 plugin: parameters, gradients and optimizer state sharded) or "deepspeed" (ZeRO
     `zero_stage`: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters); `tensor_parallel`:
-    the ranks each block's matrices are split over (`training.tensor_parallel`; more than 1 under FSDP2 only)."""
+    the ranks each block's matrices are split over (`training.tensor_parallel`; more than 1 under FSDP2 only);
+    `pipeline_parallel`: the stages of each pipeline (`training.pipeline`; under DDP only)."""
 
     kind: str = DDP
     zero_stage: int = 0
     tensor_parallel: int = 1
+    pipeline_parallel: int = 1
 
     @property
     def name(self) -> str:
-        return engine_name(self.kind, self.zero_stage, self.tensor_parallel)
+        return engine_name(self.kind, self.zero_stage, self.tensor_parallel, self.pipeline_parallel)
 
     def refusal(self, feature: str) -> str | None:
         """`training.support`'s refusal of `feature` under this engine, or None where it runs."""
-        return refusal(feature, self.kind, self.zero_stage, self.tensor_parallel)
+        return refusal(feature, self.kind, self.zero_stage, self.tensor_parallel,
+                       pipeline_parallel=self.pipeline_parallel)
 
     @property
     def shards_parameters(self) -> bool:
@@ -67,12 +70,15 @@ class Engine:
 
     @classmethod
     def of_record(cls, record: dict[str, object]) -> Engine:
-        """The engine a checkpoint's run_state.json records (older ones: no "tensor_parallel", which was 1)."""
-        return cls(str(record.get("kind")), int(record.get("zero_stage") or 0), int(record.get("tensor_parallel") or 1))
+        """The engine a checkpoint's run_state.json records (older ones: no "tensor_parallel" or "pipeline_parallel",
+        which were 1)."""
+        return cls(str(record.get("kind")), int(record.get("zero_stage") or 0), int(record.get("tensor_parallel") or 1),
+                   int(record.get("pipeline_parallel") or 1))
 
     def as_record(self) -> dict[str, object]:
         """How a checkpoint records the engine that wrote it (run_state.json's "engine")."""
-        return {"kind": self.kind, "zero_stage": self.zero_stage, "tensor_parallel": self.tensor_parallel}
+        return {"kind": self.kind, "zero_stage": self.zero_stage, "tensor_parallel": self.tensor_parallel,
+                "pipeline_parallel": self.pipeline_parallel}
 
 
 def precision(accelerator: Accelerator) -> str:

@@ -21,6 +21,7 @@ from model.lora import has_adapters
 from model.pretrained import save_state_dict, strip_wrapper_prefixes
 from model.tensor_parallel import natural_order
 from training.engines import full_state_dict
+from training.pipeline import PipelinedGPT
 
 
 def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConfig, run: RunDir,
@@ -44,9 +45,10 @@ def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConf
                               f"{run.final_adapter}")
             accelerator.print(next_steps(run, last_val, hellaswag_data))
         return
-    # The whole weights on the main process (gathered to the CPU under FSDP and ZeRO; DeepSpeed's fp32 master copy),
+    # The whole weights on the main process (gathered to the CPU under FSDP and ZeRO, and from a pipeline's stages;
+    # DeepSpeed's fp32 master copy),
     # written as they are, with no second model built to hold a copy of them.
-    state_dict = full_state_dict(accelerator, model)
+    state_dict = model.full_state_dict() if isinstance(model, PipelinedGPT) else full_state_dict(accelerator, model)
     if accelerator.is_main_process:
         state_dict = natural_order(strip_wrapper_prefixes(state_dict), arch.n_embd, tensor_parallel)
         _write(run, run.final, lambda tmp: save_state_dict(state_dict, arch, tmp, overwrite=True))

@@ -7,9 +7,9 @@ exists; once the Accelerator runs, `running` confirms it against what accelerate
 refusals, the run header, the checkpoint record (`Layout.engine`), the tensor-parallel split and the memory planner
 all read it; nothing else derives a degree or a world size from the flags or the environment.
 
-The degrees multiply to the world: world_size = data_parallel_size x tensor_parallel (x pipeline_parallel, 1 until
-pipeline parallelism lands). The tensor-parallel dimension is innermost: ranks r and r + 1 of a degree-2 launch are
-one group, and rank r's data-parallel rank is r // tensor_parallel.
+The degrees multiply to the world: world_size = data_parallel_size x tensor_parallel x pipeline_parallel (one of the
+last two is 1: they are not combined yet). The model-parallel dimension is innermost: ranks r and r + 1 of a
+degree-2 launch are one tensor-parallel group or one pipeline, and rank r's data-parallel rank is r // degree.
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ from training.support import refusal
 @dataclass(frozen=True)
 class Layout:
     """`world_size` processes; the engine (`kind` "ddp", "fsdp" or "deepspeed", DeepSpeed's `zero_stage`); groups of
-    `tensor_parallel` ranks that split each block's matrices (1: none); `pipeline_parallel` stages (1: none yet)."""
+    `tensor_parallel` ranks that split each block's matrices (1: none); pipelines of `pipeline_parallel` stages, whole
+    blocks on each (1: none)."""
 
     world_size: int = 1
     kind: str = DDP
@@ -39,53 +40,73 @@ class Layout:
     @property
     def data_parallel_size(self) -> int:
         """The ranks that read different batches (and over which FSDP2 shards): every process, or one per group."""
-        return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
+        return self.world_size // self.model_parallel
 
     def data_parallel_rank(self, rank: int) -> int:
         """The data-parallel rank (which batches it reads) of process `rank`."""
-        return rank // (self.tensor_parallel * self.pipeline_parallel)
+        return rank // self.model_parallel
 
     @property
     def engine(self) -> Engine:
         """The engine with its tensor-parallel degree: the refusals' subject and what a checkpoint records."""
-        return Engine(self.kind, self.zero_stage, self.tensor_parallel)
+        return Engine(self.kind, self.zero_stage, self.tensor_parallel, self.pipeline_parallel)
 
     @property
     def name(self) -> str:
         return self.engine.name
 
+    @property
+    def model_parallel(self) -> int:
+        """The consecutive ranks that hold one copy of the model between them (a TP group, a pipeline, or 1)."""
+        return self.tensor_parallel * self.pipeline_parallel
+
     @classmethod
     def of_launch(cls, tensor_parallel: int, n_head: int | None = None, n_embd: int | None = None,
-                  world_size: int | None = None) -> Layout:
+                  world_size: int | None = None, pipeline_parallel: int = 1, n_layer: int | None = None) -> Layout:
         """This launch's layout, from accelerate's environment (processes, engine) and `--tensor_parallel`, refused
         in one line when the launch cannot run it or (shapes given: from scratch, the flags give them) the model
         cannot be split; call before anything is built. `world_size`: default, the process group's (which it
         joins: `training.processes.process_state`); `--plan` passes the launch's WORLD_SIZE and joins none."""
         engine = launch_engine()
         world = process_state().num_processes if world_size is None else world_size
-        layout = cls.checked(world, engine.kind, engine.zero_stage, tensor_parallel)
+        layout = cls.checked(world, engine.kind, engine.zero_stage, tensor_parallel, pipeline_parallel)
         if n_head is not None and n_embd is not None:
-            layout.check_model(n_head, n_embd)
+            layout.check_model(n_head, n_embd, n_layer)
         return layout
 
     @classmethod
-    def checked(cls, world_size: int, kind: str, zero_stage: int = 0, tensor_parallel: int = 1) -> Layout:
+    def checked(cls, world_size: int, kind: str, zero_stage: int = 0, tensor_parallel: int = 1,
+                pipeline_parallel: int = 1) -> Layout:
         """The layout, or a one-line UserError when it is not one train.py runs."""
-        layout = cls(world_size, kind, zero_stage, tensor_parallel)
-        if tensor_parallel == 1:
-            return layout
-        if kind != FSDP:
-            raise UserError(refusal("--tensor_parallel", kind, zero_stage,
-                                    asked=f"--tensor_parallel {tensor_parallel}"))
-        if tensor_parallel < 1 or world_size % tensor_parallel:
-            raise UserError(f"--tensor_parallel {tensor_parallel} needs a multiple of {tensor_parallel} processes, "
-                            f"this launch has {world_size}; launch "
-                            f"{max(tensor_parallel, world_size // tensor_parallel * tensor_parallel)} processes "
-                            f"(--num_processes), or pass a --tensor_parallel that divides {world_size}")
+        layout = cls(world_size, kind, zero_stage, tensor_parallel, pipeline_parallel)
+        asked = f"--pipeline_parallel {pipeline_parallel}"
+        # Stages run on a DDP launch only (the support table's row), and not with tensor-parallel groups (its
+        # column in --tensor_parallel's row: under a DDP launch that flag is the one out of place).
+        if pipeline_parallel > 1 and kind != DDP and (line := refusal("--pipeline_parallel", kind, zero_stage,
+                                                                      tensor_parallel, asked=asked)):
+            raise UserError(line)
+        if tensor_parallel > 1:
+            if kind != FSDP or pipeline_parallel > 1:
+                raise UserError(refusal("--tensor_parallel", kind, zero_stage, pipeline_parallel=pipeline_parallel,
+                                        asked=f"--tensor_parallel {tensor_parallel}"))
+            if world_size % tensor_parallel:
+                raise UserError(f"--tensor_parallel {tensor_parallel} needs a multiple of {tensor_parallel} processes, "
+                                f"this launch has {world_size}; launch "
+                                f"{max(tensor_parallel, world_size // tensor_parallel * tensor_parallel)} processes "
+                                f"(--num_processes), or pass a --tensor_parallel that divides {world_size}")
+        if pipeline_parallel > 1 and world_size % pipeline_parallel:
+            raise UserError(f"{asked} needs a multiple of {pipeline_parallel} processes (one per stage), this launch "
+                            f"has {world_size}; launch "
+                            f"{max(pipeline_parallel, world_size // pipeline_parallel * pipeline_parallel)} processes "
+                            f"(--num_processes), or pass a --pipeline_parallel that divides {world_size}")
         return layout
 
-    def check_model(self, n_head: int, n_embd: int) -> None:
-        """A model whose heads or MLP width the tensor-parallel degree does not divide, refused in one line."""
+    def check_model(self, n_head: int, n_embd: int, n_layer: int | None = None) -> None:
+        """A model whose heads or MLP width the tensor-parallel degree does not divide, or with fewer blocks than
+        pipeline stages, refused in one line."""
+        if n_layer is not None and self.pipeline_parallel > n_layer:
+            raise UserError(f"--pipeline_parallel {self.pipeline_parallel} needs at least one block per stage, the "
+                            f"model has {n_layer}; pass at most {n_layer}")
         degree = self.tensor_parallel
         if degree > 1 and (problem := split_problem(n_head, n_embd, degree)) is not None:
             divisors = [d for d in range(1, n_head + 1) if split_problem(n_head, n_embd, d) is None]

@@ -54,8 +54,8 @@ def _required_files(point: ResumePoint) -> list[str]:
     """What a resume reads: our state files (and the manifest, for checkpoints that have one), every saved
     rank's RNG and data state, the model and each optimizer (files, or folders of FSDP's sharded state)."""
     names = [GPT_CONFIG, RUN_STATE] + ([MANIFEST] if point.run_state.get("format", 1) >= FORMAT else [])
-    for rank in range(point.world_size):
-        names += [data_state_file(rank), rng_state_file(rank)]
+    names += [rng_state_file(rank) for rank in range(point.world_size)]
+    names += [data_state_file(rank) for rank in range(point.data_ranks)]
     if (point.path / ADAPTER_CONFIG).is_file():  # a LoRA run's: the adapter in place of the model
         return names + [ADAPTER_CONFIG, ADAPTER_WEIGHTS, optimizer_file(0)]
     if (point.path / FSDP_MODEL_DIR).is_dir():

@@ -185,6 +185,11 @@ def _clock(seconds: float) -> str:
     return str(timedelta(seconds=round(seconds)))
 
 
+def _stage_line(model: torch.nn.Module) -> str:
+    blocks = model.stage.blocks
+    return f"blocks {blocks.start}-{blocks.stop - 1} of {model.config.n_layer}"
+
+
 def run_header(accelerator: Accelerator, engine: Engine, model: torch.nn.Module, n_params: int,
                geometry: BatchGeometry, plan: OptimizerPlan, lora: str | None, data: str,
                restart: str | None = None) -> str:
@@ -208,8 +213,10 @@ def run_header(accelerator: Accelerator, engine: Engine, model: torch.nn.Module,
         adapters = f" ({lora}: {trainable:,} trainable, {trainable / sum(p.numel() for p in params):.2%} of all)"
     zero = f" (ZeRO-{engine.zero_stage})" if engine.kind == DEEPSPEED else ""
     zero += f" x tensor parallel {engine.tensor_parallel}" if engine.tensor_parallel > 1 else ""
+    zero += f" x pipeline {engine.pipeline_parallel} (1F1B; this stage: {_stage_line(model)})" \
+        if engine.pipeline_parallel > 1 else ""
     g = geometry
-    ranks = "data-parallel rank(s)" if engine.tensor_parallel > 1 else "process(es)"
+    ranks = "data-parallel rank(s)" if engine.tensor_parallel * engine.pipeline_parallel > 1 else "process(es)"
     return (f"GPT {n_params / 1e6:.2f}M params{adapters} | {g.world_size} {ranks} x {g.accumulation} "
             f"accumulation x {g.micro_batch_size} x {g.block_size} = {g.tokens_per_step:,} tokens per step | "
             f"distributed: {accelerator.distributed_type.value}{zero} | precision: {precision(accelerator)} | "

@@ -63,6 +63,11 @@ class ResumePoint:
         return int(self.run_state.get("world_size", 1))
 
     @property
+    def data_ranks(self) -> int:
+        """How many data_state_rank{i}.json files it holds: one per process, or per pipeline (`data_ranks`)."""
+        return int(self.run_state.get("data_ranks", self.world_size))
+
+    @property
     def engine(self) -> dict[str, Any]:
         """The engine that wrote the checkpoint (`Engine.as_record`); for checkpoints from before it was recorded,
         read from their files (FSDP's sharded folders, else DDP's replica files)."""

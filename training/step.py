@@ -17,6 +17,7 @@ from accelerate import Accelerator
 from common.errors import UserError
 from common.run_dir import RunDir
 from data.tokenizer import IGNORE
+from training.pipeline import PipelinedGPT
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizers: Seq
     is scaled by world_size * grad_accum / global count: accelerate.backward divides by grad_accum and DDP
     averages over ranks, which leaves sum / count. Without it (every position a target, equal counts) the
     mean of micro-batch means is that same mean, with no extra collective."""
+    if isinstance(model, PipelinedGPT):  # the schedule runs the micro-batches through the stages
+        return model.step(accelerator, [next_batch() for _ in range(grad_accum)], lrs, grad_clip, masked_targets)
     for optimizer, lr in zip(optimizers, lrs, strict=True):
         for group in optimizer.param_groups:
             group["lr"] = lr

@@ -18,6 +18,9 @@ _LORA_WHY = ("the adapters are a few MB: there is nothing worth sharding, and it
 _LORA_FIX = "use a DDP or single-process accelerate config"
 _TP_FIX = "launch with accelerate_configs/fsdp_8gpu.yaml, or leave out --tensor_parallel"
 _TP_WHY = "it runs on accelerate's FSDP2 plugin, FSDP2 across the tensor-parallel groups"
+_PP_WHY = "its stages run on a DDP launch, the pipelines' gradients averaged stage by stage; sharding inside a stage " \
+          "is not built yet"
+_PP_FIX = "launch it with a DDP config (accelerate_configs/8gpu.yaml, cpu_2proc.yaml), or leave out --pipeline_parallel"
 
 # feature (as the user asks for it) -> column -> Refusal; a column not named runs it. The optimizers' rows are not
 # here: each optimizer's module declares its own cells (`OptimizerSpec.refused_under`), and `support()` joins them.
@@ -27,6 +30,8 @@ SUPPORT: dict[str, dict[str, Refusal]] = {
         **{f"ZeRO-{s}": Refusal(_LORA_WHY, _LORA_FIX) for s in (1, 2, 3)},
         "FSDP2 x TP": Refusal("peft's adapters wrap the layers tensor parallelism splits",
                               "drop --tensor_parallel (a DDP or single-process config)"),
+        "DDP x PP": Refusal("its checkpoints hold the adapters, which the pipeline's whole-model checkpoints do not "
+                            "gather", "drop --pipeline_parallel (the adapters train in a few MB: DDP is enough)"),
     },
     "--on_nan skip": {
         f"ZeRO-{s}": Refusal("DeepSpeed applies the update inside the step's backward, before the gradient norm is "
@@ -35,6 +40,14 @@ SUPPORT: dict[str, dict[str, Refusal]] = {
     "--tensor_parallel": {
         "DDP": Refusal(_TP_WHY, _TP_FIX),
         **{f"ZeRO-{s}": Refusal(_TP_WHY, _TP_FIX) for s in (1, 2, 3)},
+        "DDP x PP": Refusal("tensor-parallel groups inside pipeline stages are not built yet",
+                            "choose one of --pipeline_parallel and --tensor_parallel"),
+    },
+    "--pipeline_parallel": {
+        "FSDP2": Refusal(_PP_WHY, _PP_FIX),
+        **{f"ZeRO-{s}": Refusal(_PP_WHY, _PP_FIX) for s in (1, 2, 3)},
+        "FSDP2 x TP": Refusal("pipeline stages with tensor-parallel groups inside are not built yet",
+                              "choose one of --pipeline_parallel and --tensor_parallel"),
     },
 }
 
@@ -46,16 +59,17 @@ def support() -> dict[str, dict[str, Refusal]]:
     return {**optimizers, **SUPPORT}
 
 
-def refusal(feature: str, kind: str, zero_stage: int = 0, tensor_parallel: int = 1, asked: str | None = None
-            ) -> str | None:
+def refusal(feature: str, kind: str, zero_stage: int = 0, tensor_parallel: int = 1, asked: str | None = None,
+            pipeline_parallel: int = 1) -> str | None:
     """The one-line refusal of `feature` under this launch's engine, or None where it runs. `asked`: the flag as
     the user gave it, when it says more than the feature's name (`--tensor_parallel 4`). A DeepSpeed launch whose
     stage is not known yet (0) is read in the ZeRO-1 column: no feature here is refused by one ZeRO stage only."""
-    where_column = column(kind, zero_stage or (1 if kind == DEEPSPEED else 0), tensor_parallel)
+    where_column = column(kind, zero_stage or (1 if kind == DEEPSPEED else 0), tensor_parallel, pipeline_parallel)
     refused = support().get(feature, {}).get(where_column)
     if refused is None:
         return None
-    where = (f"with --tensor_parallel {tensor_parallel}" if tensor_parallel > 1
+    where = (f"with --pipeline_parallel {pipeline_parallel}" if pipeline_parallel > 1
+             else f"with --tensor_parallel {tensor_parallel}" if tensor_parallel > 1
              else f"under {engine_name(kind, zero_stage)}")
     return f"{asked or feature} is not supported {where} ({refused.why}); {refused.fix}"
 

@@ -53,15 +53,15 @@ def split(model: torch.nn.Module, layout: Layout, accelerator: Accelerator) -> t
 
 
 def evaluation_ranks(layout: Layout, accelerator: Accelerator) -> Any:
-    """What the evaluations take as their accelerator: this one, or under tensor parallelism the same one seen as
-    its data-parallel ranks (`DataParallelRanks`)."""
-    return DataParallelRanks(accelerator, layout) if layout.tensor_parallel > 1 else accelerator
+    """What the evaluations take as their accelerator: this one, or under tensor or pipeline parallelism the same one
+    seen as its data-parallel ranks (`DataParallelRanks`)."""
+    return DataParallelRanks(accelerator, layout) if layout.model_parallel > 1 else accelerator
 
 
 class DataParallelRanks:
-    """An Accelerator as the evaluations see it under tensor parallelism: `process_index` and `num_processes`
-    count data-parallel ranks (a group shares its work: its ranks run the same forwards on the same rows), and
-    `reduce`/`gather` combine the data-parallel ranks' results only (each group's ranks hold the same ones).
+    """An Accelerator as the evaluations see it under tensor or pipeline parallelism: `process_index` and
+    `num_processes` count data-parallel ranks (a group shares its work: its ranks run the same forwards on the same
+    rows), and `reduce`/`gather` combine the data-parallel ranks' results only (each group's ranks hold the same ones).
     Everything else is the Accelerator's."""
 
     def __init__(self, accelerator: Accelerator, layout: Layout) -> None:
@@ -72,7 +72,7 @@ class DataParallelRanks:
         self.num_processes = layout.data_parallel_size
         # One group per tensor-parallel index: the ranks that hold the same shard in different groups. Every rank
         # creates every group, in the same order (torch's rule for new groups).
-        degree = layout.tensor_parallel
+        degree = layout.model_parallel
         ranks = [[d * degree + t for d in range(layout.data_parallel_size)] for t in range(degree)]
         self._group, _ = new_subgroups_by_enumeration(ranks)
 

@@ -1,0 +1,340 @@
+"""`--pipeline_parallel N`: whole blocks on different processes. A launch of W processes runs W / N pipelines (data
+parallelism across them), each of N consecutive ranks, stage s on rank r with r % N == s (`model.pipeline.GPTStage`).
+
+One optimizer step is torch's 1F1B schedule (`torch.distributed.pipelining`) over the step's micro-batches: the run's
+accumulation micro-steps are the pipeline's micro-batches, so `--total_batch_size` keeps its meaning and the step's
+gradient is the same mean over the global batch as one process accumulating them. After the schedule:
+- the tied embedding's two copies (the first stage's input, the last stage's output layer) get the sum of their
+  gradients (Megatron's "embedding group"), so they stay equal;
+- the pipelines' gradients are averaged stage by stage (what DDP does, one all-reduce per parameter);
+- the gradient norm is the whole model's (each stage's sum of squares added over the pipeline, the tied weight
+  once), and the clipping and the non-finite rule are the same as `training.step.train_step`'s.
+
+accelerate prepares neither the stages nor their optimizers (its DDP would span stages that hold different
+parameters); bf16 autocast comes from `accelerator.autocast()`. Evaluations call the model as they call a `GPT`:
+`PipelinedGPT.__call__` runs the stages one after another without gradients, and every rank of the pipeline gets
+the last stage's result. Checkpoints and `final/` hold the whole model, gathered on the main process in the same
+files a DDP run writes (`model.safetensors`, `optimizer.bin`, ...), so a pipeline checkpoint resumes under DDP, one
+process, or another pipeline degree, and the other way round.
+
+Measured facts this rests on (../shared/notes/pipeline-on-cpu.md): on gloo the stages need static shapes (inputs
+and outputs of one micro-batch, activations requiring grad); every rank's schedule needs the loss function, or the
+first stage runs no backward; `scale_grads=False` with the loss divided by the micro-batches is accumulation's
+scale.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from torch import nn
+
+from common.errors import UserError
+from common.run_dir import MODEL_WEIGHTS
+from data.tokenizer import IGNORE
+from model.gpt import GPT, sample_next
+from model.pipeline import GPTStage
+from training.layout import Layout
+from training.optimizers.spec import OptimizerPlan
+
+OPTIMIZER_FILES = ("optimizer.bin", "optimizer_1.bin")  # accelerate's names for the first and second optimizer
+TIED = "transformer.wte.weight"  # the token embedding, also the output layer
+
+
+class PipelineRanks:
+    """This rank's place: its stage, its pipeline's ranks, and the groups its collectives use. Every rank creates
+    every group, in the same order (torch's rule for new groups)."""
+
+    def __init__(self, layout: Layout, rank: int) -> None:
+        n, replicas = layout.pipeline_parallel, layout.data_parallel_size
+        self.stage, self.stages, self.replica = rank % n, n, rank // n
+        pipelines = [[d * n + s for s in range(n)] for d in range(replicas)]
+        self.ranks = pipelines[self.replica]
+        self.group, _ = dist.new_subgroups_by_enumeration(pipelines)
+        # The same stage in every pipeline: its gradients are averaged over these (None with one pipeline).
+        self.replicas = replicas
+        self.replica_group = dist.new_subgroups_by_enumeration(
+            [[d * n + s for d in range(replicas)] for s in range(n)])[0] if replicas > 1 else None
+        # The first and last stage of each pipeline: the tied embedding's two copies.
+        self.tied_group = dist.new_subgroups_by_enumeration([[p[0], p[-1]] for p in pipelines])[0]
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+
+class PipelinedGPT(nn.Module):
+    """This rank's stage of the GPT, with the parameter names of the whole model (a stage's state dict is a slice
+    of a `GPT`'s), trained by `step` and called by the evaluations as a `GPT` is (forward, generate)."""
+
+    def __init__(self, model: GPT, ranks: PipelineRanks, micro_batches: int, micro_batch_size: int,
+                 device: torch.device) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        super().__init__()
+        self.config, self.pipeline, self.micro_batches = model.config, ranks, micro_batches
+        self.activation_checkpointing = model.activation_checkpointing
+        stage = GPTStage(model, ranks.stage, ranks.stages).to(device)
+        stage.activation_checkpointing = model.activation_checkpointing
+        self.transformer = stage.transformer  # the stage's modules, under the whole model's names
+        self._stage = (stage,)  # a tuple: not registered twice
+        self.optimizers: list[torch.optim.Optimizer] = []  # set by `prepare`: the checkpoints save their state
+        self.plan: OptimizerPlan | None = None  # set by `prepare`: how one process numbers their parameters
+        T, C = model.config.block_size, model.config.n_embd
+        hidden = torch.zeros(micro_batch_size, T, C, device=device)
+        # Static shapes (gloo's shape inference hangs): one micro-batch in and out; activations need gradients.
+        first_input = torch.zeros(micro_batch_size, T, dtype=torch.long, device=device)
+        pipe_stage = PipelineStage(stage, ranks.stage, ranks.stages, device,
+                                   input_args=first_input if ranks.first else hidden.clone().requires_grad_(),
+                                   output_args=hidden.clone().requires_grad_(), group=ranks.group)
+        self._target_scale: torch.Tensor | None = None  # a step's 1 / target count (masked targets), else None
+        self._schedule = Schedule1F1B(pipe_stage, n_microbatches=micro_batches, loss_fn=self._loss, scale_grads=False)
+
+    @property
+    def stage(self) -> GPTStage:
+        return self._stage[0]
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # A micro-batch's mean loss over the micro-batches: their sum is the step's mean, as accumulation's is. With
+        # masked targets, its summed loss over the step's target count (`_target_scale`), as `train_step` scales it.
+        if self._target_scale is None:
+            return self.stage.loss(output, target) / self.micro_batches
+        return self.stage.loss(output, target, "sum") * self._target_scale
+
+    # ---- training ---------------------------------------------------------------------------------------------
+
+    def step(self, accelerator: Accelerator, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], lrs: Sequence[float],
+             grad_clip: float, masked_targets: bool = False) -> tuple[torch.Tensor, float]:
+        """One optimizer step of this pipeline over `batches` (the step's micro-batches of this data-parallel
+        rank); returns the summed micro-batch losses (the same on every rank of the pipeline) and the global
+        gradient norm, as `training.step.train_step` does. `masked_targets`: the step's gradient is the mean over
+        every target of the global batch (the pipelines' counts added), as there."""
+        for optimizer, lr in zip(self.optimizers, lrs, strict=True):
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+        device = accelerator.device
+        x = torch.cat([b[0] for b in batches]).to(device)
+        y = torch.cat([b[1] for b in batches]).to(device)
+        losses: list[torch.Tensor] = []
+        ranks = self.pipeline
+        self._target_scale = None
+        if masked_targets:  # every rank of a pipeline holds the same targets: count one rank per pipeline
+            count = torch.tensor(float((y != IGNORE).sum()) if ranks.first else 0.0, device=device)
+            dist.all_reduce(count)
+            # the pipelines' gradients are averaged (divided by their number): multiply it back
+            self._target_scale = ranks.replicas / count.clamp(min=1)
+        with accelerator.autocast():
+            args = (x,) if ranks.first else ()
+            self._schedule.step(*args, target=y if ranks.last else None, losses=losses if ranks.last else None,
+                                return_outputs=False)
+        loss_sum = (torch.stack(losses).sum() * self.micro_batches).detach() if ranks.last \
+            else torch.zeros((), device=device)
+        dist.broadcast(loss_sum, src=ranks.ranks[-1], group=ranks.group)
+        self._reduce_gradients()
+        grad_norm = self._clip(grad_clip)
+        for optimizer in self.optimizers:
+            if math.isfinite(grad_norm):
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return loss_sum, grad_norm
+
+    def _grads(self) -> list[tuple[str, torch.Tensor]]:
+        return [(name, p.grad) for name, p in self.named_parameters() if p.grad is not None]
+
+    def _reduce_gradients(self) -> None:
+        ranks = self.pipeline
+        if ranks.stages > 1 and (ranks.first or ranks.last):
+            dist.all_reduce(self.transformer.wte.weight.grad, group=ranks.tied_group)
+        if ranks.replica_group is not None:
+            for _, grad in self._grads():
+                dist.all_reduce(grad, group=ranks.replica_group)
+                grad.div_(ranks.replicas)
+
+    def _clip(self, max_norm: float) -> float:
+        """The whole model's gradient norm (the tied weight counted once, on the first stage), and every gradient
+        scaled by max_norm / norm when it is larger (torch's `clip_grad_norm_` rule)."""
+        ranks = self.pipeline
+        counted = [g for name, g in self._grads() if not (name == TIED and ranks.last and not ranks.first)]
+        squares = torch.zeros((), device=self.transformer.h[next(iter(self.transformer.h))].ln_1.weight.device,
+                              dtype=torch.float32)
+        for grad in counted:
+            squares += grad.detach().float().pow(2).sum()
+        dist.all_reduce(squares, group=ranks.group)
+        norm = squares.sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for _, grad in self._grads():
+            grad.mul_(coef.to(grad.dtype))
+        return float(norm)
+
+    # ---- evaluation: the stages one after another, without gradients ---------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_reduction: str = "mean",
+                **_: object) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """`GPT.forward`'s (logits, loss) for evaluation, on every rank of the pipeline: the last position's
+        logits without targets, else the loss (`loss_reduction` mean, sum or none)."""
+        if torch.is_grad_enabled():
+            raise RuntimeError("a pipelined GPT trains through step(); its forward is for evaluation")
+        ranks, stage = self.pipeline, self.stage
+        B, T = idx.shape
+        h = idx.to(self._device())
+        if not ranks.first:
+            h = torch.empty(B, T, self.config.n_embd, device=self._device())
+            dist.recv(h, src=ranks.ranks[ranks.stage - 1], group=ranks.group)
+        h = stage(h)
+        if not ranks.last:
+            dist.send(h.float().contiguous(), dst=ranks.ranks[ranks.stage + 1], group=ranks.group)
+        if targets is None:
+            out = stage.logits(h) if ranks.last else torch.empty(B, 1, self.config.vocab_size, device=h.device)
+        else:
+            shape = (B, T) if loss_reduction == "none" else ()
+            out = stage.loss(h, targets.to(h.device), loss_reduction).float() if ranks.last \
+                else torch.empty(shape, device=h.device)
+        dist.broadcast(out, src=ranks.ranks[-1], group=ranks.group)
+        return (out, None) if targets is None else (None, out)
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 **_: object) -> torch.Tensor:
+        """`GPT.generate` without a KV cache: every rank draws the same tokens (the same logits, the same seed)."""
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.config.block_size:])
+            idx = torch.cat([idx, sample_next(logits[:, -1, :], temperature, top_k).to(idx.device)], dim=1)
+        return idx
+
+    def _device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    # ---- the whole model, on the main process -----------------------------------------------------------------
+
+    def _gather(self, part: object) -> list | None:
+        """Every stage's `part` of the first pipeline, in stage order, on global rank 0 (None elsewhere)."""
+        ranks = self.pipeline
+        if ranks.replica != 0:
+            return None
+        parts = [None] * ranks.stages if dist.get_rank() == 0 else None
+        dist.gather_object(part, parts, dst=0, group=ranks.group)
+        return parts
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's state dict (a `GPT`'s, in its order, the tied output layer included) on the main
+        process; None elsewhere. Call on every rank."""
+        parts = self._gather({name: t.detach().cpu() for name, t in self.state_dict().items()})
+        if parts is None:
+            return None
+        whole = {}
+        for part in parts:  # the tied weight: the first stage's copy (the last stage's is equal)
+            whole.update({name: t for name, t in part.items() if name not in whole})
+        with torch.device("meta"):
+            order = list(GPT(self.config).state_dict())
+        return {name: whole[TIED if name == "lm_head.weight" else name] for name in order}
+
+    def save_whole(self, directory: Path) -> None:
+        """Write the whole model and the whole optimizers' state into `directory` as a DDP run's `save_state`
+        writes them: `model.safetensors` without the tied output layer; `optimizer.bin` (and `optimizer_1.bin`)
+        with the parameters numbered as one process's optimizers number them. Call on every rank."""
+        from safetensors.torch import save_file
+
+        weights = self.full_state_dict()
+        parts = self._gather([self._state_by_name(optimizer) for optimizer in self.optimizers])
+        if weights is None:
+            return
+        weights.pop("lm_head.weight")
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / MODEL_WEIGHTS),
+                  metadata={"format": "pt"})
+        for index, (optimizer, groups) in enumerate(zip(self.optimizers, whole_groups(self.config, self.plan),
+                                                        strict=True)):
+            by_name: dict[str, dict] = {}
+            for part in parts:
+                for name, state in part[index].items():
+                    by_name.setdefault(name, state)
+            flat = [name for group in groups for name in group]
+            param_groups, start = [], 0
+            for group, names in zip(optimizer.param_groups, groups, strict=True):
+                hyper = {k: v for k, v in group.items() if k != "params"}
+                param_groups.append({**hyper, "params": list(range(start, start + len(names)))})
+                start += len(names)
+            state = {i: by_name[name] for i, name in enumerate(flat) if name in by_name}
+            torch.save({"state": state, "param_groups": param_groups}, directory / OPTIMIZER_FILES[index])
+
+    def load_whole(self, directory: Path) -> None:
+        """Load this stage's weights and optimizer state from the whole-model files in `directory` (`save_whole`'s,
+        or a DDP run's `save_state`)."""
+        from safetensors.torch import load_file
+
+        weights = load_file(str(directory / MODEL_WEIGHTS))
+        own = self.state_dict()
+        weights.setdefault(TIED, weights.get("lm_head.weight"))
+        if missing := [name for name in own if weights.get(name) is None]:
+            raise UserError(f"{directory / MODEL_WEIGHTS} lacks {missing[0]}; resume with the model it was saved "
+                            "with")
+        self.load_state_dict({name: weights[name] for name in own})
+        names = {id(p): name for name, p in self.named_parameters()}
+        for index, (optimizer, groups) in enumerate(zip(self.optimizers, whole_groups(self.config, self.plan),
+                                                        strict=True)):
+            saved = torch.load(directory / OPTIMIZER_FILES[index], map_location="cpu", weights_only=True)
+            flat = [name for group in groups for name in group]
+            by_name = {flat[i]: state for i, state in saved["state"].items()}
+            mine = optimizer.state_dict()
+            mine_names = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+            mine["state"] = {i: by_name[name] for i, name in enumerate(mine_names) if name in by_name}
+            params = dict(self.named_parameters())
+            for name in mine_names:  # a state of another shape would fail only in the next step, as a traceback
+                shapes = {tuple(t.shape) for t in by_name.get(name, {}).values() if torch.is_tensor(t) and t.dim()}
+                if shapes - {tuple(params[name].shape)}:
+                    raise UserError(f"{directory / OPTIMIZER_FILES[index]} holds a state of another shape for {name} "
+                                    "than this model's; resume it with the settings it was saved with")
+            for group, saved_group in zip(mine["param_groups"], saved["param_groups"], strict=True):
+                group.update({k: v for k, v in saved_group.items() if k != "params"})
+            optimizer.load_state_dict(mine)
+
+    def _state_by_name(self, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
+        names = {id(p): name for name, p in self.named_parameters()}
+        return {names[id(p)]: {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in state.items()}
+                for p, state in optimizer.state.items()}
+
+
+def whole_groups(config, plan: OptimizerPlan) -> list[list[list[str]]]:
+    """For each optimizer of `plan`, its param groups as one process builds them for the whole model: the names of
+    their parameters, in order (the numbering of that optimizer's `state_dict`)."""
+    from training.optim import build_optimizer
+
+    with torch.device("meta"):
+        whole = GPT(config)
+    names = {id(p): name for name, p in whole.named_parameters()}
+    return [[[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+            for optimizer in build_optimizer(whole, plan, "cpu")]
+
+
+def pipelined(model: GPT, layout: Layout, micro_batches: int, micro_batch_size: int,
+              accelerator: Accelerator) -> nn.Module:
+    """This rank's stage of `model` under `--pipeline_parallel` (`model` itself without it). A step with fewer
+    micro-batches than stages is refused: 1F1B keeps every stage busy only with at least one micro-batch each."""
+    n = layout.pipeline_parallel
+    if n == 1:
+        return model
+    if micro_batches < n:
+        raise UserError(f"--pipeline_parallel {n} needs at least {n} micro-batches per step, this run has "
+                        f"{micro_batches}; raise --total_batch_size or lower --micro_batch_size (the bubble is "
+                        f"(stages - 1) / (micro-batches + stages - 1) of each step)", on_every_rank=True)
+    return PipelinedGPT(model, PipelineRanks(layout, accelerator.process_index), micro_batches, micro_batch_size,
+                        accelerator.device)
+
+
+def prepare(accelerator: Accelerator, model: nn.Module, optimizers: list[torch.optim.Optimizer],
+            plan: OptimizerPlan) -> list:
+    """`accelerator.prepare(model, *optimizers)`; a pipeline's stage and its optimizers are not accelerate's (its
+    DDP would span stages holding different parameters): they stay as they are, the stage keeping its optimizers
+    and plan for the checkpoints."""
+    if not isinstance(model, PipelinedGPT):
+        return accelerator.prepare(model, *optimizers)
+    model.optimizers, model.plan = list(optimizers), plan
+    return [model, *optimizers]
