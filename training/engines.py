@@ -113,7 +113,8 @@ def launch_engine() -> Engine:
 
 
 _FIX = ("DeepSpeed and FSDP run on GPUs; on a CPU, launch with accelerate_configs/cpu_2proc.yaml (DDP on gloo), "
-        "which trains the same run")
+        "which trains the same run unsharded (without --tensor_parallel, which needs FSDP on GPUs: no launch on a CPU "
+        "runs it)")
 
 
 def refuse_engine_on_cpu() -> None:

@@ -1,0 +1,122 @@
+"""Every launch says what it runs, or refuses: what an accelerate launch asks of this machine (processes, devices,
+precision) against what the machine gives, the one rule for every accelerate config.
+
+accelerate gives what it cannot give otherwise, without a word: `accelerate launch --cpu --num_processes 2` (and any
+launch through its single-process launcher) starts one process; fp16 on a CPU trains in fp32 (accelerate turns its
+autocast off there); a GPU config on a machine without one runs on the CPU. The rule:
+
+- what this machine cannot give is refused in one line before anything is built (`REFUSALS`, read by
+  `check_launch` at the start of every run, `training.processes.process_state`);
+- what it gives otherwise than a GPU config says (processes over gloo on the CPU, bf16 on the CPU, torch.compile
+  on the CPU) runs, and the run header says so in a line of its own (`runs_here`).
+
+The engines' cases stay with the engines (`training.engines`): an FSDP or DeepSpeed config with `use_cpu`
+(`refuse_engine_on_cpu`), and one whose ranks accelerate brings up alone for want of a device (`check_world_size`,
+after the group is opened, since that is when accelerate decides); a ZeRO config on an install without DeepSpeed never
+reaches train.py (accelerate's launcher stops it: docs/faults.md).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from common.errors import UserError
+from training.engines import requested_engine
+from training.support import DDP
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What a launch asks for, as accelerate's launcher tells each process: `processes` in all (`WORLD_SIZE`; 1 for
+    a process started alone), `per_machine` of them on this machine, `several_in_one`: accelerate's single-process
+    launcher was asked for more than one (it sets MASTER_PORT only then, and starts one); the engine; the precision
+    (`ACCELERATE_MIXED_PRECISION`) and the compile backend (`ACCELERATE_DYNAMO_BACKEND`)."""
+
+    processes: int = 1
+    per_machine: int = 1
+    several_in_one: bool = False
+    engine: str = DDP
+    precision: str = "no"
+    compile: str = "no"
+
+    @classmethod
+    def of_environment(cls) -> Asked:
+        env = os.environ
+        launched = "WORLD_SIZE" in env
+        # Only accelerate's simple launcher sets ACCELERATE_USE_CPU without a WORLD_SIZE; it sets MASTER_PORT when
+        # told to start more than one process (accelerate/utils/launch.py, prepare_simple_launcher_cmd_env).
+        several_in_one = not launched and "ACCELERATE_USE_CPU" in env and "MASTER_PORT" in env
+        processes = int(env.get("WORLD_SIZE", "1"))
+        return cls(processes, int(env.get("LOCAL_WORLD_SIZE", processes)), several_in_one, requested_engine(),
+                   env.get("ACCELERATE_MIXED_PRECISION", "no").lower(),
+                   env.get("ACCELERATE_DYNAMO_BACKEND", "no").lower())
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What this machine gives: its GPUs and CPU cores."""
+
+    gpus: int
+    cores: int
+
+    @classmethod
+    def this(cls) -> Machine:
+        return cls(torch.cuda.device_count() if torch.cuda.is_available() else 0, os.cpu_count() or 1)
+
+
+_SEVERAL_FIX = ("launch several with --config_file accelerate_configs/cpu_2proc.yaml, or --multi_gpu --num_processes "
+                "N without --cpu (train.py puts them on the CPU by itself); if MASTER_PORT comes from your own "
+                "environment, unset it")
+
+# What a machine cannot give, in the order they are checked: (when, the line). The first that applies is said.
+REFUSALS: tuple[tuple[Callable[[Asked, Machine], bool], str], ...] = (
+    (lambda asked, machine: asked.several_in_one,
+     "accelerate launch started 1 process where several were asked (accelerate's single-process launcher, which "
+     "--cpu and a config without a multi-process distributed_type pick, starts one whatever --num_processes "
+     f"says); {_SEVERAL_FIX}"),
+    (lambda asked, machine: asked.precision == "fp16" and machine.gpus == 0,
+     "the launch asks for fp16 mixed precision, which needs a GPU and this machine has none (accelerate would train "
+     "in fp32 without saying); pass --mixed_precision no (or bf16) to accelerate launch"),
+)
+
+
+def refusal(asked: Asked, machine: Machine) -> str | None:
+    """The one line for what `machine` cannot give of `asked`, or None where it gives all."""
+    return next((line for applies, line in REFUSALS if applies(asked, machine)), None)
+
+
+def runs_here(asked: Asked, machine: Machine) -> str | None:
+    """The run header's line of what runs on a machine without a GPU, where the launch asks for more than one plain
+    process (several processes, mixed precision, compilation): None on a GPU machine, and for a plain run."""
+    if machine.gpus:
+        return None
+    parts = []
+    if asked.processes > 1:
+        crowded = (f", {asked.per_machine} processes on this machine's {machine.cores} cores"
+                   if asked.per_machine > machine.cores else "")
+        parts.append(f"{asked.processes} processes on the CPU over gloo{crowded}")
+    if asked.precision == "bf16":
+        parts.append("bf16 on the CPU")
+    if asked.compile != "no":
+        parts.append(f"torch.compile ({asked.compile}) on the CPU")
+    return f"no GPU on this machine: {', '.join(parts)}" if parts else None
+
+
+def check_launch(asked: Asked | None = None, machine: Machine | None = None) -> None:
+    """Refuse in one line a launch this machine cannot give (`REFUSALS`); call before anything is built."""
+    if (line := refusal(asked or Asked.of_environment(), machine or Machine.this())) is not None:
+        raise UserError(line)
+
+
+def tensor_parallel_here(degree: int, machine: Machine) -> str | None:
+    """The line for `--tensor_parallel degree` under an engine other than FSDP on a machine without a GPU: tensor
+    parallelism rides on accelerate's FSDP2 plugin, which accelerate runs on GPUs only, so no launch here runs it
+    (the other configs' advice would send the user round in a circle). None on a GPU machine."""
+    if machine.gpus:
+        return None
+    return (f"--tensor_parallel {degree} needs accelerate's FSDP2 plugin, which runs on GPUs, and this machine has "
+            "none: no launch here runs it; leave out --tensor_parallel (accelerate_configs/cpu_2proc.yaml trains the "
+            "rest of the run on this CPU), or launch on GPUs with accelerate_configs/fsdp_8gpu.yaml")
