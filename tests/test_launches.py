@@ -227,3 +227,32 @@ def test_tensor_parallel_on_a_cpu_says_no_launch_here_runs_it(monkeypatch, name)
         assert line == TP_ON_THIS_CPU.removeprefix("error: ")
     with pytest.raises(UserError, match="launch with accelerate_configs/fsdp_8gpu.yaml, or leave out"):
         Layout.checked(world, "ddp", tensor_parallel=2, machine=Machine(gpus=8, cores=16))  # a GPU machine: FSDP2
+
+
+# ---- DeepSpeed imported only where it runs ---------------------------------------------------------------------
+
+_REPORT_IMPORTED = """
+import runpy, sys
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_{kind}({target!r}, run_name="__main__")
+finally:
+    print("deepspeed imported:", "deepspeed" in sys.modules)
+"""
+
+
+@pytest.mark.slow
+def test_a_run_and_a_cli_that_do_not_use_deepspeed_never_import_it(tmp_path):
+    """With DeepSpeed installed (`.[dev]`), train.py on one process (a checkpoint, an evaluation, the export) and
+    `python -m eval.val_loss` on its run: DeepSpeed is never imported, so its `[WARNING] ... Setting accelerator to
+    CPU` is no longer their first line (accelerate's unwrapping imported it: model/unwrap.py)."""
+    out = tmp_path / "run"
+    for kind, target, args in (("path", "train.py", [*TINY, "--max_steps", "2", "--save_every", "1", "--eval_every",
+                                                      "1", "--out_dir", str(out)]),
+                               ("module", "eval.val_loss", ["--model", str(out)])):
+        proc = subprocess.run([sys.executable, "-c", _REPORT_IMPORTED.format(kind=kind, target=target), target, *args],
+                              cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.strip().splitlines()[-1] == "deepspeed imported: False", (target, proc.stderr[-3000:])
+        assert "Setting accelerator to CPU" not in proc.stderr

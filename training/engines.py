@@ -24,6 +24,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from common.errors import UserError
+from model.unwrap import unwrapped
 from training.support import DDP, DEEPSPEED, FAMILY_NAMES, FSDP, engine_name, refusal
 
 
@@ -224,8 +225,10 @@ def full_state_dict(accelerator: Accelerator, model) -> dict | None:
     FSDP and ZeRO). Under DeepSpeed these are the fp32 master weights its optimizer keeps, gathered tensor by
     tensor (under bf16 the module itself holds bf16 copies, which `accelerator.get_state_dict` would export);
     the same weights a DDP run exports."""
-    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+    if accelerator.distributed_type == DistributedType.FSDP:
         return accelerator.get_state_dict(model)
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:  # accelerate's get_state_dict imports DeepSpeed
+        return unwrapped(model).state_dict()
     from deepspeed.utils import safe_get_full_fp32_param
 
     full = {}

@@ -18,6 +18,7 @@ from data.pairs import PairExamples
 from data.source import DataSource
 from eval.val_loss import evaluate_loss
 from model import GPT
+from model.unwrap import unwrapped
 
 
 def sample(model: GPT, prompt: str, max_new_tokens: int, seed: int, device: torch.device) -> str:
@@ -57,7 +58,7 @@ class TrainingEvals:
         hellaswag = self.hellaswag_items is not None and (step % cfg.hellaswag_every == 0 or last)
         if not (val or hellaswag):
             return {}
-        plain = self.accelerator.unwrap_model(model, keep_torch_compile=False)
+        plain = unwrapped(model)
         bf16 = self.accelerator.mixed_precision == "bf16"
         plain.eval()
         results, text = {}, None
@@ -87,7 +88,7 @@ class TrainingEvals:
     def finite_loss(self, model: torch.nn.Module) -> bool:
         """Whether the current weights give a finite loss on the first validation window or example (the same
         answer on every rank: a cheap health check before weights are saved)."""
-        plain = self.accelerator.unwrap_model(model, keep_torch_compile=False)
+        plain = unwrapped(model)
         block = self.block_size
         first = self.val_tokens[:1] if self.pairs else self.val_tokens[:block + 1]
         loss = evaluate_loss(plain, first, block_size=block, batch_size=1,

@@ -17,6 +17,7 @@ from common.weights import Weights
 from model import GPTConfig
 from model.pretrained import save_state_dict, strip_wrapper_prefixes
 from model.tensor_parallel import natural_order
+from model.unwrap import unwrapped
 from training.engines import full_state_dict
 
 
@@ -28,7 +29,7 @@ def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConf
     `init_weights`: what `--init_from` resolved to, the base a LoRA run's `final_adapter/` names.
     `tensor_parallel`: the run's degree, whose head-group order of `c_attn` final/ does not keep (it is the Hugging
     Face layout, whatever the degree)."""
-    module = accelerator.unwrap_model(model, keep_torch_compile=False)
+    module = unwrapped(model)
     if hasattr(module, "peft_config"):  # LoRA (DDP only): the adapter first, final/ last marks the end
         if accelerator.is_main_process:
             from model.lora import merged, save_adapter_folder

@@ -26,6 +26,7 @@ from common.run_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from common.weights import Kind, Weights
 from configs import ModelConfig
 from model import GPT
+from model.unwrap import unwrapped
 
 
 def base_name(weights: Weights) -> str:
@@ -94,7 +95,7 @@ def use_adapter_checkpoints(accelerator: Accelerator, cfg: ModelConfig) -> None:
         return
 
     def adapted(model: torch.nn.Module) -> GPT | None:
-        module = accelerator.unwrap_model(model, keep_torch_compile=False)
+        module = unwrapped(model)
         return module if hasattr(module, "peft_config") else None
 
     def save_adapters_only(models: list, weights: list, output_dir: str) -> None:

@@ -22,6 +22,7 @@ from accelerate import Accelerator
 
 from common.run_dir import RunDir
 from configs import LogConfig
+from model.unwrap import unwrapped
 from training.engines import Engine, precision
 from training.mfu import estimate_mfu, peak_flops
 from training.optim import OptimizerPlan, describe_optimizers
@@ -181,7 +182,7 @@ def run_header(accelerator: Accelerator, engine: Engine, model: torch.nn.Module,
     # accelerate wraps the prepared model in torch.compile's OptimizedModule when a dynamo backend is set.
     compiled = f"torch.compile ({accelerator.state.dynamo_plugin.backend.value.lower()})" \
         if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else "eager"
-    network = accelerator.unwrap_model(model, keep_torch_compile=False)
+    network = unwrapped(model)
     if getattr(network, "activation_checkpointing", False):  # a LoRA model is our GPT with peft's layers inside
         compiled += " | activation checkpointing"
     adapters = ""
