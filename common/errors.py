@@ -64,17 +64,15 @@ def tell_the_elastic_agent(line: str) -> None:
     file it gave this process (TORCHELASTIC_ERROR_FILE, in the format of torch's own `@record`), so that the failure
     report the launcher ends with shows it as the root cause (`traceback : error: ...`, its last line before the
     closing border) instead of "To enable traceback see: ...". The launcher's own traceback before that report stays:
-    accelerate re-raises the agent's ChildFailedError, and no flag of its changes that (docs/faults.md).
-
-    The report's root cause is the failure with the earliest whole-second timestamp, ties going to the lowest rank;
-    the agent stamps the processes it stops after this one with the second it stops them, often this same second.
-    This process failed first, so its stamp is a second earlier than its clock says, which makes the tie go its way.
+    accelerate re-raises the agent's ChildFailedError, and no flag of its changes that (docs/faults.md). The report's
+    root cause is the failure with the earliest timestamp: this process's, which fails before the agent stops the
+    others (tests: an error of every rank, printed by rank 0; an error of rank 1 alone, test_elastic.py).
     """
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    failed_first = str(int(time.time()) - 1)
-    report = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": failed_first}}}
+    now = str(int(time.time()))
+    report = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": now}}}
     try:
         with open(path, "w") as f:
             json.dump(report, f)
