@@ -114,7 +114,7 @@ def outcome(monkeypatch, env: dict[str, str], machine) -> str:
 
 _ON_GLOO = "runs: no GPU on this machine: {} processes on the CPU over gloo"
 _GPU_OPTIONS = "bf16 on the CPU, torch.compile (inductor) on the CPU"
-_ALONE = "refused: this launch started 8 processes but accelerate brought up 1 as a group (it found no device for {}"
+_NO_GPU = "refused: the accelerate config asks for {}, and this machine has no GPU; DeepSpeed and FSDP run on GPUs"
 # Every shipped config (and the issue's `--cpu --num_processes 2`), launched on a 2-core machine without a GPU.
 ON_THIS_CPU = {
     "8gpu": _ON_GLOO.format(8) + f", 8 processes on this machine's 2 cores, {_GPU_OPTIONS}",
@@ -122,8 +122,8 @@ ON_THIS_CPU = {
     "single_gpu": f"runs: no GPU on this machine: {_GPU_OPTIONS}",
     # its processes start once node 1 joins (torch's rendezvous waits for it before train.py runs)
     "multinode_2x8": _ON_GLOO.format(16) + f", 8 processes on this machine's 2 cores, {_GPU_OPTIONS}",
-    "fsdp_8gpu": _ALONE.format("FSDP"),
-    **{f"zero{stage}_8gpu": _ALONE.format("DeepSpeed") for stage in (1, 2, 3)},
+    "fsdp_8gpu": _NO_GPU.format("FSDP"),  # before accelerate brings its ranks up alone (and DeepSpeed builds its op)
+    **{f"zero{stage}_8gpu": _NO_GPU.format("DeepSpeed") for stage in (1, 2, 3)},
     "--cpu --num_processes 2": "refused: accelerate launch started 1 process where several were asked",
     "--mixed_precision fp16": "refused: the launch asks for fp16 mixed precision, which needs a GPU",
 }
@@ -208,16 +208,15 @@ def test_tensor_parallel_on_a_cpu_says_no_launch_here_runs_it(monkeypatch, name)
     fsdp_8gpu.yaml on a CPU said "launch with accelerate_configs/cpu_2proc.yaml ..., which trains the same run", and
     cpu_2proc.yaml refused tensor parallelism. Now each hop says that no launch on this machine runs it."""
     from common.errors import UserError
-    from training.engines import check_world_size
     from training.layout import Layout
-    from training.machine import Machine
+    from training.machine import Machine, check_launch
 
     env = {} if name == "one process" else launched_environment(_config_args(name))
     outcome(monkeypatch, env, Machine(gpus=0, cores=2))  # sets the launch's environment
     world = int(env.get("WORLD_SIZE", "1"))
     with pytest.raises(UserError) as err:
-        if name == "fsdp_8gpu":  # its ranks come up alone here: refused before the layout is read
-            check_world_size(world, 1)
+        if name == "fsdp_8gpu":  # refused as a launch before the layout is read
+            check_launch(machine=Machine(gpus=0, cores=2))
         Layout.checked(world, "ddp", tensor_parallel=2, machine=Machine(gpus=0, cores=2))
     line = str(err.value)
     if name == "fsdp_8gpu":

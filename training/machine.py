@@ -10,10 +10,10 @@ autocast off there); a GPU config on a machine without one runs on the CPU. The 
 - what it gives otherwise than a GPU config says (processes over gloo on the CPU, bf16 on the CPU, torch.compile
   on the CPU) runs, and the run header says so in a line of its own (`runs_here`).
 
-The engines' cases stay with the engines (`training.engines`): an FSDP or DeepSpeed config with `use_cpu`
-(`refuse_engine_on_cpu`), and one whose ranks accelerate brings up alone for want of a device (`check_world_size`,
-after the group is opened, since that is when accelerate decides); a ZeRO config on an install without DeepSpeed never
-reaches train.py (accelerate's launcher stops it: docs/faults.md).
+An FSDP or DeepSpeed config on a machine without a GPU is one of the refusals; the engines' other cases stay with the
+engines (`training.engines`): such a config with `use_cpu` (`refuse_engine_on_cpu`), and, as a backstop, one whose
+ranks accelerate still brings up alone (`check_world_size`, once the group is opened). A ZeRO config on an install
+without DeepSpeed never reaches train.py (accelerate's launcher stops it: docs/faults.md).
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from typing import Callable
 import torch
 
 from common.errors import UserError
-from training.engines import requested_engine
-from training.support import DDP
+from training.engines import CPU_FIX, requested_engine
+from training.support import DDP, FAMILY_NAMES
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,18 @@ _SEVERAL_FIX = ("launch several with --config_file accelerate_configs/cpu_2proc.
                 "N without --cpu (train.py puts them on the CPU by itself); if MASTER_PORT comes from your own "
                 "environment, unset it")
 
-# What a machine cannot give, in the order they are checked: (when, the line). The first that applies is said.
+def accelerate_runs_engines(machine: Machine) -> bool:
+    """Whether accelerate runs FSDP and DeepSpeed on `machine`: on GPUs only. Without one it brings every rank of such
+    a launch up alone (../shared/notes/engines-on-cpu.md), after DeepSpeed has built its CPU collective op (40-90 s).
+    tests/engine_shim.py, which gives those engines gloo on a CPU, answers yes."""
+    return machine.gpus > 0
+
+
+# What a machine cannot give, in the order they are checked: (when, the line, `{engine}`: the engine's family name).
+# The first that applies is said.
 REFUSALS: tuple[tuple[Callable[[Asked, Machine], bool], str], ...] = (
+    (lambda asked, machine: asked.engine != DDP and not accelerate_runs_engines(machine),
+     f"the accelerate config asks for {{engine}}, and this machine has no GPU; {CPU_FIX}"),
     (lambda asked, machine: asked.several_in_one,
      "accelerate launch started 1 process where several were asked (accelerate's single-process launcher, which "
      "--cpu and a config without a multi-process distributed_type pick, starts one whatever --num_processes "
@@ -85,7 +95,8 @@ REFUSALS: tuple[tuple[Callable[[Asked, Machine], bool], str], ...] = (
 
 def refusal(asked: Asked, machine: Machine) -> str | None:
     """The one line for what `machine` cannot give of `asked`, or None where it gives all."""
-    return next((line for applies, line in REFUSALS if applies(asked, machine)), None)
+    return next((line.format(engine=FAMILY_NAMES[asked.engine]) for applies, line in REFUSALS
+                 if applies(asked, machine)), None)
 
 
 def runs_here(asked: Asked, machine: Machine) -> str | None:
