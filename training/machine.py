@@ -1,9 +1,10 @@
 """Every launch says what it runs, or refuses: what an accelerate launch asks of this machine (processes, devices,
 precision) against what the machine gives, the one rule for every accelerate config.
 
-accelerate gives what it cannot give otherwise, without a word: `accelerate launch --cpu --num_processes 2` (and any
-launch through its single-process launcher) starts one process; fp16 on a CPU trains in fp32 (accelerate turns its
-autocast off there); a GPU config on a machine without one runs on the CPU. The rule:
+accelerate replaces what a machine cannot give by something else, without a word: `accelerate launch --cpu
+--num_processes 2` (any launch through its single-process launcher) starts one process; fp16 on a CPU trains in fp32
+(accelerate turns its autocast off there); an FSDP or DeepSpeed config without a GPU brings every rank up alone; a
+GPU config on a machine without one runs on the CPU. The rule:
 
 - what this machine cannot give is refused in one line before anything is built (`REFUSALS`, read by
   `check_launch` at the start of every run, `training.processes.process_state`);
@@ -70,6 +71,7 @@ class Machine:
 _SEVERAL_FIX = ("launch several with --config_file accelerate_configs/cpu_2proc.yaml, or --multi_gpu --num_processes "
                 "N without --cpu (train.py puts them on the CPU by itself); if MASTER_PORT comes from your own "
                 "environment, unset it")
+
 
 def accelerate_runs_engines(machine: Machine) -> bool:
     """Whether accelerate runs FSDP and DeepSpeed on `machine`: on GPUs only. Without one it brings every rank of such
