@@ -34,6 +34,7 @@ from training.engines import fit_deepspeed, refuse_unsupported
 from training.evaluation import TrainingEvals
 from training.export import export_final
 from training.layout import Layout
+from training.machine import Asked, Machine, runs_here
 from training.metrics import StepReport, run_header, trackers_for
 from training.network import build_model
 from training.optim import build_optimizer, plan_optimizers, release_optimizer_state
@@ -123,7 +124,8 @@ def main() -> None:
         report = StepReport(cfg.log, accelerator, max_steps, progress.step, geometry.tokens_per_step, flops_per_token,
                             clock)
         accelerator.print(run_header(accelerator, engine, model, n_params, geometry, plan, cfg.model.lora_summary,
-                                     source.describe(), Attempt.of_launch().describe()))
+                                     source.describe(), Attempt.of_launch().describe(),
+                                     runs_here(Asked.of_environment(), Machine.this())))  # a GPU config on a CPU
         if accelerator.is_main_process and (warning := schedule.warmup_warning()):
             print(f"warning: {warning}", file=sys.stderr, flush=True)  # the run goes on (a smoke run, say)
         # The loop: one optimizer step, then what is due after it (log line, evals, checkpoint, a signal's stop).

@@ -10,6 +10,7 @@ import torch
 
 from common.errors import UserError
 from common.weights import Weights
+from model.unwrap import unwrapped
 
 
 def rank_and_world(accelerator: Any | None) -> tuple[int, int]:
@@ -84,9 +85,7 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 def model_block_size(model: torch.nn.Module) -> int | None:
     """The context length of our GPT (or an HF model), looking through DDP/FSDP/compile wrappers."""
-    from accelerate.utils import extract_model_from_parallel
-
-    config = getattr(extract_model_from_parallel(model, keep_torch_compile=False), "config", None)
+    config = getattr(unwrapped(model), "config", None)
     return getattr(config, "block_size", None) or getattr(config, "n_positions", None)
 
 

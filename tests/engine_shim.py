@@ -13,6 +13,9 @@ With `cpu=True` (ACCELERATE_USE_CPU) it runs plain DDP instead. train.py refuses
    launch's FSDP plugin is put back in place (DeepSpeed needs nothing: accelerate keeps it for any `cpu=False`
    launch).
 
+train.py refuses an engine launch on a machine without a GPU before anything is built
+(`training.machine.accelerate_runs_engines`); the shim, which makes accelerate run it, answers yes there.
+
 It also skips DeepSpeed's shared-memory collective op, which its CPU backend otherwise compiles with g++ at the
 first start (minutes; CI has no use for it: gloo does the collectives). The tests then prove each engine is really
 in use from what it leaves behind (sharded parameters or optimizer state), since accelerate falls back silently.
@@ -66,6 +69,10 @@ def install() -> None:
         return chosen, distributed_type
 
     PartialState._prepare_backend = gloo_for_engine_launches
+
+    import training.machine
+
+    training.machine.accelerate_runs_engines = lambda machine: True  # accelerate now runs the engines here
 
     accelerator_state_init = AcceleratorState.__init__
 

@@ -126,6 +126,9 @@ def test_an_error_of_one_rank_is_one_line_and_stops_after_the_first_restart(tmp_
     message = "error: (rank 1) an error of rank 1 alone at step 6"
     if max_restarts == 0:
         assert error_lines(output) == [message], output[-5000:]
+        # the agent's failure report names rank 1's line as its root cause (common.errors.tell_the_elastic_agent)
+        root = output.split("Root Cause (first observed failure):")[-1].splitlines()
+        assert "  rank      : 1 (local_rank: 1)" in root and f"  traceback : {message}" in root, output[-3000:]
         return
     assert error_lines(output) == [message, f"{message} (again after restart 1: restarting does not help, so the "
                                             "launch stops here)"], output[-5000:]

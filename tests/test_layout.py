@@ -11,6 +11,7 @@ from common.errors import UserError
 from planner import Launch
 from training.engines import Engine
 from training.layout import Layout
+from training.machine import Machine
 
 
 def test_the_degrees_multiply_to_the_world_tensor_parallel_innermost():
@@ -22,6 +23,7 @@ def test_the_degrees_multiply_to_the_world_tensor_parallel_innermost():
 
 
 def test_of_launch_reads_the_accelerate_environment(monkeypatch):
+    monkeypatch.setattr(Machine, "this", classmethod(lambda cls: Machine(gpus=8, cores=16)))  # where ZeRO runs
     for name, value in {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}.items():
         monkeypatch.setenv(name, value)
     assert Layout.of_launch(1, world_size=4) == Layout(4, "deepspeed", 2)

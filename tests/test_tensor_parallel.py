@@ -34,6 +34,7 @@ from model.tensor_parallel import head_group_order, natural_order, split_problem
 from training.checkpoint import refuse_another_engine
 from training.engines import Engine, refuse_unsupported
 from training.layout import Layout
+from training.machine import Machine
 
 TP_ARGS = DDP_ARGS + ["--tensor_parallel", "2"]
 
@@ -241,10 +242,15 @@ def test_tensor_parallel_resumes_its_own_checkpoint_bit_exact(fixture, nproc, ar
 
 @pytest.mark.parametrize("plan", [False, True], ids=["run", "plan"])
 def test_tensor_parallel_on_one_process_is_refused_before_anything_is_written(plan, monkeypatch, capsys, tmp_path):
+    """On a GPU machine the line sends the user to the FSDP2 config; on one without a GPU it says that no launch
+    there runs it (every hop of the former circle: tests/test_launches.py)."""
     out = tmp_path / "run"
-    line = run_in_process(monkeypatch, capsys, TP_ARGS + ["--out_dir", str(out)] + (["--plan"] if plan else []))
-    assert "--tensor_parallel 2 is not supported under DDP (it runs on accelerate's FSDP2 plugin" in line
-    assert "fsdp_8gpu.yaml" in line
+    for machine, words in ((Machine(gpus=8, cores=16), "--tensor_parallel 2 is not supported under DDP (it runs on "
+                                                       "accelerate's FSDP2 plugin"),
+                           (Machine(gpus=0, cores=2), "this machine has none: no launch here runs it")):
+        monkeypatch.setattr(Machine, "this", classmethod(lambda cls, machine=machine: machine))
+        line = run_in_process(monkeypatch, capsys, TP_ARGS + ["--out_dir", str(out)] + (["--plan"] if plan else []))
+        assert words in line and "fsdp_8gpu.yaml" in line
     assert not out.exists()
 
 

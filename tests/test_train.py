@@ -239,6 +239,7 @@ def test_a_cpu_multi_process_launch_runs_on_gloo_by_itself(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 process(es) x 2 accumulation" in proc.stdout and "distributed: MULTI_CPU" in proc.stdout
+    assert "\nno GPU on this machine: 2 processes on the CPU over gloo\n" in proc.stdout  # the header's own line
     assert json.loads((out / "checkpoints" / "step_000002" / "run_state.json").read_text())["world_size"] == 2
 
 

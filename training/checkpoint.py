@@ -29,6 +29,7 @@ from common.run_dir import ADAPTER_WEIGHTS, GPT_CONFIG, RUN_STATE, RunDir, check
 from configs import RunConfig
 from model import GPTConfig
 from model.lora import adapter_state, has_adapters, load_adapter_state, save_adapter_config
+from model.unwrap import unwrapped
 from training.engines import Engine
 from training.manifest import FORMAT, write_manifest
 from training.pipeline import PipelinedGPT
@@ -49,7 +50,7 @@ def use_adapter_checkpoints(accelerator: Accelerator, lora: bool) -> None:
         return
 
     def adapted(model: torch.nn.Module) -> torch.nn.Module | None:
-        module = accelerator.unwrap_model(model, keep_torch_compile=False)
+        module = unwrapped(model)
         return module if has_adapters(module) else None
 
     def save_adapters_only(models: list, weights: list, output_dir: str) -> None:

@@ -24,6 +24,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from common.errors import UserError
+from model.unwrap import unwrapped
 from training.engine_names import DDP, DEEPSPEED, FAMILY_NAMES, FSDP, engine_name
 from training.support import refusal
 
@@ -119,8 +120,9 @@ def launch_engine() -> Engine:
     return Engine(DEEPSPEED, int(stage or 0))
 
 
-_FIX = ("DeepSpeed and FSDP run on GPUs; on a CPU, launch with accelerate_configs/cpu_2proc.yaml (DDP on gloo), "
-        "which trains the same run")
+CPU_FIX = ("DeepSpeed and FSDP run on GPUs; on a CPU, launch with accelerate_configs/cpu_2proc.yaml (DDP on gloo), "
+        "which trains the same run unsharded (without --tensor_parallel, which needs FSDP on GPUs: no launch on a CPU "
+        "runs it)")
 
 
 def refuse_engine_on_cpu() -> None:
@@ -130,7 +132,7 @@ def refuse_engine_on_cpu() -> None:
     if asked != DDP and os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes"):
         name = FAMILY_NAMES[asked]
         raise UserError(f"the accelerate config asks for {name} and for the CPU (use_cpu / ACCELERATE_USE_CPU), "
-                        f"which accelerate runs as plain DDP, not {name}; {_FIX}")
+                        f"which accelerate runs as plain DDP, not {name}; {CPU_FIX}")
 
 
 def check_world_size(launched: int, joined: int) -> None:
@@ -139,7 +141,7 @@ def check_world_size(launched: int, joined: int) -> None:
     if launched > 1 and joined != launched:
         engine = FAMILY_NAMES[requested_engine()] if requested_engine() != DDP else "its engine"
         raise UserError(f"this launch started {launched} processes but accelerate brought up {joined} as a group "
-                        f"(it found no device for {engine} on this machine); {_FIX}")
+                        f"(it found no device for {engine} on this machine); {CPU_FIX}")
 
 
 def check_engine(accelerator: Accelerator) -> Engine:
@@ -149,7 +151,7 @@ def check_engine(accelerator: Accelerator) -> Engine:
     if asked != DDP and engine.kind != asked:
         raise UserError(f"the accelerate config asks for {FAMILY_NAMES[asked]}, but "
                         f"accelerate runs this launch as {accelerator.distributed_type.value} on "
-                        f"{accelerator.device.type}; {_FIX}")
+                        f"{accelerator.device.type}; {CPU_FIX}")
     return engine
 
 
@@ -230,8 +232,10 @@ def full_state_dict(accelerator: Accelerator, model) -> dict | None:
     FSDP and ZeRO). Under DeepSpeed these are the fp32 master weights its optimizer keeps, gathered tensor by
     tensor (under bf16 the module itself holds bf16 copies, which `accelerator.get_state_dict` would export);
     the same weights a DDP run exports."""
-    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+    if accelerator.distributed_type == DistributedType.FSDP:
         return accelerator.get_state_dict(model)
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:  # accelerate's get_state_dict imports DeepSpeed
+        return unwrapped(model).state_dict()
     from deepspeed.utils import safe_get_full_fp32_param
 
     full = {}

@@ -17,6 +17,7 @@ from configs import EvalConfig
 from data.pairs import PairExamples
 from data.source import DataSource
 from eval.val_loss import evaluate_loss
+from model.unwrap import unwrapped
 from training.evaluations.registry import EVALUATIONS
 from training.evaluations.spec import Context
 
@@ -41,7 +42,7 @@ class TrainingEvals:
         if not due:
             return {}
         accelerator = self.ctx.accelerator
-        plain = accelerator.unwrap_model(model, keep_torch_compile=False)
+        plain = unwrapped(model)
         bf16 = accelerator.mixed_precision == "bf16"
         plain.eval()
         results, texts = {}, []
@@ -61,7 +62,7 @@ class TrainingEvals:
         """Whether the current weights give a finite loss on the first validation window or example (the same
         answer on every rank: a cheap health check before weights are saved)."""
         accelerator = self.ctx.accelerator
-        plain = accelerator.unwrap_model(model, keep_torch_compile=False)
+        plain = unwrapped(model)
         block = self.ctx.block_size
         first = self.val_tokens[:1] if self.pairs else self.val_tokens[:block + 1]
         loss = evaluate_loss(plain, first, block_size=block, batch_size=1,

@@ -20,6 +20,7 @@ from model import GPTConfig
 from model.lora import has_adapters
 from model.pretrained import save_state_dict, strip_wrapper_prefixes
 from model.tensor_parallel import natural_order
+from model.unwrap import unwrapped
 from training.engines import full_state_dict
 from training.pipeline import PipelinedGPT
 
@@ -33,7 +34,7 @@ def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConf
     `hellaswag_data`: the run's local HellaSwag file, if any, for the next line's HellaSwag command.
     `tensor_parallel`: the run's degree, whose head-group order of `c_attn` final/ does not keep (it is the Hugging
     Face layout, whatever the degree)."""
-    module = accelerator.unwrap_model(model, keep_torch_compile=False)
+    module = unwrapped(model)
     if has_adapters(module):  # LoRA (DDP only): the adapter first, final/ last marks the end
         if accelerator.is_main_process:
             from model.lora import loadable_base, merged, save_adapter_folder

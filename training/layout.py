@@ -21,6 +21,7 @@ from common.errors import UserError
 from model.tensor_parallel import split_problem
 from training.engine_names import DDP, FSDP
 from training.engines import Engine, launch_engine
+from training.machine import Machine, tensor_parallel_here
 from training.processes import process_state
 from training.support import refusal
 
@@ -69,15 +70,17 @@ class Layout:
         joins: `training.processes.process_state`); `--plan` passes the launch's WORLD_SIZE and joins none."""
         engine = launch_engine()
         world = process_state().num_processes if world_size is None else world_size
-        layout = cls.checked(world, engine.kind, engine.zero_stage, tensor_parallel, pipeline_parallel)
+        layout = cls.checked(world, engine.kind, engine.zero_stage, tensor_parallel, pipeline_parallel,
+                             Machine.this())
         if n_head is not None and n_embd is not None:
             layout.check_model(n_head, n_embd, n_layer)
         return layout
 
     @classmethod
     def checked(cls, world_size: int, kind: str, zero_stage: int = 0, tensor_parallel: int = 1,
-                pipeline_parallel: int = 1) -> Layout:
-        """The layout, or a one-line UserError when it is not one train.py runs."""
+                pipeline_parallel: int = 1, machine: Machine | None = None) -> Layout:
+        """The layout, or a one-line UserError when it is not one train.py runs. `machine`: the one the launch runs
+        on, where known (without a GPU no launch runs tensor parallelism, and the line says so)."""
         layout = cls(world_size, kind, zero_stage, tensor_parallel, pipeline_parallel)
         asked = f"--pipeline_parallel {pipeline_parallel}"
         # Stages run on a DDP launch only (the support table's row), and not with tensor-parallel groups (its
@@ -87,6 +90,8 @@ class Layout:
             raise UserError(line)
         if tensor_parallel > 1:
             if kind != FSDP or pipeline_parallel > 1:
+                if kind != FSDP and machine is not None and (line := tensor_parallel_here(tensor_parallel, machine)):
+                    raise UserError(line)
                 raise UserError(refusal("--tensor_parallel", kind, zero_stage, pipeline_parallel=pipeline_parallel,
                                         asked=f"--tensor_parallel {tensor_parallel}"))
             if world_size % tensor_parallel:

@@ -24,6 +24,7 @@ from accelerate import Accelerator
 from common.errors import UserError
 from common.run_dir import RunDir
 from configs import LogConfig
+from model.unwrap import unwrapped
 from training.engine_names import DEEPSPEED
 from training.engines import Engine, precision
 from training.mfu import estimate_mfu, peak_flops
@@ -192,18 +193,19 @@ def _stage_line(model: torch.nn.Module) -> str:
 
 def run_header(accelerator: Accelerator, engine: Engine, model: torch.nn.Module, n_params: int,
                geometry: BatchGeometry, plan: OptimizerPlan, lora: str | None, data: str,
-               restart: str | None = None) -> str:
+               restart: str | None = None, here: str | None = None) -> str:
     """The run's header: model size (`n_params`: every parameter, tied ones once, as the optimizer line counts
     them; and what LoRA trains), batch geometry, distribution, precision,
     compilation, activation checkpointing (when on), device, and `restart` (`restart k of N` under a launch that may
-    restart, `training.elastic.Attempt`); which optimizer trains which parameters; `data`, the data source's own
-    line.
+    restart, `training.elastic.Attempt`); `here`: what a launch runs on this machine, where it differs from what a GPU
+    config says (`training.machine.runs_here`), on a line of its own; which optimizer trains which parameters; `data`,
+    the data source's own line.
     `engine`: the one train.py checked (with its tensor-parallel degree: geometry's world is then the data-parallel
     ranks); `model`: as prepared."""
     # accelerate wraps the prepared model in torch.compile's OptimizedModule when a dynamo backend is set.
     compiled = f"torch.compile ({accelerator.state.dynamo_plugin.backend.value.lower()})" \
         if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else "eager"
-    network = accelerator.unwrap_model(model, keep_torch_compile=False)
+    network = unwrapped(model)
     if getattr(network, "activation_checkpointing", False):  # a LoRA model is our GPT with peft's layers inside
         compiled += " | activation checkpointing"
     adapters = ""
@@ -221,4 +223,4 @@ def run_header(accelerator: Accelerator, engine: Engine, model: torch.nn.Module,
             f"accumulation x {g.micro_batch_size} x {g.block_size} = {g.tokens_per_step:,} tokens per step | "
             f"distributed: {accelerator.distributed_type.value}{zero} | precision: {precision(accelerator)} | "
             f"{compiled} | {accelerator.device}{f' | {restart}' if restart else ''}\n"
-            f"{describe_optimizers(network, plan)}\n{data}")
+            + (f"{here}\n" if here else "") + f"{describe_optimizers(network, plan)}\n{data}")

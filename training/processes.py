@@ -26,6 +26,7 @@ from training.engines import (
     refuse_engine_on_cpu,
     requested_engine,
 )
+from training.machine import check_launch
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ def process_state(**process_group: Any) -> PartialState:
     arguments (`training.elastic`), used by the first call, which opens the group."""
     if (missing := deepspeed_missing()) is not None:
         raise UserError(missing)
+    check_launch()  # what this machine cannot give of the launch: one line (training.machine)
     refuse_engine_on_cpu()  # accelerate would train DDP instead
     state = PartialState(cpu=_cpu_launch(), **process_group)
     check_world_size(int(os.environ.get("WORLD_SIZE", "1")), state.num_processes)

@@ -1,0 +1,33 @@
+"""The network inside the wrappers of a run (torch.compile's OptimizedModule, DDP, FSDP1), as accelerate's
+`extract_model_from_parallel` (`Accelerator.unwrap_model(model, keep_torch_compile=False)`) returns it, without
+importing DeepSpeed where nothing uses it.
+
+accelerate's unwrapping imports DeepSpeed whenever it is installed (`.[dev]`, `.[deepspeed]`), to recognise its
+engine, and DeepSpeed's first import prints `[WARNING] ... Setting accelerator to CPU` on every process of a machine
+without a GPU: that was the first line of every run and CLI. A model can only be a DeepSpeed engine once DeepSpeed
+is imported (a ZeRO run imports it when accelerate prepares the model), so until then the wrappers are torch's own;
+likewise FSDP1's (1 s to import for a CLI that never meets it).
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` without its compile and data-parallel wrappers (the network, or peft's model around it)."""
+    if "deepspeed" in sys.modules:  # it may be a DeepSpeed engine: accelerate knows them all
+        from accelerate.utils import extract_model_from_parallel
+
+        return extract_model_from_parallel(model, keep_torch_compile=False)
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    wrappers = (DistributedDataParallel, DataParallel) + ((fsdp.FullyShardedDataParallel,) if fsdp else ())
+    while True:
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            model = model._orig_mod
+        elif isinstance(model, wrappers):
+            model = model.module
+        else:
+            return model

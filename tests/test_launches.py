@@ -1,0 +1,257 @@
+"""What a launch says before train.py trains: the user's own command lines, through accelerate's real launcher
+where the claim is about its output (marked slow), in process where the claim is about train.py's answer.
+
+A core install (no DeepSpeed) is simulated by tests/core_install/ on PYTHONPATH (its sitecustomize hides the
+installed DeepSpeed from every process of the launch, the launcher's too).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO_ROOT, TINY
+
+CORE_INSTALL = str(REPO_ROOT / "tests" / "core_install")
+CONFIGS = REPO_ROOT / "accelerate_configs"
+
+
+def _core_install_env(**extra: str) -> dict[str, str]:
+    path = os.pathsep.join(p for p in (CORE_INSTALL, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
+
+
+# accelerate's launcher (accelerate/commands/launch.py, deepspeed_launcher) checks for DeepSpeed before it starts any
+# process, and its ImportError is the last line the user reads.
+ACCELERATES_LINE = "ImportError: DeepSpeed is not installed => run `pip3 install deepspeed` or build it from source."
+
+
+@pytest.mark.slow
+def test_a_zero_config_on_a_core_install_stops_in_accelerates_launcher_before_train_py(tmp_path):
+    """The README's claim for a ZeRO config without DeepSpeed: accelerate's launcher stops it, exit 1, its last line
+    naming the install, and train.py never starts (no run folder). No config of ours can reach train.py first: a
+    DEEPSPEED config always goes through that check, and only it tells the processes their ZeRO settings."""
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "zero2_8gpu.yaml"),
+         "train.py", *TINY, "--max_steps", "2", "--out_dir", str(out)],
+        cwd=REPO_ROOT, env=_core_install_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == ACCELERATES_LINE
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_a_deepspeed_process_on_a_core_install_is_one_line(tmp_path):
+    """A process told by its environment that it runs under DeepSpeed (a launcher other than accelerate's, such as
+    torchrun with accelerate's variables set by hand) on a core install: train.py's one line, not accelerate's
+    traceback from inside the Accelerator."""
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "train.py", *TINY, "--max_steps", "2", "--out_dir", str(out)],
+                          cwd=REPO_ROOT, env=_core_install_env(ACCELERATE_USE_DEEPSPEED="true"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        'error: the accelerate config asks for DeepSpeed, which is not installed; pip install -e ".[deepspeed]" '
+        "(or use a DDP or FSDP config)"]
+    assert not out.exists()
+
+
+# ---- every shipped config on this CPU: the rule (training/machine.py), in process -----------------------------
+
+def launched_environment(config_args: list[str]) -> dict[str, str]:
+    """What each process of `accelerate launch <config_args> train.py` finds in its environment, from accelerate's
+    own launcher code (accelerate/commands/launch.py `launch_command`'s choice of launcher, and its `prepare_*`
+    functions), plus what torch's elastic agent adds for a rank (WORLD_SIZE, LOCAL_WORLD_SIZE, RANK 0). The
+    accelerate variables only; no process is started."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import (
+        prepare_deepspeed_cmd_env,
+        prepare_multi_gpu_env,
+        prepare_simple_launcher_cmd_env,
+    )
+
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args([*config_args, "train.py"]))
+    if args.use_deepspeed and not args.cpu:
+        args.deepspeed_fields_from_accelerate_config = ""
+        env, agent = prepare_deepspeed_cmd_env(args)[1], True
+    elif (args.use_fsdp or args.multi_gpu) and not args.cpu:
+        env, agent = prepare_multi_gpu_env(args), True
+    else:
+        env, agent = prepare_simple_launcher_cmd_env(args)[1], False
+    env = {key: value for key, value in env.items()
+           if os.environ.get(key) != value and (key.startswith(("ACCELERATE_", "MASTER_")))}
+    if agent:
+        env.update(WORLD_SIZE=str(args.num_processes), LOCAL_WORLD_SIZE=str(args.num_processes // args.num_machines),
+                   RANK="0", LOCAL_RANK="0")
+    return env
+
+
+
+
+def outcome(monkeypatch, env: dict[str, str], machine) -> str:
+    """What train.py does with a launch of `env` on `machine`, up to the opened group: 'refused: <line>', or
+    'runs: <the header's line>' ('runs: -' with no line). A FSDP or DeepSpeed launch on a machine without a GPU
+    comes up as lone ranks (accelerate 1.15, measured: ../shared/notes/engines-on-cpu.md)."""
+    from common.errors import UserError
+    from training.engines import check_world_size, refuse_engine_on_cpu
+    from training.machine import Asked, check_launch, runs_here
+
+    for key in [k for k in os.environ if k.startswith(("ACCELERATE_", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_"))]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    asked = Asked.of_environment()
+    try:
+        check_launch(asked, machine)
+        refuse_engine_on_cpu()
+        check_world_size(asked.processes, 1 if asked.engine != "ddp" and not machine.gpus else asked.processes)
+    except UserError as err:
+        return f"refused: {err}"
+    return f"runs: {runs_here(asked, machine) or '-'}"
+
+
+_ON_GLOO = "runs: no GPU on this machine: {} processes on the CPU over gloo"
+_GPU_OPTIONS = "bf16 on the CPU, torch.compile (inductor) on the CPU"
+_NO_GPU = "refused: the accelerate config asks for {}, and this machine has no GPU; DeepSpeed and FSDP run on GPUs"
+# Every shipped config (and the issue's `--cpu --num_processes 2`), launched on a 2-core machine without a GPU.
+ON_THIS_CPU = {
+    "8gpu": _ON_GLOO.format(8) + f", 8 processes on this machine's 2 cores, {_GPU_OPTIONS}",
+    "cpu_2proc": _ON_GLOO.format(2),
+    "single_gpu": f"runs: no GPU on this machine: {_GPU_OPTIONS}",
+    # its processes start once node 1 joins (torch's rendezvous waits for it before train.py runs)
+    "multinode_2x8": _ON_GLOO.format(16) + f", 8 processes on this machine's 2 cores, {_GPU_OPTIONS}",
+    "fsdp_8gpu": _NO_GPU.format("FSDP"),  # before accelerate brings its ranks up alone (and DeepSpeed builds its op)
+    **{f"zero{stage}_8gpu": _NO_GPU.format("DeepSpeed") for stage in (1, 2, 3)},
+    "--cpu --num_processes 2": "refused: accelerate launch started 1 process where several were asked",
+    "--mixed_precision fp16": "refused: the launch asks for fp16 mixed precision, which needs a GPU",
+}
+
+
+def _config_args(name: str) -> list[str]:
+    return name.split() if name.startswith("--") else ["--config_file", str(CONFIGS / f"{name}.yaml")]
+
+
+def test_every_shipped_config_is_covered():
+    assert {p.stem for p in CONFIGS.glob("*.yaml")} == {n for n in ON_THIS_CPU if not n.startswith("--")}
+
+
+@pytest.mark.parametrize("name", list(ON_THIS_CPU))
+def test_every_launch_on_a_cpu_says_what_it_runs_or_refuses(monkeypatch, name):
+    from training.machine import Machine
+
+    env = launched_environment(_config_args(name))
+    assert outcome(monkeypatch, env, Machine(gpus=0, cores=2)).startswith(ON_THIS_CPU[name])
+    assert outcome(monkeypatch, env, Machine(gpus=8, cores=16)) == (
+        "refused: accelerate launch started 1 process where several were asked (accelerate's single-process "
+        "launcher, which --cpu and a config without a multi-process distributed_type pick, starts one whatever "
+        "--num_processes says); launch several with --config_file accelerate_configs/cpu_2proc.yaml, or "
+        "--multi_gpu --num_processes N without --cpu (train.py puts them on the CPU by itself); if MASTER_PORT "
+        "comes from your own environment, unset it" if name == "--cpu --num_processes 2" else "runs: -")
+
+
+# ---- the real launchers: one launch per mechanism --------------------------------------------------------------
+
+def _accelerate_launch(launcher_args: list[str], run_args: list[str]) -> subprocess.CompletedProcess:
+    from conftest import free_port
+
+    return subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *launcher_args, "--main_process_port",
+                           str(free_port()), "train.py", *TINY, "--max_steps", "2", *run_args],
+                          cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.slow
+def test_the_cpu_flag_with_several_processes_is_refused_before_anything_is_built(tmp_path):
+    """The issue's `accelerate launch --cpu --num_processes 2 train.py`: one line, nothing written. accelerate's
+    single-process launcher then raises its own CalledProcessError (exit 1, its traceback after the line), unless
+    told --quiet (-q), which ends the launch on the line."""
+    out = tmp_path / "run"
+    proc = _accelerate_launch(["--cpu", "--num_processes", "2"], ["--out_dir", str(out)])
+    line = "error: accelerate launch started 1 process where several were asked"
+    assert proc.returncode == 1 and sum(line in x for x in proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("subprocess.CalledProcessError")
+    quiet = _accelerate_launch(["--cpu", "--num_processes", "2", "--quiet"], ["--out_dir", str(out)])
+    assert quiet.returncode == 1 and quiet.stderr.strip().splitlines()[-1].startswith(line), quiet.stderr
+    assert not out.exists()
+
+
+TP_ON_THIS_CPU = ("error: --tensor_parallel 2 needs accelerate's FSDP2 plugin, which runs on GPUs, and this machine "
+                  "has none: no launch here runs it; leave out --tensor_parallel (accelerate_configs/cpu_2proc.yaml "
+                  "trains the rest of the run on this CPU), or launch on GPUs with accelerate_configs/fsdp_8gpu.yaml")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_refusal_after_the_processes_start_is_the_first_line_and_the_reports_root_cause(tmp_path):
+    """2 gloo processes (cpu_2proc.yaml) refused after their group is open (`--tensor_parallel 2` on this CPU: the
+    layout is read once the processes run). torch's elastic agent fails the launch (exit 1) and accelerate prints its
+    traceback; the project's line comes first, and the agent's report ends on it: its root cause's `traceback :`
+    line, read from the error file train.py wrote (common.errors.tell_the_elastic_agent)."""
+    out = tmp_path / "run"
+    proc = _accelerate_launch(["--config_file", str(CONFIGS / "cpu_2proc.yaml")],
+                              ["--out_dir", str(out), "--tensor_parallel", "2"])
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1, proc.stderr
+    assert lines[0] == TP_ON_THIS_CPU
+    assert lines[-1].startswith("=====") and lines[-2] == f"  traceback : {TP_ON_THIS_CPU}", proc.stderr
+    assert lines[-4].startswith("  exitcode  : 2") and lines[-5] == "  rank      : 0 (local_rank: 0)"
+    assert not out.exists()
+
+
+# ---- --tensor_parallel on a machine without a GPU: every hop of the former circle ----------------------------
+
+@pytest.mark.parametrize("name", ["one process", "cpu_2proc", "8gpu", "fsdp_8gpu"])
+def test_tensor_parallel_on_a_cpu_says_no_launch_here_runs_it(monkeypatch, name):
+    """Before, one process, cpu_2proc.yaml and 8gpu.yaml said "launch with accelerate_configs/fsdp_8gpu.yaml",
+    fsdp_8gpu.yaml on a CPU said "launch with accelerate_configs/cpu_2proc.yaml ..., which trains the same run", and
+    cpu_2proc.yaml refused tensor parallelism. Now each hop says that no launch on this machine runs it."""
+    from common.errors import UserError
+    from training.layout import Layout
+    from training.machine import Machine, check_launch
+
+    env = {} if name == "one process" else launched_environment(_config_args(name))
+    outcome(monkeypatch, env, Machine(gpus=0, cores=2))  # sets the launch's environment
+    world = int(env.get("WORLD_SIZE", "1"))
+    with pytest.raises(UserError) as err:
+        if name == "fsdp_8gpu":  # refused as a launch before the layout is read
+            check_launch(machine=Machine(gpus=0, cores=2))
+        Layout.checked(world, "ddp", tensor_parallel=2, machine=Machine(gpus=0, cores=2))
+    line = str(err.value)
+    if name == "fsdp_8gpu":
+        assert "cpu_2proc.yaml (DDP on gloo), which trains the same run unsharded (without --tensor_parallel, which " \
+               "needs FSDP on GPUs: no launch on a CPU runs it)" in line
+    else:
+        assert line == TP_ON_THIS_CPU.removeprefix("error: ")
+    with pytest.raises(UserError, match="launch with accelerate_configs/fsdp_8gpu.yaml, or leave out"):
+        Layout.checked(world, "ddp", tensor_parallel=2, machine=Machine(gpus=8, cores=16))  # a GPU machine: FSDP2
+
+
+# ---- DeepSpeed imported only where it runs ---------------------------------------------------------------------
+
+_REPORT_IMPORTED = """
+import runpy, sys
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_{kind}({target!r}, run_name="__main__")
+finally:
+    print("deepspeed imported:", "deepspeed" in sys.modules)
+"""
+
+
+@pytest.mark.slow
+def test_a_run_and_a_cli_that_do_not_use_deepspeed_never_import_it(tmp_path):
+    """With DeepSpeed installed (`.[dev]`), train.py on one process (a checkpoint, an evaluation, the export) and
+    `python -m eval.val_loss` on its run: DeepSpeed is never imported, so its `[WARNING] ... Setting accelerator to
+    CPU` is no longer their first line (accelerate's unwrapping imported it: model/unwrap.py)."""
+    out = tmp_path / "run"
+    for kind, target, args in (("path", "train.py", [*TINY, "--max_steps", "2", "--save_every", "1", "--eval_every",
+                                                      "1", "--out_dir", str(out)]),
+                               ("module", "eval.val_loss", ["--model", str(out)])):
+        proc = subprocess.run([sys.executable, "-c", _REPORT_IMPORTED.format(kind=kind, target=target), target, *args],
+                              cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.strip().splitlines()[-1] == "deepspeed imported: False", (target, proc.stderr[-3000:])
+        assert "Setting accelerator to CPU" not in proc.stderr

@@ -1,0 +1,135 @@
+"""Every launch says what it runs, or refuses: what an accelerate launch asks of this machine (processes, devices,
+precision) against what the machine gives, the one rule for every accelerate config.
+
+accelerate replaces what a machine cannot give by something else, without a word: `accelerate launch --cpu
+--num_processes 2` (any launch through its single-process launcher) starts one process; fp16 on a CPU trains in fp32
+(accelerate turns its autocast off there); an FSDP or DeepSpeed config without a GPU brings every rank up alone; a
+GPU config on a machine without one runs on the CPU. The rule:
+
+- what this machine cannot give is refused in one line before anything is built (`REFUSALS`, read by
+  `check_launch` at the start of every run, `training.processes.process_state`);
+- what it gives otherwise than a GPU config says (processes over gloo on the CPU, bf16 on the CPU, torch.compile
+  on the CPU) runs, and the run header says so in a line of its own (`runs_here`).
+
+An FSDP or DeepSpeed config on a machine without a GPU is one of the refusals; the engines' other cases stay with the
+engines (`training.engines`): such a config with `use_cpu` (`refuse_engine_on_cpu`), and, as a backstop, one whose
+ranks accelerate still brings up alone (`check_world_size`, once the group is opened). A ZeRO config on an install
+without DeepSpeed never reaches train.py (accelerate's launcher stops it: docs/faults.md).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from common.errors import UserError
+from training.engine_names import DDP, FAMILY_NAMES
+from training.engines import CPU_FIX, requested_engine
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What a launch asks for, as accelerate's launcher tells each process: `processes` in all (`WORLD_SIZE`; 1 for
+    a process started alone), `per_machine` of them on this machine, `several_in_one`: accelerate's single-process
+    launcher was asked for more than one (it sets MASTER_PORT only then, and starts one); the engine; the precision
+    (`ACCELERATE_MIXED_PRECISION`) and the compile backend (`ACCELERATE_DYNAMO_BACKEND`)."""
+
+    processes: int = 1
+    per_machine: int = 1
+    several_in_one: bool = False
+    engine: str = DDP
+    precision: str = "no"
+    compile: str = "no"
+
+    @classmethod
+    def of_environment(cls) -> Asked:
+        env = os.environ
+        launched = "WORLD_SIZE" in env
+        # Only accelerate's simple launcher sets ACCELERATE_USE_CPU without a WORLD_SIZE; it sets MASTER_PORT when
+        # told to start more than one process (accelerate/utils/launch.py, prepare_simple_launcher_cmd_env).
+        several_in_one = not launched and "ACCELERATE_USE_CPU" in env and "MASTER_PORT" in env
+        processes = int(env.get("WORLD_SIZE", "1"))
+        return cls(processes, int(env.get("LOCAL_WORLD_SIZE", processes)), several_in_one, requested_engine(),
+                   env.get("ACCELERATE_MIXED_PRECISION", "no").lower(),
+                   env.get("ACCELERATE_DYNAMO_BACKEND", "no").lower())
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What this machine gives: its GPUs and CPU cores."""
+
+    gpus: int
+    cores: int
+
+    @classmethod
+    def this(cls) -> Machine:
+        return cls(torch.cuda.device_count() if torch.cuda.is_available() else 0, os.cpu_count() or 1)
+
+
+_SEVERAL_FIX = ("launch several with --config_file accelerate_configs/cpu_2proc.yaml, or --multi_gpu --num_processes "
+                "N without --cpu (train.py puts them on the CPU by itself); if MASTER_PORT comes from your own "
+                "environment, unset it")
+
+
+def accelerate_runs_engines(machine: Machine) -> bool:
+    """Whether accelerate runs FSDP and DeepSpeed on `machine`: on GPUs only. Without one it brings every rank of such
+    a launch up alone (../shared/notes/engines-on-cpu.md), after DeepSpeed has built its CPU collective op (40-90 s).
+    tests/engine_shim.py, which gives those engines gloo on a CPU, answers yes."""
+    return machine.gpus > 0
+
+
+# What a machine cannot give, in the order they are checked: (when, the line, `{engine}`: the engine's family name).
+# The first that applies is said.
+REFUSALS: tuple[tuple[Callable[[Asked, Machine], bool], str], ...] = (
+    (lambda asked, machine: asked.engine != DDP and not accelerate_runs_engines(machine),
+     f"the accelerate config asks for {{engine}}, and this machine has no GPU; {CPU_FIX}"),
+    (lambda asked, machine: asked.several_in_one,
+     "accelerate launch started 1 process where several were asked (accelerate's single-process launcher, which "
+     "--cpu and a config without a multi-process distributed_type pick, starts one whatever --num_processes "
+     f"says); {_SEVERAL_FIX}"),
+    (lambda asked, machine: asked.precision == "fp16" and machine.gpus == 0,
+     "the launch asks for fp16 mixed precision, which needs a GPU and this machine has none (accelerate would train "
+     "in fp32 without saying); pass --mixed_precision no (or bf16) to accelerate launch"),
+)
+
+
+def refusal(asked: Asked, machine: Machine) -> str | None:
+    """The one line for what `machine` cannot give of `asked`, or None where it gives all."""
+    return next((line.format(engine=FAMILY_NAMES[asked.engine]) for applies, line in REFUSALS
+                 if applies(asked, machine)), None)
+
+
+def runs_here(asked: Asked, machine: Machine) -> str | None:
+    """The run header's line of what runs on a machine without a GPU, where the launch asks for more than one plain
+    process (several processes, mixed precision, compilation): None on a GPU machine, and for a plain run."""
+    if machine.gpus:
+        return None
+    parts = []
+    if asked.processes > 1:
+        crowded = (f", {asked.per_machine} processes on this machine's {machine.cores} cores"
+                   if asked.per_machine > machine.cores else "")
+        parts.append(f"{asked.processes} processes on the CPU over gloo{crowded}")
+    if asked.precision == "bf16":
+        parts.append("bf16 on the CPU")
+    if asked.compile != "no":
+        parts.append(f"torch.compile ({asked.compile}) on the CPU")
+    return f"no GPU on this machine: {', '.join(parts)}" if parts else None
+
+
+def check_launch(asked: Asked | None = None, machine: Machine | None = None) -> None:
+    """Refuse in one line a launch this machine cannot give (`REFUSALS`); call before anything is built."""
+    if (line := refusal(asked or Asked.of_environment(), machine or Machine.this())) is not None:
+        raise UserError(line)
+
+
+def tensor_parallel_here(degree: int, machine: Machine) -> str | None:
+    """The line for `--tensor_parallel degree` under an engine other than FSDP on a machine without a GPU: tensor
+    parallelism rides on accelerate's FSDP2 plugin, which accelerate runs on GPUs only, so no launch here runs it
+    (the other configs' advice would send the user round in a circle). None on a GPU machine."""
+    if machine.gpus:
+        return None
+    return (f"--tensor_parallel {degree} needs accelerate's FSDP2 plugin, which runs on GPUs, and this machine has "
+            "none: no launch here runs it; leave out --tensor_parallel (accelerate_configs/cpu_2proc.yaml trains the "
+            "rest of the run on this CPU), or launch on GPUs with accelerate_configs/fsdp_8gpu.yaml")
