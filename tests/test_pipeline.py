@@ -72,6 +72,26 @@ def test_chained_stages_compute_the_whole_models_loss_and_hold_only_their_parts(
     assert torch.allclose(loss, expected, rtol=1e-6, atol=0)
 
 
+def test_activation_checkpointing_inside_a_stage_gives_the_same_gradients():
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=100, n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=0.0)
+    state = GPT(config).state_dict()
+    x, y = torch.randint(0, 100, (2, 16)), torch.randint(0, 100, (2, 16))
+    grads = []
+    for recompute in (False, True):
+        whole = GPT(config)
+        whole.load_state_dict(state)
+        stages = [GPTStage(whole, 0, 2)]
+        stages.append(GPTStage(whole, 1, 2))
+        for stage in stages:
+            stage.activation_checkpointing = recompute
+        stages[1].loss(stages[1](stages[0](x)), y).backward()
+        grads.append({n: p.grad.clone() for stage in stages for n, p in stage.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        assert torch.allclose(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-7), name
+
+
 def test_fewer_micro_batches_than_stages_is_one_line():
     model = GPT(GPTConfig(vocab_size=100, n_layer=2, n_head=2, n_embd=32, block_size=16))
     with pytest.raises(UserError, match=r"--pipeline_parallel 2 needs at least 2 micro-batches per step, this run "

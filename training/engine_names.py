@@ -24,16 +24,19 @@ def engine_name(kind: str, zero_stage: int = 0, tensor_parallel: int = 1, pipeli
 
 # The support table's columns: each engine a launch can run, tensor parallelism (which rides on FSDP2) and pipeline
 # parallelism (on DDP's launch).
-COLUMNS = ("DDP", "FSDP2", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2 x TP", "DDP x PP")
+DDP_COLUMN, FSDP_COLUMN = ENGINE_NAMES[DDP], ENGINE_NAMES[FSDP]
+ZERO_COLUMNS = {stage: f"ZeRO-{stage}" for stage in (1, 2, 3)}
+TP_COLUMN, PP_COLUMN = f"{FSDP_COLUMN} x TP", f"{DDP_COLUMN} x PP"
+COLUMNS = (DDP_COLUMN, FSDP_COLUMN, *ZERO_COLUMNS.values(), TP_COLUMN, PP_COLUMN)
 
 
 def column(kind: str, zero_stage: int = 0, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> str:
     """The support table's column of a launch."""
     if pipeline_parallel > 1:
-        return "DDP x PP"
+        return PP_COLUMN
     if tensor_parallel > 1:
-        return "FSDP2 x TP"
-    return f"ZeRO-{zero_stage}" if kind == DEEPSPEED else ENGINE_NAMES[kind]
+        return TP_COLUMN
+    return ZERO_COLUMNS[zero_stage] if kind == DEEPSPEED else ENGINE_NAMES[kind]
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,18 @@ accelerate's activation checkpointing beside ours) stay beside the config readin
 """
 from __future__ import annotations
 
-from training.engine_names import COLUMNS, DEEPSPEED, Refusal, column, engine_name
+from training.engine_names import (
+    COLUMNS,
+    DDP_COLUMN,
+    DEEPSPEED,
+    FSDP_COLUMN,
+    PP_COLUMN,
+    TP_COLUMN,
+    ZERO_COLUMNS,
+    Refusal,
+    column,
+    engine_name,
+)
 from training.optimizers.registry import OPTIMIZERS
 
 _LORA_WHY = ("the adapters are a few MB: there is nothing worth sharding, and its checkpoints would gather and shard "
@@ -26,27 +37,27 @@ _PP_FIX = "launch it with a DDP config (accelerate_configs/8gpu.yaml, cpu_2proc.
 # here: each optimizer's module declares its own cells (`OptimizerSpec.refused_under`), and `support()` joins them.
 SUPPORT: dict[str, dict[str, Refusal]] = {
     "--lora_rank": {
-        "FSDP2": Refusal(_LORA_WHY, _LORA_FIX),
-        **{f"ZeRO-{s}": Refusal(_LORA_WHY, _LORA_FIX) for s in (1, 2, 3)},
-        "FSDP2 x TP": Refusal("peft's adapters wrap the layers tensor parallelism splits",
+        FSDP_COLUMN: Refusal(_LORA_WHY, _LORA_FIX),
+        **{ZERO_COLUMNS[s]: Refusal(_LORA_WHY, _LORA_FIX) for s in (1, 2, 3)},
+        TP_COLUMN: Refusal("peft's adapters wrap the layers tensor parallelism splits",
                               "drop --tensor_parallel (a DDP or single-process config)"),
-        "DDP x PP": Refusal("its checkpoints hold the adapters, which the pipeline's whole-model checkpoints do not "
+        PP_COLUMN: Refusal("its checkpoints hold the adapters, which the pipeline's whole-model checkpoints do not "
                             "gather", "drop --pipeline_parallel (the adapters train in a few MB: DDP is enough)"),
     },
     "--on_nan skip": {
-        f"ZeRO-{s}": Refusal("DeepSpeed applies the update inside the step's backward, before the gradient norm is "
+        ZERO_COLUMNS[s]: Refusal("DeepSpeed applies the update inside the step's backward, before the gradient norm is "
                              "known here", "use --on_nan stop") for s in (1, 2, 3)
     },
     "--tensor_parallel": {
-        "DDP": Refusal(_TP_WHY, _TP_FIX),
-        **{f"ZeRO-{s}": Refusal(_TP_WHY, _TP_FIX) for s in (1, 2, 3)},
-        "DDP x PP": Refusal("tensor-parallel groups inside pipeline stages are not built yet",
+        DDP_COLUMN: Refusal(_TP_WHY, _TP_FIX),
+        **{ZERO_COLUMNS[s]: Refusal(_TP_WHY, _TP_FIX) for s in (1, 2, 3)},
+        PP_COLUMN: Refusal("tensor-parallel groups inside pipeline stages are not built yet",
                             "choose one of --pipeline_parallel and --tensor_parallel"),
     },
     "--pipeline_parallel": {
-        "FSDP2": Refusal(_PP_WHY, _PP_FIX),
-        **{f"ZeRO-{s}": Refusal(_PP_WHY, _PP_FIX) for s in (1, 2, 3)},
-        "FSDP2 x TP": Refusal("pipeline stages with tensor-parallel groups inside are not built yet",
+        FSDP_COLUMN: Refusal(_PP_WHY, _PP_FIX),
+        **{ZERO_COLUMNS[s]: Refusal(_PP_WHY, _PP_FIX) for s in (1, 2, 3)},
+        TP_COLUMN: Refusal("pipeline stages with tensor-parallel groups inside are not built yet",
                               "choose one of --pipeline_parallel and --tensor_parallel"),
     },
 }

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from training.engine_names import DEEPSPEED, Refusal, engine_name
+from training.engine_names import DEEPSPEED, FSDP_COLUMN, TP_COLUMN, ZERO_COLUMNS, Refusal, engine_name
 from training.optimizers.spec import BLOCK_MATRICES, OptimizerPlan, OptimizerSpec
 
 
@@ -97,13 +97,13 @@ SPEC = OptimizerSpec(
     name="muon", display="Muon", claims=BLOCK_MATRICES, state_bytes=4,  # one fp32 momentum buffer per matrix
     build=build, peak_lr=lambda plan: plan.muon_lr, describe=describe,
     refused_under={
-        "FSDP2": Refusal(_WHY.format("FSDP shards them"),
+        FSDP_COLUMN: Refusal(_WHY.format("FSDP shards them"),
                          "use --optimizer adamw with FSDP2, or Muon with a DDP launch config"),
-        **{f"ZeRO-{s}": Refusal(_WHY.format("ZeRO flattens and partitions them"),
+        **{ZERO_COLUMNS[s]: Refusal(_WHY.format("ZeRO flattens and partitions them"),
                                 f"use --optimizer adamw with {engine_name(DEEPSPEED, s)}, or Muon with a DDP "
                                 "launch config")
            for s in (1, 2, 3)},
-        "FSDP2 x TP": Refusal("Muon orthogonalises whole matrices, which tensor parallelism splits across ranks",
+        TP_COLUMN: Refusal("Muon orthogonalises whole matrices, which tensor parallelism splits across ranks",
                               "use --optimizer adamw, or Muon without --tensor_parallel under a DDP launch config"),
     },
     lora_refusal="Muon orthogonalises whole hidden matrices, not rank-{rank} factors",
