@@ -111,16 +111,16 @@ elif kind == "kill_rank_1_in_save":  # while writing the checkpoint of step N, b
 
     checkpointing.save = save_then_rank_1_dies
 elif kind == "kill_rank_1_in_eval":  # inside the first validation evaluation (its text sample, after the loss)
-    import training.evaluation as evaluation
+    import training.evaluations.validation as validation
 
-    sample = evaluation.sample
+    sample = validation.sample
 
     def sample_then_rank_1_dies(*args, **kwargs):
         if faulty:
             os.kill(os.getpid(), signal.SIGKILL)
         return sample(*args, **kwargs)
 
-    evaluation.sample = sample_then_rank_1_dies
+    validation.sample = sample_then_rank_1_dies
 elif kind == "kill_after_step":
     from training.step import LRSchedule
 

@@ -189,14 +189,17 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_a_small_models_activations_are_reused_from_the_heap():
-    """The threshold is above a small model's activations: 50 freed and remade 2 MiB tensors fault in their pages
-    once, not 50 times (512 faults each with a 1 MiB threshold: mapped, zeroed and unmapped every time)."""
+    """The threshold is above a small model's activations: 50 freed and remade 2 MiB tensors reuse the heap's pages,
+    not fault them in 50 times (512 faults each with a 1 MiB threshold: mapped, zeroed and unmapped every time,
+    25,650 in all). Reused, the count depends on where the heap's top lies after the modules imported before: seen
+    992 (one tensor's first faults, twice) up to 4,139 (a few more rounds) as the imports changed, so the bound is a
+    quarter of what no reuse costs, 6,400: far from either."""
     def faults(malloc: str) -> int:
         proc = subprocess.run([sys.executable, "-c", REUSE, malloc], cwd=REPO_ROOT, capture_output=True, text=True,
                               env={**os.environ, "THP_MEM_ALLOC_ENABLE": "0"}, check=True)
         return int(proc.stdout)
 
-    assert faults("train.py") < 2_000
+    assert faults("train.py") < 6_400
     assert faults("1 MiB") > 20_000  # what this test shows is real
 
 

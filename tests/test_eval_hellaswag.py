@@ -203,8 +203,8 @@ def test_cli_two_processes_match_one(tmp_path):
     args = ["-m", "eval.hellaswag", "--model", str(tmp_path / "tiny"), "--data", str(TINY),
             "--batch_size", "2"]
     root = Path(__file__).resolve().parents[1]
-    launch = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-              "--mixed_precision", "no", "--dynamo_backend", "no",
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
               "--main_process_port", str(free_port())]
     two = subprocess.run([*launch, *args, "--output", str(tmp_path / "two.json")], cwd=root,
                          env={**os.environ, "ACCELERATE_USE_CPU": "1"},

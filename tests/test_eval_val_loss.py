@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -79,8 +80,8 @@ def test_cli_two_processes_match_one(tmp_path):
                         open_source(DataConfig(val_tokens=1000)).val_set(block_size=32), block_size=32, batch_size=4)
     args = ["-m", "eval.val_loss", "--model", str(tmp_path / "m"), "--max_tokens", "1000",
             "--batch_size", "4"]
-    launch = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-              "--mixed_precision", "no", "--dynamo_backend", "no",
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
               "--main_process_port", str(free_port())]
     two = subprocess.run([*launch, *args], cwd=ROOT, env={**os.environ, "ACCELERATE_USE_CPU": "1"},
                          capture_output=True, text=True)
