@@ -38,9 +38,10 @@ from training.machine import Asked, Machine, runs_here
 from training.metrics import StepReport, run_header, trackers_for
 from training.network import build_model
 from training.optim import build_optimizer, plan_optimizers, release_optimizer_state
-from training.pipeline import pipelined, prepare
+from training.pipeline import pipelined
 from training.preemption import PreemptionFlag
 from training.preflight import checkpoint_bytes
+from training.prepare import prepare
 from training.processes import (
     BatchGeometry,
     close_process_group,
@@ -114,11 +115,12 @@ def main() -> None:
         optimizers = build_optimizer(model, plan, accelerator.device.type)  # [AdamW] or [AdamW, Muon]
         model, *optimizers = prepare(accelerator, model, optimizers, plan)  # no scheduler: the LR is from the step
         torch.manual_seed(cfg.training.seed + data_rank)  # each data-parallel rank its own dropout masks from here
-        progress = restore(accelerator, resume, cfg.run, arch, plan.names, loader, model)  # weights, optimizers, RNG
+        progress = restore(accelerator, resume, cfg.run, arch, plan.names, loader, model,  # weights, optimizers,
+                           optimizers)  # RNGs, the data position
         peers.follow(progress)
         metrics = open_run_folder(accelerator, run, resume, progress, recipe, cfg.log.wandb_project, cfg.log.run_name)
         checkpoints = Checkpointer(accelerator, run, arch, plan.names, cfg.run.keep_last, healthy=evals.finite_loss,
-                                   engine=engine)
+                                   engine=engine, trained=optimizers)
         nan_policy = NonFinitePolicy(cfg.training.on_nan, cfg.training.max_nan_skips, run, accelerator)
         schedule = LRSchedule(cfg.optim.warmup_steps, max_steps, cfg.optim.min_lr_ratio)
         report = StepReport(cfg.log, accelerator, max_steps, progress.step, geometry.tokens_per_step, flops_per_token,

@@ -33,7 +33,6 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"  # the adapter weights only
 # What accelerate's save_state writes, named from accelerate's own constants (as its checkpointing composes them).
 MODEL_WEIGHTS = SAFE_WEIGHTS_NAME  # model.safetensors: the (possibly wrapped) model's state dict
 FSDP_MODEL_DIR = f"{FSDP_MODEL_NAME}_0"  # pytorch_model_fsdp_0/: the model's shards under FSDP's sharded state
-FSDP_OPTIMIZER_DIR = f"{OPTIMIZER_NAME}_0"  # optimizer_0/: the optimizer's shards under FSDP's sharded state
 DEEPSPEED_DIR = MODEL_NAME  # pytorch_model/: DeepSpeed's checkpoint (model states, one optimizer partition per rank)
 DEEPSPEED_LATEST = "latest"  # the name of the DeepSpeed checkpoint folder beside it, as DeepSpeed writes it
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -42,6 +41,11 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 def optimizer_file(index: int) -> str:
     """accelerate's file for the `index`-th prepared optimizer: optimizer.bin, optimizer_1.bin, ..."""
     return f"{OPTIMIZER_NAME}.bin" if index == 0 else f"{OPTIMIZER_NAME}_{index}.bin"
+
+
+def fsdp_optimizer_dir(index: int) -> str:
+    """The folder of the `index`-th optimizer's shards under FSDP's sharded state: optimizer_0/, optimizer_1/, ..."""
+    return f"{OPTIMIZER_NAME}_{index}"
 
 
 def rng_state_file(rank: int) -> str:

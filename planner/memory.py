@@ -266,6 +266,7 @@ def plan_memory(config: GPTConfig, launch: Launch, process_bytes: int = CPU_PROC
                                if launch.gathers_parameters else []),
         "optimizer step": [params, grads, state] + [i for i in static if i.name in
                                                      ("DDP gradient buckets", "DeepSpeed reduce buckets")]
+                          + _whole_matrix(config, launch)
                           + ([Item("step temporaries", 2 * 4 * V * C // shards.optimizer_state,
                                    "AdamW's for-loop on the CPU: 2 copies of the largest parameter")]
                              if launch.device == "cpu" else []),
@@ -275,6 +276,17 @@ def plan_memory(config: GPTConfig, launch: Launch, process_bytes: int = CPU_PROC
             items.append(_process_item(process_bytes))
     return MemoryPlan(config, launch, counts, per_layer, moments, stage)
 
+
+
+def _whole_matrix(config: GPTConfig, launch: Launch) -> list[Item]:
+    """Muon under FSDP2 or tensor parallelism: the largest matrix (c_fc's 4C x C) gathered whole, its momentum-
+    mixed update and Newton-Schulz's working copies (the iterate, its Gram matrix, the polynomial and the product:
+    4 of its size, fp32 at most), one matrix at a time."""
+    if launch.optimizer_spec.claims is None or not (launch.fsdp or launch.tensor_parallel > 1):
+        return []
+    largest = 4 * config.n_embd * config.n_embd
+    return [Item("Muon's whole matrix", 4 * 5 * largest, "the largest matrix gathered for Newton-Schulz, and 4 "
+                 "working copies")]
 
 
 def _process_item(process_bytes: int) -> Item:

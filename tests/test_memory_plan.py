@@ -168,8 +168,8 @@ def test_a_plan_that_does_not_fit_names_the_setting_to_change():
 def test_bad_input_is_one_line():
     with pytest.raises(UserError, match="--micro_batch_size must be positive"):
         Launch(0)
-    with pytest.raises(UserError, match="--optimizer muon is not supported under FSDP2"):
-        Launch(1, processes=8, fsdp=True, optimizer="muon")
+    with pytest.raises(UserError, match="--optimizer muon is not supported under DeepSpeed ZeRO-2"):
+        Launch(1, processes=8, zero_stage=2, optimizer="muon")
     with pytest.raises(UserError, match="choose one of"):
         model_config("gpt5")
 
@@ -477,3 +477,13 @@ def test_a_cpu_plan_is_made_against_this_machines_memory(monkeypatch, capsys):
                                       "--processes", "2"])
     main()
     assert f"({total / 2 / GB:g} GB)" in capsys.readouterr().out  # the device line of the table: this machine's
+
+
+def test_muon_under_sharding_plans_its_whole_matrix():
+    """Muon under FSDP2 (or tensor parallelism) gathers each matrix whole for Newton-Schulz: the optimizer step holds
+    the largest one (c_fc's 4C x C) and 4 working copies, in fp32; with replicas (DDP) the matrix is there already."""
+    config = model_config("gpt2", 1024)
+    fsdp = plan_memory(config, Launch(4, processes=8, fsdp=True, optimizer="muon"))
+    assert {i.name: i.bytes for i in fsdp.by_moment["optimizer step"]}["Muon's whole matrix"] == 20 * 4 * 768 ** 2
+    for launch in (Launch(4, processes=8, optimizer="muon"), Launch(4, processes=8, fsdp=True)):
+        assert "Muon's whole matrix" not in {i.name for i in plan_memory(config, launch).by_moment["optimizer step"]}

@@ -215,6 +215,24 @@ def test_muon_resumes_its_own_checkpoint_bit_exact(muon_run, tmp_path):
     assert_same_weights(reference, out)
 
 
+def assert_updates_agree(reference: Path, other: Path) -> None:
+    """Each tensor's update of run `other` within rounding of run `reference`'s (both from train.py's initial
+    weights): Muon's orthogonalisation (and, through the forward, AdamW's weights too) turns last-bit differences of
+    a gradient summed in another order into more, so each tensor's distance is held to a share of its own move.
+    Seen (DDP, the chunked loss summing in another order): in bf16 up to 2.2% of the update apart; in fp32 6.2e-5
+    (the key biases, whose exact gradient is zero), 5e-6 for every other tensor. A rank training on its own half of
+    the batch (no all-reduce) ends 20% apart; a matrix orthogonalised in pieces instead of whole, further still."""
+    from accelerate.utils import set_seed
+
+    set_seed(1337)  # train.py's initial weights (the default --seed)
+    start = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32)).state_dict()
+    single, run = (GPT.from_pretrained(folder / "final").state_dict() for folder in (reference, other))
+    bound = 5e-2 if NS_BF16 else 1e-3
+    for name, w in start.items():
+        moved, gap = (single[name] - w).norm(), (run[name] - single[name]).norm()
+        assert moved > 1e-3 and gap < bound * moved, f"{name}: moved {moved:.3g}, apart {gap:.3g}"
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_muon_on_two_processes_matches_one(muon_run, tmp_path):
@@ -222,19 +240,43 @@ def test_muon_on_two_processes_matches_one(muon_run, tmp_path):
     out = tmp_path / "ddp"
     proc = launch(MUON_ARGS + ["--out_dir", str(out)], nproc=2)
     assert "2 process(es) x 2 accumulation" in proc.stdout + proc.stderr
-    from accelerate.utils import set_seed
+    assert_updates_agree(reference, out)
 
-    set_seed(1337)  # train.py's initial weights (the default --seed)
-    start = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32)).state_dict()
-    single, ddp = (GPT.from_pretrained(run / "final").state_dict() for run in (reference, out))
-    bound = 5e-2 if NS_BF16 else 1e-3
-    for name, w in start.items():  # Muon's orthogonalisation (and, through the forward, AdamW's weights too)
-        # turns last-bit differences of the all-reduced gradient into more: compare each tensor's update. Seen
-        # (the chunked loss sums in another order): in bf16 up to 2.2% of the update apart; in fp32 6.2e-5 (the key
-        # biases, whose exact gradient is zero), 5e-6 for every other tensor. A rank training on its own half of
-        # the batch (no all-reduce) ends 20% apart.
-        moved, gap = (single[name] - w).norm(), (ddp[name] - single[name]).norm()
-        assert moved > 1e-3 and gap < bound * moved, f"{name}: moved {moved:.3g}, apart {gap:.3g}"
+
+@pytest.fixture(scope="module")
+def muon_fsdp_run(tmp_path_factory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("muon_fsdp") / "run"
+    proc = launch(MUON_ARGS + ["--out_dir", str(out)], nproc=2, engine="fsdp_8gpu")
+    return out, proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_muon_under_fsdp2_matches_one_process(muon_run, muon_fsdp_run):
+    """FSDP2 shards every matrix (half the rows on each rank): Muon gathers each whole for its Newton-Schulz and
+    keeps its momentum sharded; the run ends as one process does."""
+    reference, _ = muon_run
+    out, output = muon_fsdp_run
+    assert "distributed: FSDP" in output and "optimizer: Muon (" in output
+    assert_updates_agree(reference, out)
+
+
+@pytest.mark.slow
+def test_muon_under_fsdp2_resumes_bit_exact(muon_fsdp_run, tmp_path):
+    """The sharded momentum buffers are in FSDP2's checkpoint: a copy resumed at step 2 ends bit for bit."""
+    reference, _ = muon_fsdp_run
+    launch(MUON_ARGS + resume_copy(reference, 2, tmp_path / "copy"), nproc=2, engine="fsdp_8gpu")
+    assert_same_weights(reference, tmp_path / "copy")
+
+
+@pytest.mark.slow
+def test_muon_with_tensor_parallelism_matches_one_process(muon_run, tmp_path):
+    """Tensor parallelism splits the blocks' matrices by rows (c_attn, c_fc) or columns (the projections): each is
+    gathered whole for Newton-Schulz, each rank keeping its own rows or columns of the update."""
+    reference, _ = muon_run
+    out = tmp_path / "tp"
+    proc = launch(MUON_ARGS + ["--tensor_parallel", "2", "--out_dir", str(out)], nproc=2, engine="fsdp_8gpu")
+    assert "x tensor parallel 2" in proc.stdout + proc.stderr
+    assert_updates_agree(reference, out)
 
 
 @pytest.mark.slow

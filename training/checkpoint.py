@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType, load_fsdp_optimizer, save_fsdp_optimizer
 from safetensors import SafetensorError
 
 from common.atomic import fresh_temp_dir, rename_into_place, temp_path, write_failure
@@ -33,6 +34,7 @@ from model.unwrap import unwrapped
 from training.engines import Engine
 from training.manifest import FORMAT, write_manifest
 from training.pipeline import PipelinedGPT
+from training.prepare import outside_accelerate
 from training.resume import Progress, ResumePoint, read_json
 
 
@@ -87,11 +89,13 @@ def save_checkpoint(
     keep_last: int,
     engine: Engine,
     model: torch.nn.Module | None = None,
+    trained: list[torch.optim.Optimizer] = (),
 ) -> Path:
     """Save everything needed to resume after optimizer step `progress.step`; call on every rank.
     `optimizers`: the names of the prepared optimizers, in order; `engine`: the one that runs (recorded, with its
     tensor-parallel and pipeline degrees); `model`: a pipeline's stage (`PipelinedGPT`) writes the whole model's
-    files itself (accelerate prepares neither it nor its optimizers). Returns the published checkpoint folder."""
+    files itself (accelerate prepares neither it nor its optimizers); `trained`: the run's optimizers, of which those
+    kept out of accelerate under FSDP2 (`training.prepare`) are saved here. Returns the published checkpoint folder."""
     final = run.checkpoint(progress.step)
     tmp = temp_path(final)
     if accelerator.is_main_process:
@@ -103,6 +107,8 @@ def save_checkpoint(
         accelerator.save_state(str(tmp))
         if isinstance(model, PipelinedGPT):
             model.save_whole(tmp)  # the files a DDP run writes, gathered from the stages
+        for index, optimizer in _fsdp_outside(accelerator, trained):  # beside accelerate's optimizer_0/
+            save_fsdp_optimizer(accelerator.state.fsdp_plugin, accelerator, optimizer, model, str(tmp), index)
         index, writes = _data_state_index(accelerator, model)
         if writes:
             (tmp / data_state_file(index)).write_text(json.dumps(data_state, indent=2))
@@ -155,8 +161,14 @@ def _data_state_index(accelerator: Accelerator, model: torch.nn.Module | None) -
     return accelerator.process_index, True
 
 
+def _fsdp_outside(accelerator: Accelerator, trained: list) -> list[tuple[int, torch.optim.Optimizer]]:
+    """The optimizers accelerate does not save under FSDP2 (`training.prepare`), with their index."""
+    return outside_accelerate(list(trained)) if accelerator.distributed_type == DistributedType.FSDP else []
+
+
 def load_checkpoint(accelerator: Accelerator, point: ResumePoint, gpt_config: GPTConfig,
-                    optimizers: tuple[str, ...], model: torch.nn.Module | None = None) -> dict[str, Any]:
+                    optimizers: tuple[str, ...], model: torch.nn.Module | None = None,
+                    trained: list[torch.optim.Optimizer] = ()) -> dict[str, Any]:
     """Restore accelerate's state from `point` into the prepared model and `optimizers` (their names, in order),
     or a pipeline's stage (`model`) from the whole model's files; return this rank's data-loader state."""
     current = asdict(gpt_config)
@@ -182,6 +194,8 @@ def load_checkpoint(accelerator: Accelerator, point: ResumePoint, gpt_config: GP
         accelerator.load_state(str(point.path))
         if isinstance(model, PipelinedGPT):
             model.load_whole(point.path)
+        for index, optimizer in _fsdp_outside(accelerator, trained):
+            load_fsdp_optimizer(accelerator.state.fsdp_plugin, accelerator, optimizer, model, str(point.path), index)
     except (OSError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as err:
         # verify_checkpoint found every file intact: what is left is a checkpoint of another kind of run
         # (e.g. another optimizer or parameter layout) or a file changed since.
@@ -224,9 +238,10 @@ class Checkpointer:
     newest checkpoint is always one a resume can continue from, and rotation never removes the last good one)."""
 
     def __init__(self, accelerator: Accelerator, run: RunDir, gpt_config: GPTConfig, optimizers: tuple[str, ...],
-                 keep_last: int, healthy: Callable[[torch.nn.Module], bool], engine: Engine) -> None:
+                 keep_last: int, healthy: Callable[[torch.nn.Module], bool], engine: Engine,
+                 trained: list[torch.optim.Optimizer] = ()) -> None:
         self.accelerator, self.run, self.gpt_config, self.keep_last = accelerator, run, gpt_config, keep_last
-        self.optimizers, self.healthy, self.engine = optimizers, healthy, engine
+        self.optimizers, self.healthy, self.engine, self.trained = optimizers, healthy, engine, list(trained)
 
     def save(self, model: torch.nn.Module, progress: Progress, data_state: dict[str, Any]) -> Path:
         """Check the weights (on every rank: `healthy` may run collectives), then `save_checkpoint`; returns the
@@ -236,18 +251,19 @@ class Checkpointer:
                             f"last good checkpoint: {self.run.latest_checkpoint()}. Lower --lr (or lengthen "
                             "--warmup_steps) and resume from it", on_every_rank=True)
         return save_checkpoint(self.accelerator, self.run, progress, data_state, self.gpt_config, self.optimizers,
-                               self.keep_last, self.engine, model)
+                               self.keep_last, self.engine, model, self.trained)
 
 
 def restore(accelerator: Accelerator, resume: ResumePoint | None, cfg: RunConfig, gpt_config: GPTConfig,
-            optimizers: tuple[str, ...], loader: Any, model: torch.nn.Module | None = None) -> Progress:
+            optimizers: tuple[str, ...], loader: Any, model: torch.nn.Module | None = None,
+            trained: list[torch.optim.Optimizer] = ()) -> Progress:
     """Load the resume point into the prepared model and optimizers, the RNGs and the data loader; the run's
     progress (a new run's when there is nothing to resume)."""
     if resume is None:
         if cfg.resume:
             accelerator.print(f"no checkpoint in {cfg.out_dir} yet: starting a new run")
         return Progress()
-    loader.load_state_dict(load_checkpoint(accelerator, resume, gpt_config, optimizers, model))
+    loader.load_state_dict(load_checkpoint(accelerator, resume, gpt_config, optimizers, model, trained))
     progress = resume.progress
     accelerator.print(f"resumed from {resume.path} at step {progress.step} ({progress.tokens:,} tokens)")
     return progress

@@ -21,12 +21,12 @@ from common.run_dir import (
     DEEPSPEED_DIR,
     DEEPSPEED_LATEST,
     FSDP_MODEL_DIR,
-    FSDP_OPTIMIZER_DIR,
     GPT_CONFIG,
     MANIFEST,
     MODEL_WEIGHTS,
     RUN_STATE,
     data_state_file,
+    fsdp_optimizer_dir,
     optimizer_file,
     rng_state_file,
 )
@@ -59,7 +59,7 @@ def _required_files(point: ResumePoint) -> list[str]:
     if (point.path / ADAPTER_CONFIG).is_file():  # a LoRA run's: the adapter in place of the model
         return names + [ADAPTER_CONFIG, ADAPTER_WEIGHTS, optimizer_file(0)]
     if (point.path / FSDP_MODEL_DIR).is_dir():
-        return names + [FSDP_MODEL_DIR, FSDP_OPTIMIZER_DIR]
+        return names + [FSDP_MODEL_DIR] + [fsdp_optimizer_dir(i) for i in range(len(point.optimizers))]
     if (point.path / DEEPSPEED_DIR).is_dir():
         return names + [DEEPSPEED_DIR, DEEPSPEED_LATEST]
     return names + [MODEL_WEIGHTS] + [optimizer_file(i) for i in range(len(point.optimizers))]

@@ -17,6 +17,7 @@ optimizer is always the AdamW (accelerate saves it as `optimizer.bin`, a second 
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from common.errors import UserError
 from configs import ModelConfig, OptimConfig
@@ -70,9 +71,12 @@ def describe_optimizers(model: torch.nn.Module, plan: OptimizerPlan) -> str:
     if plan.spec.claims is None:
         return f"optimizer: AdamW ({lr}) on all {total / 1e6:.2f}M trainable params"
     named = dict(model.named_parameters())
-    claimed = sum(full_numel(named[name]) for name in claimed_names(model, plan.spec.claims))
+    names = claimed_names(model, plan.spec.claims)
+    claimed = sum(full_numel(named[name]) for name in names)
     device_type = next(model.parameters()).device.type
     about = plan.spec.describe(plan, device_type) if plan.spec.describe else f"lr {plan.spec.peak_lr(plan):g}"
+    if any(isinstance(named[name], DTensor) for name in names):  # FSDP2's shards, tensor parallelism's pieces
+        about += ", each matrix gathered whole on every rank"
     return (f"optimizer: {plan.spec.display} ({about}) on {plan.spec.claims} ({claimed / 1e6:.2f}M params), "
             f"AdamW ({lr}) on embeddings/output layer, biases, LayerNorms ({(total - claimed) / 1e6:.2f}M)")
 

@@ -328,13 +328,3 @@ def pipelined(model: GPT, layout: Layout, micro_batches: int, micro_batch_size: 
     return PipelinedGPT(model, PipelineRanks(layout, accelerator.process_index), micro_batches, micro_batch_size,
                         accelerator.device)
 
-
-def prepare(accelerator: Accelerator, model: nn.Module, optimizers: list[torch.optim.Optimizer],
-            plan: OptimizerPlan) -> list:
-    """`accelerator.prepare(model, *optimizers)`; a pipeline's stage and its optimizers are not accelerate's (its
-    DDP would span stages holding different parameters): they stay as they are, the stage keeping its optimizers
-    and plan for the checkpoints."""
-    if not isinstance(model, PipelinedGPT):
-        return accelerator.prepare(model, *optimizers)
-    model.optimizers, model.plan = list(optimizers), plan
-    return [model, *optimizers]

@@ -5,16 +5,18 @@ embeddings, the tied output layer, biases and LayerNorms stay with AdamW. `Muon`
 Newton-Schulz orthogonalisation runs in the dtype the device multiplies fast (`newton_schulz_dtype`), not always in
 bfloat16 as torch's does: a CPU without bf16 matrix units multiplies bf16 matrices 10x slower than fp32 ones.
 
-Muon orthogonalises whole matrices, so the engines that shard or split them (FSDP2, ZeRO, tensor parallelism)
-refuse it (`SPEC.refused_under`), and LoRA's low-rank factors are not hidden matrices.
+Muon orthogonalises whole matrices: under FSDP2 and tensor parallelism each matrix is gathered whole for it (`Muon`);
+DeepSpeed's ZeRO hands the optimizer flat partitions, in which no matrix is whole, and refuses it
+(`SPEC.refused_under`); LoRA's low-rank factors are not hidden matrices.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from training.engine_names import DEEPSPEED, FSDP_COLUMN, TP_COLUMN, ZERO_COLUMNS, Refusal, engine_name
+from training.engine_names import DEEPSPEED, ZERO_COLUMNS, Refusal, engine_name
 from training.optimizers.spec import BLOCK_MATRICES, OptimizerPlan, OptimizerSpec
 
 
@@ -47,10 +49,13 @@ def orthogonalise(update: torch.Tensor, coefficients: tuple[float, float, float]
 
 
 class Muon(torch.optim.Muon):
-    """torch.optim.Muon with its orthogonalisation in `ns_dtype` (`newton_schulz_dtype`). torch's constructor,
-    validation, param groups and state (one `momentum_buffer` per matrix, checkpoints interchangeable with
-    torch's); `step` is torch's update, in which only the Newton-Schulz dtype is ours. The dtype is an attribute,
-    not a param-group field, so it always comes from the machine that runs, also after a resume.
+    """torch.optim.Muon with its orthogonalisation in `ns_dtype` (`newton_schulz_dtype`), and on sharded matrices.
+    torch's constructor, validation, param groups and state (one `momentum_buffer` per matrix, checkpoints
+    interchangeable with torch's); `step` is torch's update, in which the Newton-Schulz dtype is ours, and a matrix
+    that FSDP2 shards or tensor parallelism splits (a DTensor) is gathered whole for its orthogonalisation: its
+    momentum stays sharded like the matrix (the update before it is elementwise), one all-gather per matrix and step,
+    the same Newton-Schulz on every rank, each rank keeping its own rows or columns of the result. The dtype is an
+    attribute, not a param-group field, so it always comes from the machine that runs, also after a resume.
     Only torch's default LR adjustment (`adjust_lr_fn` "original": lr x sqrt(max(1, rows / cols))) is offered."""
 
     def __init__(self, params, *, ns_dtype: torch.dtype, **kwargs) -> None:
@@ -76,7 +81,13 @@ class Muon(torch.optim.Muon):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - momentum)
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = orthogonalise(update, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
+                args = group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype
+                if isinstance(update, DTensor):  # sharded (FSDP2) or split (tensor parallelism): the whole matrix
+                    # gathered, orthogonalised on every rank alike, and each rank keeps its own piece of the result
+                    whole = orthogonalise(update.full_tensor(), *args)
+                    update = distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
+                else:
+                    update = orthogonalise(update, *args)
                 p.mul_(1 - lr * weight_decay)
                 p.add_(update, alpha=-lr * math.sqrt(max(1, p.size(0) / p.size(1))))
         return loss
@@ -96,15 +107,10 @@ _WHY = "Muon orthogonalises whole matrices; {}"
 SPEC = OptimizerSpec(
     name="muon", display="Muon", claims=BLOCK_MATRICES, state_bytes=4,  # one fp32 momentum buffer per matrix
     build=build, peak_lr=lambda plan: plan.muon_lr, describe=describe,
-    refused_under={
-        FSDP_COLUMN: Refusal(_WHY.format("FSDP shards them"),
-                         "use --optimizer adamw with FSDP2, or Muon with a DDP launch config"),
-        **{ZERO_COLUMNS[s]: Refusal(_WHY.format("ZeRO flattens and partitions them"),
-                                f"use --optimizer adamw with {engine_name(DEEPSPEED, s)}, or Muon with a DDP "
-                                "launch config")
-           for s in (1, 2, 3)},
-        TP_COLUMN: Refusal("Muon orthogonalises whole matrices, which tensor parallelism splits across ranks",
-                              "use --optimizer adamw, or Muon without --tensor_parallel under a DDP launch config"),
-    },
+    refused_under={ZERO_COLUMNS[s]: Refusal(_WHY.format("ZeRO hands the optimizer flat partitions of them, where no "
+                                                       "matrix is whole"),
+                                        f"use --optimizer adamw with {engine_name(DEEPSPEED, s)}, or Muon with a DDP "
+                                        "or FSDP2 launch config")
+                   for s in (1, 2, 3)},
     lora_refusal="Muon orthogonalises whole hidden matrices, not rank-{rank} factors",
 )
