@@ -5,7 +5,8 @@
 state dict and builds `cls` holding exactly them:
   - an HF folder or a Hub snapshot: converted by `model.state_dict_adapter`;
   - our checkpoint: accelerate's model.safetensors of our state dict, maybe `_orig_mod.`/`module.` prefixed
-    (save_state keeps the wrappers' names), the tied `lm_head.weight` dropped;
+    (save_state keeps the wrappers' names), the tied `lm_head.weight` dropped; or an FSDP2 or ZeRO checkpoint,
+    merged on one process (`_read_checkpoint`);
   - a LoRA checkpoint: its base loaded as any other weights, then `model.lora.merge_adapter` merges the adapter.
 The network's class comes in as an argument: this module never imports `model/gpt.py` (which imports it),
 and `model/lora.py` never imports this one, so the three import each other in no circle.
@@ -22,7 +23,7 @@ from huggingface_hub.constants import CONFIG_NAME, SAFETENSORS_SINGLE_FILE
 from safetensors.torch import save_file
 
 from common.errors import UserError
-from common.run_dir import GPT_CONFIG
+from common.run_dir import DEEPSPEED_DIR, FSDP_MODEL_DIR, GPT_CONFIG, RUN_STATE
 from common.weights import Kind, Weights, resolve_weights
 from data.hf_tokenizer import save_tokenizer
 from data.tokenizer import EOT_ID, N_VOCAB
@@ -34,6 +35,7 @@ from model.state_dict_adapter import (
     state_dict_from_hf,
     state_dict_to_hf,
 )
+from model.tensor_parallel import natural_order
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +99,56 @@ def strip_wrapper_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
 
 def _read_checkpoint(folder: Path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
-    """Our training checkpoint: gpt_config.json + safetensors of our (possibly wrapped) state dict."""
-    return _checkpoint_config(folder), strip_wrapper_prefixes(read_safetensors(folder, str(folder)))
+    """Our training checkpoint, of any engine, read whole on this one process: gpt_config.json and the model's state
+    dict: accelerate's model.safetensors (DDP, one process, a pipeline's gathered files); FSDP2's sharded folder,
+    merged by torch's distributed checkpoint (under tensor parallelism, c_attn put back in the Hugging Face order);
+    DeepSpeed's ZeRO partitions, merged into the fp32 master weights by DeepSpeed's own zero_to_fp32."""
+    config = _checkpoint_config(folder)
+    if (folder / FSDP_MODEL_DIR).is_dir():
+        state = natural_order(strip_wrapper_prefixes(_read_fsdp(folder / FSDP_MODEL_DIR)), config.n_embd,
+                              _tensor_parallel_degree(folder))
+    elif (folder / DEEPSPEED_DIR).is_dir():
+        state = _read_deepspeed(folder)
+    else:
+        state = read_safetensors(folder, str(folder))
+    return config, strip_wrapper_prefixes(state)
+
+
+def _read_fsdp(shards: Path) -> dict[str, torch.Tensor]:
+    """FSDP2's model shards (torch's distributed checkpoint, under the key "model"), merged on one process."""
+    import tempfile
+
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as scratch:
+        merged = Path(scratch) / "model.pt"
+        try:
+            dcp_to_torch_save(str(shards), str(merged))
+        except (OSError, RuntimeError, ValueError, CheckpointException) as err:  # the last: a BaseException
+            raise UserError(f"the model shards in {shards} cannot be read ({type(err).__name__}); use another "
+                            "checkpoint") from None
+        state = torch.load(merged, map_location="cpu", weights_only=True)
+    return state.get("model", state)
+
+
+def _read_deepspeed(folder: Path) -> dict[str, torch.Tensor]:
+    """DeepSpeed's ZeRO checkpoint (`pytorch_model/`, one partition per rank), merged into its fp32 master weights."""
+    try:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    except ImportError:
+        raise UserError(f"{folder} is a DeepSpeed checkpoint, and reading it needs DeepSpeed; pip install -e "
+                        "\".[deepspeed]\"") from None
+    return get_fp32_state_dict_from_zero_checkpoint(str(folder))
+
+
+def _tensor_parallel_degree(folder: Path) -> int:
+    """The tensor-parallel degree the checkpoint was saved under (run_state.json's engine record; 1 before it)."""
+    try:
+        engine = json.loads((folder / RUN_STATE).read_text()).get("engine") or {}
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return 1
+    return int(engine.get("tensor_parallel") or 1)
 
 
 def _checkpoint_config(folder: Path) -> GPTConfig:

@@ -20,7 +20,6 @@ from huggingface_hub.constants import SAFETENSORS_INDEX_FILE, SAFETENSORS_SINGLE
 from safetensors.torch import load_file
 
 from common.errors import UserError
-from common.run_dir import FSDP_MODEL_DIR
 from data.tokenizer import N_VOCAB
 from model.config import GPTConfig
 
@@ -140,9 +139,6 @@ def read_safetensors(folder: Path, source: str) -> dict[str, torch.Tensor]:
     except (SafetensorError, KeyError, json.JSONDecodeError, OSError) as err:
         raise UserError(f"the weights in {source} are damaged ({err.__class__.__name__}: {err}); "
                         "restore them or use another checkpoint") from None
-    if (folder / FSDP_MODEL_DIR).is_dir():
-        raise UserError(f"{source} is an FSDP sharded checkpoint; merge it first (`accelerate merge-weights "
-                        f"{folder / FSDP_MODEL_DIR} <out_dir>`) or use the run's final/ export")
     pickles = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt*")]
     hint = f" ({', '.join(pickles)} not loaded: pickled weights can run code)" if pickles else ""
     raise UserError(f"no {SAFETENSORS_SINGLE_FILE} in {source}{hint}; provide the weights as safetensors")

@@ -269,3 +269,39 @@ def test_the_shim_stops_on_versions_it_was_not_written_for(monkeypatch):
     monkeypatch.setitem(engine_shim.WRITTEN_FOR, "accelerate", (0, 1))
     with pytest.raises(RuntimeError, match="written for accelerate 0.1.x, found"):
         engine_shim.install()
+
+
+@pytest.mark.slow
+def test_any_engines_checkpoint_reads_whole_on_one_process(engine_run):
+    """A checkpoint of FSDP2 (shards in torch's distributed checkpoint) or of ZeRO-1/2/3 (DeepSpeed's partitions)
+    loads as a whole GPT on one process, without a launcher (`GPT.from_pretrained`, and so `model.sample`, `eval.*`,
+    `publish.hub`): the checkpoint of the last step holds bit for bit the weights the run exported to final/."""
+    import torch
+
+    from model import GPT
+
+    _, folder = engine_run
+    run = folder / "run"
+    merged = GPT.from_pretrained(run / "checkpoints" / "step_000004").state_dict()
+    final = GPT.from_pretrained(run / "final").state_dict()
+    assert merged.keys() == final.keys()
+    for name, tensor in final.items():
+        assert torch.equal(merged[name], tensor), name
+
+
+def test_a_deepspeed_checkpoint_without_deepspeed_installed_is_one_line(tmp_path, monkeypatch):
+    """Reading a ZeRO checkpoint whole needs DeepSpeed's zero_to_fp32: on a core install, one line naming the extra."""
+    import json
+    import sys
+    from dataclasses import asdict
+
+    from model import GPT, GPTConfig
+
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"
+    (checkpoint / "pytorch_model").mkdir(parents=True)
+    (checkpoint / "gpt_config.json").write_text(json.dumps(asdict(GPTConfig(n_layer=1, n_head=1, n_embd=8))))
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed... raises ImportError, as uninstalled
+    monkeypatch.setitem(sys.modules, "deepspeed.utils.zero_to_fp32", None)
+    with pytest.raises(UserError, match=r'is a DeepSpeed checkpoint, and reading it needs DeepSpeed; pip install '
+                                        r'-e "\.\[deepspeed\]"'):
+        GPT.from_pretrained(checkpoint)

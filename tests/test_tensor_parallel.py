@@ -276,3 +276,16 @@ def test_a_tensor_parallel_checkpoint_resumes_on_another_number_of_processes(tp_
     proc = launch(TP_ARGS + resume_copy(tp_run / "run", 2, out), nproc=4, engine="fsdp_8gpu")
     assert "was saved by 2 process(es), this run has 4" in proc.stdout + proc.stderr
     assert_weights_within_rounding(tp_run / "run", out)
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_checkpoint_reads_whole_on_one_process(tp_run):
+    """FSDP2's shards of a tensor-parallel run merged on one process, c_attn put back in the Hugging Face order:
+    the checkpoint of the last step holds bit for bit the weights of final/."""
+    from model import GPT
+
+    run = tp_run / "run"
+    merged = GPT.from_pretrained(run / "checkpoints" / "step_000004").state_dict()
+    final = GPT.from_pretrained(run / "final").state_dict()
+    for name, tensor in final.items():
+        assert torch.equal(merged[name], tensor), name
