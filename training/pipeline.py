@@ -24,6 +24,7 @@ scale.
 """
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import Sequence
@@ -34,14 +35,13 @@ from accelerate import Accelerator
 from torch import nn
 
 from common.errors import UserError
-from common.run_dir import MODEL_WEIGHTS
+from common.run_dir import MODEL_WEIGHTS, optimizer_file
 from data.tokenizer import IGNORE
 from model.gpt import GPT, sample_next
 from model.pipeline import GPTStage
 from training.layout import Layout
 from training.optimizers.spec import OptimizerPlan
 
-OPTIMIZER_FILES = ("optimizer.bin", "optimizer_1.bin")  # accelerate's names for the first and second optimizer
 TIED = "transformer.wte.weight"  # the token embedding, also the output layer
 
 
@@ -163,8 +163,7 @@ class PipelinedGPT(nn.Module):
         scaled by max_norm / norm when it is larger (torch's `clip_grad_norm_` rule)."""
         ranks = self.pipeline
         counted = [g for name, g in self._grads() if not (name == TIED and ranks.last and not ranks.first)]
-        squares = torch.zeros((), device=self.transformer.h[next(iter(self.transformer.h))].ln_1.weight.device,
-                              dtype=torch.float32)
+        squares = torch.zeros((), device=self._device(), dtype=torch.float32)
         for grad in counted:
             squares += grad.detach().float().pow(2).sum()
         dist.all_reduce(squares, group=ranks.group)
@@ -250,7 +249,7 @@ class PipelinedGPT(nn.Module):
         weights.pop("lm_head.weight")
         save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / MODEL_WEIGHTS),
                   metadata={"format": "pt"})
-        for index, (optimizer, groups) in enumerate(zip(self.optimizers, whole_groups(self.config, self.plan),
+        for index, (optimizer, groups) in enumerate(zip(self.optimizers, self._whole_groups,
                                                         strict=True)):
             by_name: dict[str, dict] = {}
             for part in parts:
@@ -263,7 +262,7 @@ class PipelinedGPT(nn.Module):
                 param_groups.append({**hyper, "params": list(range(start, start + len(names)))})
                 start += len(names)
             state = {i: by_name[name] for i, name in enumerate(flat) if name in by_name}
-            torch.save({"state": state, "param_groups": param_groups}, directory / OPTIMIZER_FILES[index])
+            torch.save({"state": state, "param_groups": param_groups}, directory / optimizer_file(index))
 
     def load_whole(self, directory: Path) -> None:
         """Load this stage's weights and optimizer state from the whole-model files in `directory` (`save_whole`'s,
@@ -277,24 +276,30 @@ class PipelinedGPT(nn.Module):
             raise UserError(f"{directory / MODEL_WEIGHTS} lacks {missing[0]}; resume with the model it was saved "
                             "with")
         self.load_state_dict({name: weights[name] for name in own})
-        names = {id(p): name for name, p in self.named_parameters()}
-        for index, (optimizer, groups) in enumerate(zip(self.optimizers, whole_groups(self.config, self.plan),
+        params = dict(self.named_parameters())
+        names = {id(p): name for name, p in params.items()}
+        for index, (optimizer, groups) in enumerate(zip(self.optimizers, self._whole_groups,
                                                         strict=True)):
-            saved = torch.load(directory / OPTIMIZER_FILES[index], map_location="cpu", weights_only=True)
+            saved = torch.load(directory / optimizer_file(index), map_location="cpu", weights_only=True)
             flat = [name for group in groups for name in group]
             by_name = {flat[i]: state for i, state in saved["state"].items()}
             mine = optimizer.state_dict()
             mine_names = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
             mine["state"] = {i: by_name[name] for i, name in enumerate(mine_names) if name in by_name}
-            params = dict(self.named_parameters())
             for name in mine_names:  # a state of another shape would fail only in the next step, as a traceback
                 shapes = {tuple(t.shape) for t in by_name.get(name, {}).values() if torch.is_tensor(t) and t.dim()}
                 if shapes - {tuple(params[name].shape)}:
-                    raise UserError(f"{directory / OPTIMIZER_FILES[index]} holds a state of another shape for {name} "
+                    raise UserError(f"{directory / optimizer_file(index)} holds a state of another shape for {name} "
                                     "than this model's; resume it with the settings it was saved with")
             for group, saved_group in zip(mine["param_groups"], saved["param_groups"], strict=True):
                 group.update({k: v for k, v in saved_group.items() if k != "params"})
             optimizer.load_state_dict(mine)
+
+    @functools.cached_property
+    def _whole_groups(self) -> list[list[list[str]]]:
+        """How one process's optimizers number the whole model's parameters (`whole_groups`): the same at every save
+        and load, computed once (a model on the meta device and its optimizers)."""
+        return whole_groups(self.config, self.plan)
 
     def _state_by_name(self, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
         names = {id(p): name for name, p in self.named_parameters()}
