@@ -27,7 +27,7 @@ from data.source import open_source
 from planner import exit_after_plan
 from publish.card import write_card
 from publish.uploads import HubUploads
-from training.checkpoint import Checkpointer, refuse_another_engine, restore, use_adapter_checkpoints
+from training.checkpoint import Checkpointer, restore, use_adapter_checkpoints
 from training.draw import draw_step
 from training.elastic import Attempt, open_process_group
 from training.engines import fit_deepspeed, refuse_unsupported
@@ -36,6 +36,7 @@ from training.export import export_final
 from training.layout import Layout
 from training.machine import Asked, Machine, runs_here
 from training.metrics import StepReport, run_header, trackers_for
+from training.moving import checkpoint_move
 from training.network import build_model
 from training.optim import build_optimizer, plan_optimizers, release_optimizer_state
 from training.pipeline import pipelined
@@ -89,7 +90,7 @@ def main() -> None:
                                cfg.training.activation_checkpointing)  # what we do not run under it, in one line
             refuse_while_another_run_writes(run, accelerator.is_main_process)  # first: no advice helps then
             resume = find_resume_point(cfg.run.resume, run.path)  # never over another run's files
-            refuse_another_engine(resume, engine, accelerator.num_processes)  # each engine reads only its own format
+            move = checkpoint_move(resume, engine, accelerator.num_processes, plan)  # saved by another engine?
             uploads = HubUploads(cfg.hub, run, cfg.run.save_every, accelerator.is_main_process)  # token checked now
             set_seed(cfg.training.seed)  # identical initial weights on every rank
             model, init_weights = build_model(cfg.model, resume, cfg.training.activation_checkpointing)
@@ -106,7 +107,7 @@ def main() -> None:
             fit_deepspeed(accelerator, geometry.micro_batch_size, geometry.accumulation, cfg.training.grad_clip,
                           arch.n_embd)  # DeepSpeed's config gets this run's batch and clipping (other engines: no-op)
             record = recorded_config(cfg, arch, plan, source.pinned, init_weights)  # Hub data, weights at commits
-            recipe = resume_recipe(record, resume, plan)  # what a resume may not change is refused here
+            recipe = resume_recipe(record, resume, plan, move)  # what a resume may not change is refused here
             on_exit.enter_context(claim_run_folder(accelerator, cfg.run, resume, max_steps,
                                                    checkpoint_bytes(n_params)))  # one run per folder, locked
         model = split(model, layout, accelerator)  # --tensor_parallel: the blocks split, FSDP2 across the groups
@@ -116,7 +117,7 @@ def main() -> None:
         model, *optimizers = prepare(accelerator, model, optimizers, plan)  # no scheduler: the LR is from the step
         torch.manual_seed(cfg.training.seed + data_rank)  # each data-parallel rank its own dropout masks from here
         progress = restore(accelerator, resume, cfg.run, arch, plan.names, loader, model,  # weights, optimizers,
-                           optimizers)  # RNGs, the data position
+                           optimizers, move)  # RNGs, the data position (from another engine's format: moved)
         peers.follow(progress)
         metrics = open_run_folder(accelerator, run, resume, progress, recipe, cfg.log.wandb_project, cfg.log.run_name)
         checkpoints = Checkpointer(accelerator, run, arch, plan.names, cfg.run.keep_last, healthy=evals.finite_loss,

@@ -6,17 +6,20 @@ state dict and builds `cls` holding exactly them:
   - an HF folder or a Hub snapshot: converted by `model.state_dict_adapter`;
   - our checkpoint: accelerate's model.safetensors of our state dict, maybe `_orig_mod.`/`module.` prefixed
     (save_state keeps the wrappers' names), the tied `lm_head.weight` dropped; or an FSDP2 or ZeRO checkpoint,
-    merged on one process (`_read_checkpoint`);
+    merged on one process (`read_checkpoint`);
   - a LoRA checkpoint: its base loaded as any other weights, then `model.lora.merge_adapter` merges the adapter.
 The network's class comes in as an argument: this module never imports `model/gpt.py` (which imports it),
 and `model/lora.py` never imports this one, so the three import each other in no circle.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import logging
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from huggingface_hub.constants import CONFIG_NAME, SAFETENSORS_SINGLE_FILE
@@ -78,7 +81,7 @@ def read_plain(weights: Weights) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
     """The config and our state dict of an HF folder, a Hub snapshot or our (full-model) checkpoint."""
     assert weights.kind is not Kind.LORA_CHECKPOINT and weights.folder is not None, weights
     if weights.kind is Kind.CHECKPOINT:
-        return _read_checkpoint(weights.folder)
+        return read_checkpoint(weights.folder)
     try:
         hf = json.loads((weights.folder / CONFIG_NAME).read_text())
     except json.JSONDecodeError as err:
@@ -98,7 +101,7 @@ def strip_wrapper_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return {strip(k): v for k, v in state.items()}
 
 
-def _read_checkpoint(folder: Path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+def read_checkpoint(folder: Path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
     """Our training checkpoint, of any engine, read whole on this one process: gpt_config.json and the model's state
     dict: accelerate's model.safetensors (DDP, one process, a pipeline's gathered files); FSDP2's sharded folder,
     merged by torch's distributed checkpoint (under tensor parallelism, c_attn put back in the Hugging Face order);
@@ -116,6 +119,12 @@ def _read_checkpoint(folder: Path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
 
 def _read_fsdp(shards: Path) -> dict[str, torch.Tensor]:
     """FSDP2's model shards (torch's distributed checkpoint, under the key "model"), merged on one process."""
+    state = read_distributed_checkpoint(shards)
+    return state.get("model", state)
+
+
+def read_distributed_checkpoint(shards: Path) -> dict:
+    """A folder of torch's distributed checkpoint (FSDP2's model or optimizer shards), merged on one process."""
     import tempfile
 
     from torch.distributed.checkpoint.api import CheckpointException
@@ -128,8 +137,7 @@ def _read_fsdp(shards: Path) -> dict[str, torch.Tensor]:
         except (OSError, RuntimeError, ValueError, CheckpointException) as err:  # the last: a BaseException
             raise UserError(f"the model shards in {shards} cannot be read ({type(err).__name__}); use another "
                             "checkpoint") from None
-        state = torch.load(merged, map_location="cpu", weights_only=True)
-    return state.get("model", state)
+        return torch.load(merged, map_location="cpu", weights_only=True)
 
 
 def _read_deepspeed(folder: Path) -> dict[str, torch.Tensor]:
@@ -139,7 +147,16 @@ def _read_deepspeed(folder: Path) -> dict[str, torch.Tensor]:
     except ImportError:
         raise UserError(f"{folder} is a DeepSpeed checkpoint, and reading it needs DeepSpeed; pip install -e "
                         "\".[deepspeed]\"") from None
-    return get_fp32_state_dict_from_zero_checkpoint(str(folder))
+    with deepspeed_quietly():
+        return get_fp32_state_dict_from_zero_checkpoint(str(folder))
+
+
+@contextlib.contextmanager
+def deepspeed_quietly() -> Iterator[None]:
+    """DeepSpeed's checkpoint readers print what they parse and draw progress bars, on every rank: not a user's
+    business (their errors are exceptions, which pass)."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        yield
 
 
 def _tensor_parallel_degree(folder: Path) -> int:

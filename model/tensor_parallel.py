@@ -60,6 +60,15 @@ def natural_order(state_dict: dict[str, torch.Tensor], n_embd: int, degree: int)
     return {name: tensor[inverse] if _is_qkv(name) else tensor for name, tensor in state_dict.items()}
 
 
+def parallel_order(state_dict: dict[str, torch.Tensor], n_embd: int, degree: int) -> dict[str, torch.Tensor]:
+    """`natural_order`'s inverse: a full state dict in the Hugging Face order with every `c_attn` weight and bias in
+    the head-group order of `degree` (what a tensor-parallel model holds); other tensors as they are."""
+    if degree == 1:
+        return state_dict
+    order = head_group_order(n_embd, degree)
+    return {name: tensor[order] if _is_qkv(name) else tensor for name, tensor in state_dict.items()}
+
+
 def _is_qkv(name: str) -> bool:
     return name.endswith((f"{QKV}.weight", f"{QKV}.bias"))
 

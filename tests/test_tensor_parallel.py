@@ -31,7 +31,6 @@ from conftest import (
 
 from common.errors import UserError
 from model.tensor_parallel import head_group_order, natural_order, split_problem
-from training.checkpoint import refuse_another_engine
 from training.engines import Engine, refuse_unsupported
 from training.layout import Layout
 from training.machine import Machine
@@ -132,22 +131,6 @@ def test_lora_is_refused_with_tensor_parallelism_and_muon_runs():
             refuse_unsupported(engine, accelerator, optimizer, lora, "stop", False)
         assert words in str(err.value) and "\n" not in str(err.value)
     refuse_unsupported(engine, accelerator, "adamw", False, "skip", True)  # AdamW, --on_nan skip, AC: run
-
-
-def test_a_checkpoint_is_resumed_only_under_its_own_degree(tmp_path):
-    from types import SimpleNamespace
-
-    point = SimpleNamespace(path=tmp_path / "step_000004", world_size=2,
-                            engine={"kind": "fsdp", "zero_stage": 0, "tensor_parallel": 2})
-    refuse_another_engine(point, Engine("fsdp", tensor_parallel=2), world_size=4)  # other processes: fine
-    for engine, words in ((Engine("fsdp"), "saved with --tensor_parallel 2, this launch has --tensor_parallel 1"),
-                          (Engine("fsdp", tensor_parallel=4), "resume it with --tensor_parallel 2"),
-                          (Engine("ddp"), "saved under FSDP2 x tensor parallel 2, this launch runs DDP")):
-        with pytest.raises(UserError) as err:
-            refuse_another_engine(point, engine, world_size=2)
-        assert words in str(err.value)
-    old = SimpleNamespace(path=tmp_path, world_size=2, engine={"kind": "fsdp", "zero_stage": 0})  # before TP
-    refuse_another_engine(old, Engine("fsdp"), world_size=2)
 
 
 # ---- train.py on 2 processes ---------------------------------------------------------------------------------

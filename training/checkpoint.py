@@ -15,7 +15,7 @@ import logging
 import pickle
 import shutil
 from contextlib import contextmanager
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -33,6 +33,7 @@ from model.lora import adapter_state, has_adapters, load_adapter_state, save_ada
 from model.unwrap import unwrapped
 from training.engines import Engine
 from training.manifest import FORMAT, write_manifest
+from training.moving import Move, load_whole, read_whole
 from training.pipeline import PipelinedGPT
 from training.prepare import outside_accelerate
 from training.resume import Progress, ResumePoint, read_json
@@ -168,9 +169,11 @@ def _fsdp_outside(accelerator: Accelerator, trained: list) -> list[tuple[int, to
 
 def load_checkpoint(accelerator: Accelerator, point: ResumePoint, gpt_config: GPTConfig,
                     optimizers: tuple[str, ...], model: torch.nn.Module | None = None,
-                    trained: list[torch.optim.Optimizer] = ()) -> dict[str, Any]:
+                    trained: list[torch.optim.Optimizer] = (), move: Move | None = None) -> dict[str, Any]:
     """Restore accelerate's state from `point` into the prepared model and `optimizers` (their names, in order),
-    or a pipeline's stage (`model`) from the whole model's files; return this rank's data-loader state."""
+    or a pipeline's stage (`model`) from the whole model's files; under `move` (another engine's checkpoint), the
+    checkpoint read whole into the prepared `model` and optimizers (`trained`); return this rank's data-loader
+    state."""
     current = asdict(gpt_config)
     diffs = [f"{k}: checkpoint {point.gpt_config.get(k)!r} vs now {v!r}" for k, v in current.items()
              if point.gpt_config.get(k) != v]
@@ -186,15 +189,20 @@ def load_checkpoint(accelerator: Accelerator, point: ResumePoint, gpt_config: GP
     # loaders that cannot follow such a change refuse it in their load_state_dict.
     data_state = read_json(own if own.is_file() else point.path / data_state_file(0))
     saved_world = point.world_size
-    if saved_world != accelerator.num_processes:
+    if move is not None:
+        accelerator.print(move.announcement(point.path))
+    elif saved_world != accelerator.num_processes:
         accelerator.print(f"note: {point.path.name} was saved by {saved_world} process(es), this run has "
                           f"{accelerator.num_processes}: data order and weights go on exactly, per-rank random streams "
                           "(dropout) start afresh")
     try:
-        accelerator.load_state(str(point.path))
-        if isinstance(model, PipelinedGPT):
+        if move is not None:  # another engine's format: read whole, each rank takes its piece (training.moving)
+            load_whole(read_whole(point, gpt_config, move.plan), model, list(trained), gpt_config, move.now)
+        else:
+            accelerator.load_state(str(point.path))
+        if isinstance(model, PipelinedGPT) and move is None:
             model.load_whole(point.path)
-        for index, optimizer in _fsdp_outside(accelerator, trained):
+        for index, optimizer in _fsdp_outside(accelerator, trained) if move is None else ():
             load_fsdp_optimizer(accelerator.state.fsdp_plugin, accelerator, optimizer, model, str(point.path), index)
     except (OSError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as err:
         # verify_checkpoint found every file intact: what is left is a checkpoint of another kind of run
@@ -207,30 +215,6 @@ def load_checkpoint(accelerator: Accelerator, point: ResumePoint, gpt_config: GP
     # (after a change of world size or micro-batch) would put every sync mid-window and silently stop updates.
     accelerator.step = 0
     return data_state
-
-
-def refuse_another_engine(point: ResumePoint | None, engine: Engine, world_size: int) -> None:
-    """Each engine saves in its own format (DDP: whole files; FSDP: sharded folders; DeepSpeed: one optimizer
-    partition per rank, laid out by its ZeRO stage), which no other loads: a resume runs the engine that saved
-    the checkpoint, and under DeepSpeed also as many processes (its partitions do not reshard)."""
-    if point is None:
-        return
-    saved = replace(Engine.of_record(point.engine), pipeline_parallel=engine.pipeline_parallel)  # the files a DDP
-    # run writes, whatever the degree (`training.pipeline`): a pipeline's checkpoint resumes under DDP and the reverse
-    if saved.tensor_parallel != engine.tensor_parallel and saved.kind == engine.kind:
-        # c_attn's rows are saved in the head-group order of the degree (model.tensor_parallel)
-        raise UserError(f"{point.path} was saved with --tensor_parallel {saved.tensor_parallel}, this launch has "
-                        f"--tensor_parallel {engine.tensor_parallel}; resume it with --tensor_parallel "
-                        f"{saved.tensor_parallel} (any number of processes that it divides)")
-    if saved != engine:
-        raise UserError(f"{point.path} was saved under {saved.name}, this launch runs {engine.name}, whose checkpoints "
-                        f"have another format; resume it with the accelerate config it was trained with"
-                        + (f" (accelerate_configs/zero{saved.zero_stage}_8gpu.yaml)" if saved.kind == "deepspeed" else
-                           " (accelerate_configs/fsdp_8gpu.yaml)" if saved.kind == "fsdp" else " (a DDP config)"))
-    if engine.kind == "deepspeed" and point.world_size != world_size:
-        raise UserError(f"{point.path} was saved by {point.world_size} process(es) under {engine.name}, which "
-                        f"partitions the optimizer state per process; resume it with --num_processes "
-                        f"{point.world_size}")
 
 
 class Checkpointer:
@@ -256,14 +240,14 @@ class Checkpointer:
 
 def restore(accelerator: Accelerator, resume: ResumePoint | None, cfg: RunConfig, gpt_config: GPTConfig,
             optimizers: tuple[str, ...], loader: Any, model: torch.nn.Module | None = None,
-            trained: list[torch.optim.Optimizer] = ()) -> Progress:
+            trained: list[torch.optim.Optimizer] = (), move: Move | None = None) -> Progress:
     """Load the resume point into the prepared model and optimizers, the RNGs and the data loader; the run's
     progress (a new run's when there is nothing to resume)."""
     if resume is None:
         if cfg.resume:
             accelerator.print(f"no checkpoint in {cfg.out_dir} yet: starting a new run")
         return Progress()
-    loader.load_state_dict(load_checkpoint(accelerator, resume, gpt_config, optimizers, model, trained))
+    loader.load_state_dict(load_checkpoint(accelerator, resume, gpt_config, optimizers, model, trained, move))
     progress = resume.progress
     accelerator.print(f"resumed from {resume.path} at step {progress.step} ({progress.tokens:,} tokens)")
     return progress

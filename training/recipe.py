@@ -37,6 +37,7 @@ from common.errors import UserError
 from common.run_dir import RunDir
 from configs import read_run_config
 from configs.schema import RESUME_RULES
+from training.moving import NOT_CARRIED, Move
 from training.optim import OptimizerPlan
 from training.resume import ResumePoint
 from training.step import LRSchedule
@@ -105,14 +106,19 @@ def _lrs(values: dict[str, Any], plan: OptimizerPlan, step: int) -> list[float] 
     return replace(plan, lr=values["lr"], muon_lr=values["muon_lr"]).lrs_at(factor)
 
 
-def resume_recipe(record: dict[str, Any], resume: ResumePoint | None, plan: OptimizerPlan) -> Recipe:
+def resume_recipe(record: dict[str, Any], resume: ResumePoint | None, plan: OptimizerPlan,
+                  move: Move | None = None) -> Recipe:
     """The run's `Recipe`: `record` for a new run; for a resume, `record` compared with the config.yaml of the
     checkpoint's run folder: a refused change is a UserError (nothing written yet), the others are announced and
-    appended to its `resumes`. `plan`: the run's optimizers (whose learning rates the announcement gives)."""
+    appended to its `resumes`. `plan`: the run's optimizers (whose learning rates the announcement gives). `move`:
+    the checkpoint was saved by another engine or number of processes (`training.moving`), recorded in `resumes`
+    too (its line is the checkpoint loader's)."""
     if resume is None:
         return Recipe(record)
     step, config_file = resume.progress.step, RunDir(resume.path.parent.parent).config_file
     entry: dict[str, Any] = {"step": step, "checkpoint": str(resume.path)}
+    if move is not None:
+        entry["moved"] = {"from": move.before, "to": move.after, "not_carried": NOT_CARRIED}
     if not config_file.is_file():
         return Recipe(record, ({**entry, "earlier_settings": f"not recorded (no {config_file})"},),
                       (f"note: no {config_file} records the settings of the steps before {step}; config.yaml "
@@ -135,7 +141,7 @@ def resume_recipe(record: dict[str, Any], resume: ResumePoint | None, plan: Opti
         else:
             changes.append(change)
     if not changes:
-        return Recipe(values, tuple(earlier))
+        return Recipe(values, (*earlier, entry) if move is not None else tuple(earlier))
     # A finished run: no step would use the change, yet config.yaml would record it. (A step past --max_steps, and a
     # change the checkpoint's own files refuse, each have their own line, later.)
     if step == values["max_steps"] and not any(c.name in CHECKED_BY_THE_CHECKPOINT for c in changes):

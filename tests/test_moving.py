@@ -1,0 +1,100 @@
+"""Checkpoints that move (training.moving): a run resumed under another engine, tensor-parallel degree or number of
+processes than the one that saved its checkpoint, on 2 gloo processes through tests/engine_shim.py (fp32).
+
+Each case resumes a copy of a run of DDP_ARGS from its checkpoint of step 2 under another launch and is held against
+the run that never moved (`single_run`: every launch of DDP_ARGS trains the same optimization): the final weights
+within float rounding (tests/bounds.py: the engines sum the same gradients in other orders), the same losses and
+gradient norms, each step logged once, the move announced in one line and recorded in config.yaml's `resumes:`.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from conftest import (
+    DDP_ARGS,
+    assert_same_metrics,
+    assert_weights_within_rounding,
+    launch,
+    probed_run,
+    read_metrics,
+    resume_copy,
+)
+
+from common.errors import UserError
+from training.engines import Engine
+from training.moving import checkpoint_move
+
+TP_ARGS = ["--tensor_parallel", "2"]
+
+
+def _source(request, engine: str | None):
+    """The run a case moves from: DDP_ARGS on 2 processes of `engine` (None: DDP on gloo), the runs other test
+    files hold against one process (test_engines', conftest's `ddp_run`), built once per session."""
+    if engine is None:
+        return request.getfixturevalue("ddp_run")
+    return probed_run(request.getfixturevalue("tmp_path_factory"), f"engine_{engine}", DDP_ARGS, engine) / "run"
+
+
+# (from engine, to engine, processes after the move, extra flags after it, the engine names the note gives)
+MOVES = {
+    "ddp2_to_fsdp2": (None, "fsdp_8gpu", 2, [], "DDP on 2 process(es)", "FSDP2 on 2 process(es)"),
+    "fsdp2_to_one_process": ("fsdp_8gpu", None, 1, [], "FSDP2 on 2 process(es)", "DDP on 1 process(es)"),
+    "zero2_to_zero3": ("zero2_8gpu", "zero3_8gpu", 2, [], "DeepSpeed ZeRO-2 on 2", "DeepSpeed ZeRO-3 on 2"),
+    "ddp2_to_zero2": (None, "zero2_8gpu", 2, [], "DDP on 2 process(es)", "DeepSpeed ZeRO-2 on 2"),
+    "ddp2_to_zero3": (None, "zero3_8gpu", 2, [], "DDP on 2 process(es)", "DeepSpeed ZeRO-3 on 2"),
+    "zero3_to_ddp2": ("zero3_8gpu", None, 2, [], "DeepSpeed ZeRO-3 on 2", "DDP on 2 process(es)"),
+    "ddp2_to_tensor_parallel_2": (None, "fsdp_8gpu", 2, TP_ARGS, "DDP on 2 process(es)",
+                                  "FSDP2 x tensor parallel 2 on 2"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", list(MOVES))
+def test_a_checkpoint_resumes_under_another_engine_as_the_run_that_never_moved(case, single_run, request, tmp_path):
+    source_engine, engine, nproc, flags, before, after = MOVES[case]
+    source = _source(request, source_engine)
+    out = tmp_path / "run"
+    proc = launch(DDP_ARGS + flags + resume_copy(source, 2, out), nproc=nproc, engine=engine)
+    output = proc.stdout + proc.stderr
+    notes = [line for line in output.splitlines() if line.startswith("note: step_000002 was saved under")]
+    assert len(notes) == 1 and before in notes[0] and after in notes[0], output[-3000:]
+    assert_weights_within_rounding(single_run, out)
+    assert_same_metrics(single_run, out)
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]  # each step once
+    moved = yaml.safe_load((out / "config.yaml").read_text())["resumes"][-1]["moved"]
+    assert before in moved["from"] and after in moved["to"] and "random streams" in moved["not_carried"]
+
+
+def _point(tmp_path, world_size: int, **engine):
+    return SimpleNamespace(path=tmp_path / "step_000004", world_size=world_size, engine=engine)
+
+
+@pytest.mark.parametrize(("saved", "saved_world", "now", "world", "moves"), [
+    ({"kind": "ddp"}, 2, Engine("ddp"), 4, False),  # accelerate's own files, whole: any number of processes
+    ({"kind": "fsdp"}, 2, Engine("fsdp"), 4, False),  # torch's distributed checkpoint reshards itself
+    ({"kind": "fsdp", "tensor_parallel": 2}, 2, Engine("fsdp", tensor_parallel=2), 4, False),
+    ({"kind": "ddp", "pipeline_parallel": 2}, 2, Engine("ddp"), 1, False),  # a pipeline writes DDP's files
+    ({"kind": "deepspeed", "zero_stage": 2}, 2, Engine("deepspeed", 2), 2, False),
+    ({"kind": "deepspeed", "zero_stage": 2}, 2, Engine("deepspeed", 2), 4, True),  # partitions do not reshard
+    ({"kind": "deepspeed", "zero_stage": 2}, 2, Engine("deepspeed", 3), 2, True),
+    ({"kind": "deepspeed", "zero_stage": 3}, 2, Engine("ddp"), 2, True),
+    ({"kind": "fsdp", "tensor_parallel": 2}, 2, Engine("fsdp", tensor_parallel=4), 4, True),  # c_attn's order
+    ({"kind": "fsdp"}, 2, Engine("ddp"), 1, True),
+    ({"kind": "ddp"}, 2, Engine("fsdp", tensor_parallel=2), 2, True),
+])
+def test_a_resume_moves_only_where_the_engine_that_saved_cannot_read_it_itself(saved, saved_world, now, world, moves,
+                                                                               tmp_path):
+    move = checkpoint_move(_point(tmp_path, saved_world, **saved), now, world, plan=None)
+    assert (move is not None) == moves
+    if move is not None:
+        line = move.announcement(tmp_path / "step_000004")
+        assert line.startswith("note: step_000004 was saved under ") and "\n" not in line
+        assert f"this launch runs {now.name} on {world} process(es)" in line and "random streams" in line
+
+
+def test_a_checkpoint_of_an_unknown_engine_is_one_line(tmp_path):
+    with pytest.raises(UserError, match="records an engine this version does not know \\('megatron'\\)"):
+        checkpoint_move(_point(tmp_path, 2, kind="megatron"), Engine("ddp"), 2, plan=None)

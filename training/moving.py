@@ -1,0 +1,293 @@
+"""Checkpoints that move: a checkpoint resumed under another engine, tensor-parallel degree or (for ZeRO) number of
+processes than the launch that saved it.
+
+Each engine saves in its own format (DDP: whole files; FSDP2: torch's distributed checkpoint of its shards;
+DeepSpeed: one optimizer partition per rank, laid out by its ZeRO stage). A resume on the engine that saved it reads
+them with accelerate's `load_state` (bit-exact; FSDP2 also reshards over another number of processes). Anything else
+goes through the checkpoint's state read whole (`WholeState`): the model's weights and each optimizer's state, both
+by parameter name, c_attn in the Hugging Face order, on every rank; then each rank takes its own piece of it:
+
+- DDP, FSDP2 and tensor parallelism (torch's parameters, plain or DTensors): every parameter and every tensor of its
+  optimizer state copied in, a DTensor keeping its own shard (`distribute_tensor(..., src_data_rank=None)`: each rank
+  holds the whole, so nothing is sent).
+- a pipeline's stage: the whole state written as a DDP run's files in a scratch folder, read by its own `load_whole`.
+- DeepSpeed ZeRO-1/2/3: the whole state written in DeepSpeed's universal checkpoint layout (one folder per parameter:
+  fp32, exp_avg, exp_avg_sq, step) in a scratch folder, which its ZeRO optimizer loads partition by partition.
+
+The step, the tokens, the learning rate (a function of the step) and the data position (the loaders keep one global
+cursor) carry over; the per-rank RNG streams (dropout) do not, which the run announces and config.yaml's `resumes:`
+records. The optimization is the same: the resumed run ends within float rounding of the run that never moved
+(summation orders differ between engines), not bit for bit.
+"""
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from common.errors import UserError
+from common.run_dir import DEEPSPEED_DIR, MODEL_WEIGHTS, fsdp_optimizer_dir, optimizer_file
+from model import GPT, GPTConfig
+from model.pretrained import deepspeed_quietly, read_checkpoint, read_distributed_checkpoint, strip_wrapper_prefixes
+from model.tensor_parallel import natural_order, parallel_order
+from model.unwrap import unwrapped
+from training.engine_names import DDP, DEEPSPEED, FSDP
+from training.engines import Engine
+from training.optimizers.spec import OptimizerPlan
+from training.pipeline import TIED, PipelinedGPT, whole_groups
+from training.resume import ResumePoint
+
+_TIED_PAIR = {TIED: "lm_head.weight", "lm_head.weight": TIED}
+
+
+@dataclass(frozen=True)
+class Move:
+    """A resume that changes how the model is held: from the checkpoint's engine and processes to the launch's."""
+
+    saved: Engine
+    saved_world: int
+    now: Engine
+    world: int
+    plan: OptimizerPlan  # the run's optimizers (how a DDP checkpoint numbers the parameters)
+
+    @property
+    def before(self) -> str:
+        return f"{self.saved.name} on {self.saved_world} process(es)"
+
+    @property
+    def after(self) -> str:
+        return f"{self.now.name} on {self.world} process(es)"
+
+    def announcement(self, checkpoint: Path) -> str:
+        return (f"note: {checkpoint.name} was saved under {self.before}, this launch runs {self.after}: its weights, "
+                "optimizer state, step and data position carry over (the run ends within float rounding of one that "
+                f"never moved); {NOT_CARRIED} start afresh")
+
+
+NOT_CARRIED = "per-rank random streams (dropout)"  # what a move cannot carry: the RNG states of ranks that may be gone
+
+
+def checkpoint_move(point: ResumePoint | None, engine: Engine, world_size: int, plan: OptimizerPlan) -> Move | None:
+    """The `Move` resuming `point` under `engine` on `world_size` processes makes; None when the engine that saved it
+    reads it itself (the same engine and degree; for DeepSpeed also the same number of processes: its partitions do
+    not reshard). A pipeline's checkpoint is a DDP run's files, whatever the degree."""
+    if point is None:
+        return None
+    saved = replace(Engine.of_record(point.engine), pipeline_parallel=engine.pipeline_parallel)
+    if saved == engine and not (engine.kind == DEEPSPEED and point.world_size != world_size):
+        return None
+    if saved.kind not in (DDP, FSDP, DEEPSPEED):
+        raise UserError(f"{point.path} records an engine this version does not know ({saved.kind!r}); resume it "
+                        "with the version that saved it")
+    return Move(saved, point.world_size, engine, world_size, plan)
+
+
+@dataclass
+class WholeState:
+    """A checkpoint's state, whole, by parameter name (the names of our GPT, c_attn in the Hugging Face order):
+    `weights`, and for each of the run's optimizers (in order) each parameter's state (AdamW: exp_avg, exp_avg_sq,
+    step; Muon: momentum_buffer)."""
+
+    weights: dict[str, torch.Tensor]
+    optimizers: list[dict[str, dict[str, Any]]]
+
+    def weight(self, name: str) -> torch.Tensor:
+        """The weight `name`; the token embedding and the output layer are one tensor (tied)."""
+        found = self.weights.get(name, self.weights.get(_TIED_PAIR.get(name, "")))
+        if found is None:
+            raise UserError(f"the checkpoint holds no weight {name}; resume it with the model it was saved with")
+        return found
+
+    def state(self, index: int, name: str) -> dict[str, Any] | None:
+        states = self.optimizers[index]
+        return states.get(name, states.get(_TIED_PAIR.get(name, "")))
+
+
+def read_whole(point: ResumePoint, config: GPTConfig, plan: OptimizerPlan) -> WholeState:
+    """`point`'s weights and optimizer states, whole, on this process (every rank reads them; they are the size of
+    one DDP checkpoint)."""
+    _, weights = read_checkpoint(point.path)
+    engine = Engine.of_record(point.engine)
+    if engine.kind == FSDP:
+        optimizers = [_read_fsdp_optimizer(point.path / fsdp_optimizer_dir(i), config, engine.tensor_parallel)
+                      for i in range(len(point.optimizers))]
+    elif engine.kind == DEEPSPEED:
+        optimizers = [_read_zero_optimizer(point.path / DEEPSPEED_DIR)]
+    else:
+        optimizers = [_read_ddp_optimizer(point.path / optimizer_file(i), groups)
+                      for i, groups in enumerate(whole_groups(config, plan))]
+    return WholeState(weights, optimizers)
+
+
+def _read_ddp_optimizer(path: Path, groups: list[list[str]]) -> dict[str, dict[str, Any]]:
+    """A DDP run's optimizer file: its state numbered as one process's optimizer numbers the model's parameters
+    (`groups`: their names, by param group)."""
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    flat = [name for group in groups for name in group]
+    return {flat[i]: state for i, state in saved["state"].items()}
+
+
+def _read_fsdp_optimizer(folder: Path, config: GPTConfig, degree: int) -> dict[str, dict[str, Any]]:
+    """FSDP2's optimizer shards (accelerate's `save_fsdp_optimizer`: state by parameter name), merged; under tensor
+    parallelism c_attn's rows back in the Hugging Face order."""
+    states = strip_wrapper_prefixes(read_distributed_checkpoint(folder).get("optimizer", {}).get("state", {}))
+    keys = {key for state in states.values() for key in state}
+    by_key = {key: natural_order({name: s[key] for name, s in states.items() if key in s}, config.n_embd, degree)
+              for key in keys}
+    return {name: {key: by_key[key][name] for key in state} for name, state in states.items()}
+
+
+def _read_zero_optimizer(folder: Path) -> dict[str, dict[str, Any]]:
+    """DeepSpeed ZeRO's AdamW state: each rank's partition of every moment merged whole by DeepSpeed's own
+    zero_to_fp32 code (the moments are laid out as the fp32 master weights it merges)."""
+    with deepspeed_quietly():
+        return _merge_zero_moments(folder)
+
+
+def _merge_zero_moments(folder: Path) -> dict[str, dict[str, Any]]:
+    from deepspeed.utils import zero_to_fp32 as ds
+
+    model_states = ds.parse_model_states(ds.get_model_state_files(str(folder)))
+    saved = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+             for f in ds.get_optim_files(str(folder))]  # the checkpoint's own files (its manifest verified them)
+    stage = saved[0]["zero_stage"]
+    world = max(saved[0]["partition_count"]) if isinstance(saved[0]["partition_count"], list) else saved[0][
+        "partition_count"]
+    base = [s["base_optimizer_state" if stage <= 2 else "optimizer_state_dict"]["state"] for s in saved]
+    moments: dict[str, dict[str, torch.Tensor]] = {}
+    for key in ("exp_avg", "exp_avg_sq"):
+        flat = [[state[group][key] for group in sorted(state)] for state in base]
+        merged: dict[str, Any] = {}
+        if stage <= 2:
+            ds._zero2_merge_trainable_params(merged, world, flat, model_states,
+                                             saved[0].get("param_alignment_paddings"))
+        else:
+            ds._zero3_merge_trainable_params(merged, world, flat, model_states)
+        for name, tensor in ds.to_torch_tensor(merged).items():
+            moments.setdefault(name, {})[key] = tensor.clone()
+    step = base[0][min(base[0])]["step"]
+    return {name: {"step": step.clone() if torch.is_tensor(step) else torch.tensor(float(step)), **state}
+            for name, state in strip_wrapper_prefixes(moments).items()}
+
+
+def load_whole(state: WholeState, model: torch.nn.Module, optimizers: list, config: GPTConfig,
+               engine: Engine) -> None:
+    """Give this rank's model and optimizers their pieces of `state` (see the module docstring); on every rank."""
+    if isinstance(model, PipelinedGPT):
+        with tempfile.TemporaryDirectory(prefix="moved-") as scratch:
+            _write_ddp_files(state, Path(scratch), config, model.plan)
+            model.load_whole(Path(scratch))
+    elif engine.kind == DEEPSPEED:
+        _load_into_zero(state, model)
+    else:
+        _load_into_torch(state, model, optimizers, config, engine.tensor_parallel)
+
+
+def _write_ddp_files(state: WholeState, folder: Path, config: GPTConfig, plan: OptimizerPlan) -> None:
+    """`state` as a DDP run's save_state writes it (what a pipeline's stage reads)."""
+    from safetensors.torch import save_file
+
+    with torch.device("meta"):
+        names = [n for n in GPT(config).state_dict() if n != "lm_head.weight"]
+    save_file({n: state.weight(n).contiguous() for n in names}, str(folder / MODEL_WEIGHTS),
+              metadata={"format": "pt"})
+    for index, groups in enumerate(whole_groups(config, plan)):
+        flat = [name for group in groups for name in group]
+        numbered = {i: s for i, name in enumerate(flat) if (s := state.state(index, name)) is not None}
+        torch.save({"state": numbered, "param_groups": [{"params": list(range(len(flat)))}]},
+                   folder / optimizer_file(index))
+
+
+def _piece(value: Any, like: torch.Tensor) -> Any:
+    """`value` (a whole tensor of `like`'s shape) as `like` holds it: a DTensor's own shard, on its device; a tensor
+    of another shape (AdamW's step) as it is. Always a copy: an optimizer updates its state in place, and a tensor
+    two parameters shared would advance twice."""
+    if not torch.is_tensor(value):
+        return value
+    if value.shape != like.shape:
+        return value.clone()
+    value = value.to(device=like.device, dtype=like.dtype if value.is_floating_point() else value.dtype, copy=True)
+    if isinstance(like, DTensor):
+        return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
+    return value
+
+
+def _load_into_torch(state: WholeState, model: torch.nn.Module, optimizers: list, config: GPTConfig,
+                     degree: int) -> None:
+    params = strip_wrapper_prefixes(dict(unwrapped(model).named_parameters()))
+    ordered = WholeState(parallel_order(state.weights, config.n_embd, degree),
+                         [_parallel_states(s, config.n_embd, degree) for s in state.optimizers])
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(_piece(ordered.weight(name), param))
+    names = {id(p): name for name, p in params.items()}
+    for index, optimizer in enumerate(optimizers):
+        inner = getattr(optimizer, "optimizer", optimizer)
+        for group in inner.param_groups:
+            for param in group["params"]:
+                saved = ordered.state(index, names[id(param)])
+                if saved is None:
+                    raise UserError(f"the checkpoint holds no optimizer state for {names[id(param)]}; resume it with "
+                                    "the optimizer it was saved with")
+                inner.state[param] = {key: _piece(value, param) for key, value in saved.items()}
+
+
+def _parallel_states(states: dict[str, dict[str, Any]], n_embd: int, degree: int) -> dict[str, dict[str, Any]]:
+    """Each parameter's optimizer state with c_attn's rows in the head-group order of tensor parallelism."""
+    if degree == 1:
+        return states
+    keys = {key for s in states.values() for key in s if torch.is_tensor(s[key]) and s[key].dim()}
+    by_key = {key: parallel_order({n: s[key] for n, s in states.items() if key in s}, n_embd, degree)
+              for key in keys}
+    return {name: {key: by_key[key][name] if key in by_key else value for key, value in s.items()}
+            for name, s in states.items()}
+
+
+def _load_into_zero(state: WholeState, engine: Any) -> None:
+    """DeepSpeed's ZeRO optimizer loads `state` from its universal checkpoint layout, written in a scratch folder:
+    each rank takes its partition of the fp32 master weights and of AdamW's moments; ZeRO-1/2 then copy the master
+    weights into the model's (ZeRO-3's partitions are the model's)."""
+    import deepspeed
+
+    optimizer = engine.optimizer
+    base = optimizer.optimizer
+    hyper = [{k: v for k, v in group.items() if k != "params"} for group in base.param_groups]
+    step = None
+    with tempfile.TemporaryDirectory(prefix="moved-") as scratch:
+        zero = Path(scratch) / "zero"
+        for param, name in optimizer.param_names.items():
+            own = strip_wrapper_prefixes({name: param})
+            plain = next(iter(own))
+            saved = state.state(0, plain)
+            if saved is None:
+                raise UserError(f"the checkpoint holds no optimizer state for {plain}; resume it with the optimizer "
+                                "it was saved with")
+            folder = zero / name
+            folder.mkdir(parents=True)
+            torch.save({"param": state.weight(plain).float()}, folder / "fp32.pt")
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.save({"param": saved[key].float()}, folder / f"{key}.pt")
+            step = saved["step"]
+            torch.save(step, folder / "step.pt")
+        torch.save({"ds_version": deepspeed.__version__, "clip_grad": optimizer.clip_grad, "param_groups": hyper,
+                    "optimizer_state_dict": {"state": {0: {"step": step}}, "param_groups": hyper}},
+                   zero / "optimizer_state.pt")
+        # as DeepSpeed's own load_checkpoint brackets it: ZeRO-3 releases every gathered parameter first, and after
+        # gathers its persistent ones (the small parameters each rank keeps whole) from the loaded partitions
+        for event in ("checkpoint_event_prologue", None, "checkpoint_event_epilogue"):
+            if event is None:
+                optimizer._load_universal_checkpoint(scratch, load_optimizer_states=True, load_from_fp32_weights=True)
+            elif hasattr(optimizer, event):
+                getattr(optimizer, event)()
+    for group, own in zip(base.param_groups, hyper, strict=True):  # ZeRO-3 gives every group the first one's
+        group.update(own)  # settings (the weight decay of the matrices to the biases and LayerNorms too)
+    for saved in base.state.values():  # and one step tensor to all, which AdamW then advanced once per group
+        if torch.is_tensor(saved.get("step")):
+            saved["step"] = saved["step"].clone()
+    if engine.zero_optimization_stage() < 3:
+        optimizer.update_lp_params()
+
