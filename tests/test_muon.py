@@ -269,15 +269,40 @@ def test_muon_under_fsdp2_resumes_bit_exact(muon_fsdp_run, tmp_path):
     assert_same_weights(reference, tmp_path / "copy")
 
 
+MUON_TP_ARGS = MUON_ARGS + ["--tensor_parallel", "2"]
+
+
+@pytest.fixture(scope="module")
+def muon_tp_run(tmp_path_factory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("muon_tp") / "run"
+    proc = launch(MUON_TP_ARGS + ["--out_dir", str(out)], nproc=2, engine="fsdp_8gpu")
+    return out, proc.stdout + proc.stderr
+
+
 @pytest.mark.slow
-def test_muon_with_tensor_parallelism_matches_one_process(muon_run, tmp_path):
+def test_muon_with_tensor_parallelism_matches_one_process(muon_run, muon_tp_run):
     """Tensor parallelism splits the blocks' matrices by rows (c_attn, c_fc) or columns (the projections): each is
     gathered whole for Newton-Schulz, each rank keeping its own rows or columns of the update."""
     reference, _ = muon_run
-    out = tmp_path / "tp"
-    proc = launch(MUON_ARGS + ["--tensor_parallel", "2", "--out_dir", str(out)], nproc=2, engine="fsdp_8gpu")
-    assert "x tensor parallel 2" in proc.stdout + proc.stderr
+    out, output = muon_tp_run
+    assert "x tensor parallel 2" in output and "each matrix gathered whole on every rank" in output
     assert_updates_agree(reference, out)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_muon_with_tensor_parallelism_killed_then_resumed_ends_bit_exact(muon_tp_run, tmp_path):
+    """SIGKILL to both ranks after step 3 (the checkpoint of step 2 on disk, Muon's momentum split like its
+    matrices in `optimizer_1/`), then `--resume latest` on the same launch: the uninterrupted TP run's weights, bit
+    for bit, each step logged once."""
+    reference, _ = muon_tp_run
+    out = ["--out_dir", str(tmp_path / "run")]
+    killed = launch(MUON_TP_ARGS + out, nproc=2, engine="fsdp_8gpu", fault="kill_after_step:3", check=False)
+    assert killed.returncode != 0 and not (tmp_path / "run" / "final").exists()
+    resumed = launch(MUON_TP_ARGS + out + ["--resume", "latest"], nproc=2, engine="fsdp_8gpu")
+    assert f"resumed from {tmp_path / 'run' / 'checkpoints' / 'step_000002'}" in resumed.stdout + resumed.stderr
+    assert_same_weights(reference, tmp_path / "run")
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [m["step"] for m in read_metrics(reference)]
 
 
 @pytest.mark.slow
