@@ -346,3 +346,23 @@ def test_deepspeeds_muon_under_zero_clips_the_update_not_the_gradient():
     assert set(apart) == {"fp32", "fp32-noclip"}, proc.stdout
     assert float(apart["fp32-noclip"]) < 1e-4  # fp32 rounding through 10 steps: the optimizers agree otherwise
     assert float(apart["fp32"]) > 0.1  # the clipping alone
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_bench_muon_sharded_runs_both_sides():
+    """benchmarks/bench_muon_sharded.py on 2 gloo processes with a tiny model: both sides step and print medians
+    (no figure asserted: the machine is shared)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT, free_port
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         "-m", "benchmarks.bench_muon_sharded", "--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size",
+         "16", "--micro_batch_size", "2", "--grad_accum", "2", "--warmup", "1", "--trials", "1"],
+        cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Muon gathers 4 matrices whole per step under FSDP2" in proc.stdout
+    assert "fsdp2   whole step" in proc.stdout and "ddp     whole step" in proc.stdout
