@@ -21,7 +21,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from training.engine_names import DEEPSPEED, ZERO_COLUMNS, Refusal, engine_name
+from training.engine_names import DEEPSPEED, FSDP_COLUMN, TP_COLUMN, ZERO_COLUMNS, Refusal, engine_name
 from training.optimizers.spec import BLOCK_MATRICES, OptimizerPlan, OptimizerSpec
 
 
@@ -108,6 +108,8 @@ def describe(plan: OptimizerPlan, device_type: str) -> str:
     return f"lr {plan.muon_lr:g}, Newton-Schulz in {ns_dtype}"
 
 
+# Where each matrix is sharded or split (`Muon.step`): one all-gather of it a step, Newton-Schulz on every rank.
+_GATHERED = "each matrix all-gathered a step"
 # Measured (benchmarks/muon_under_zero.py, docs/benchmarks.md; tests/test_muon.py holds DeepSpeed to it).
 _ZERO_WHY = ("ZeRO hands this Muon flat partitions, where no matrix is whole, and DeepSpeed's own Muon clips the "
              "orthogonalised update, not the gradient: 18% apart from torch's Muon after 10 steps at --grad_clip 1")
@@ -117,5 +119,6 @@ SPEC = OptimizerSpec(
     refused_under={ZERO_COLUMNS[s]: Refusal(_ZERO_WHY, f"use --optimizer adamw with {engine_name(DEEPSPEED, s)}, or "
                                                        "Muon with a DDP or FSDP2 launch config")
                    for s in (1, 2, 3)},
+    costs_under={column: _GATHERED for column in (FSDP_COLUMN, TP_COLUMN)},
     lora_refusal="Muon orthogonalises whole hidden matrices, not rank-{rank} factors",
 )
