@@ -73,7 +73,7 @@ ENGINE_SKIP = ("skipped: {} needs an accelerator (on a CPU accelerate falls back
                "train.py refuses; tests/test_engines.py runs it on CPU through a test-only shim)")
 # The sharded engines' stages: the accelerate config and the `distributed:` value the run header must show.
 ENGINE_STAGES = {"fsdp": ("fsdp_8gpu.yaml", "FSDP"), "zero3": ("zero3_8gpu.yaml", "DEEPSPEED"),
-                 "tensor_parallel": ("fsdp_8gpu.yaml", "FSDP")}
+                 "tensor_parallel": ("fsdp_8gpu.yaml", "FSDP"), "muon_fsdp": ("fsdp_8gpu.yaml", "FSDP")}
 
 # --smoke ends a stage only as a hang, at this many times its smoke budget (the module docstring, "Time limits").
 SMOKE_HANG_FACTOR = 5
@@ -86,16 +86,16 @@ LEASE_SPARE_S = 60.0
 LEASE_BUDGET_S = LEASE_CALL_S - LEASE_SPARE_S
 # What matters most comes first; after hellaswag, whatever the time left allows.
 LEASE_ORDER = ("env", "step_compile", "train_resume", "fsdp", "hellaswag",
-               "zero3", "step_eager", "tensor_parallel", "memory_plan", "tests")
+               "zero3", "step_eager", "tensor_parallel", "muon_fsdp", "memory_plan", "tests")
 LEASE_FIRST = LEASE_ORDER[:5]  # the stages a lease call must always have time for
 # The versions the device image holds, which the lease's budgets were sized on, and the stages a different version
 # puts in question (the figures would be another version's; a stage may also break).
 DEVICE_VERSIONS = {"torch": "2.11", "transformers": "5.17", "accelerate": "1.15"}
 VERSION_AFFECTS = {
     "torch": ("step_compile", "train_resume", "fsdp", "hellaswag", "zero3", "step_eager", "tensor_parallel",
-              "memory_plan", "tests"),
-    "transformers": ("tests", "train_resume", "fsdp", "zero3", "tensor_parallel"),  # HF parity and the export
-    "accelerate": ("step_compile", "train_resume", "fsdp", "zero3", "tensor_parallel", "memory_plan"),
+              "muon_fsdp", "memory_plan", "tests"),
+    "transformers": ("tests", "train_resume", "fsdp", "zero3", "tensor_parallel", "muon_fsdp"),  # HF parity, export
+    "accelerate": ("step_compile", "train_resume", "fsdp", "zero3", "tensor_parallel", "muon_fsdp", "memory_plan"),
 }
 
 # Targets of issue 11 (one H100); judged only in the full (non-smoke) run.
@@ -299,9 +299,11 @@ def train_stage(name: str, processes: int = 1, extra: tuple[str, ...] = ()) -> C
         if ctx.smoke:
             launch += ["--cpu", "--dynamo_backend", "no"]  # bf16 autocast from the config stays on
         args, kill_at, resume_at = train_args(ctx, sharded)
-        # Muon (the from-scratch default) is refused under FSDP and ZeRO; our activation checkpointing inside the
-        # engines' sharded blocks and bf16 are checked here only (tests/test_engines.py runs fp32 without it).
-        args += ["--optimizer", "adamw", "--activation_checkpointing"] if sharded else []
+        # AdamW under the engines (Muon, the from-scratch default, is refused under ZeRO; the muon_fsdp stage runs it
+        # under FSDP2); our activation checkpointing inside the engines' sharded blocks and bf16 are checked here only
+        # (tests/test_engines.py runs fp32 without it).
+        args += ([] if "--optimizer" in extra else ["--optimizer", "adamw"]) + ["--activation_checkpointing"] \
+            if sharded else []
         args += list(extra)
         out_dir = ctx.work / name
         args += ["--out_dir", str(out_dir)]
@@ -317,6 +319,9 @@ def train_stage(name: str, processes: int = 1, extra: tuple[str, ...] = ()) -> C
             figures.update(distributed=header[1], precision=header[3], compiled=header[4], device=header[5])
             if header[2]:
                 figures["tensor_parallel"] = int(header[2].split()[-1])
+        optimizer = re.search(r"^optimizer: (\S+) \((.*)\) on ", killed.stdout, re.M)
+        if optimizer:
+            figures.update(optimizer=optimizer[1], muon_gathered="each matrix gathered whole" in optimizer[2])
         if killed.returncode == 0:
             raise StageError("the run meant to be killed finished", figures)
         checkpoints = sorted(p.name for p in (out_dir / "checkpoints").glob("step_*"))
@@ -372,6 +377,38 @@ def stage_tensor_parallel(ctx: Ctx, timeout: float) -> dict:
     if figures.get("tensor_parallel") != 2:
         raise StageError("the run header does not show tensor parallel 2", figures)
     return {**figures, "gpus": count}
+
+
+MUON_FSDP_SKIP = ("skipped: Muon under FSDP2 needs at least 2 accelerators ({}); tests/test_muon.py runs it on CPU "
+                  "through a test-only shim")
+MUON_BENCH_FIGURES = ("fsdp2_step_ms", "ddp_step_ms", "fsdp2_muon_step_ms", "ddp_muon_step_ms", "muon_gathered_mib")
+
+
+def stage_muon_fsdp(ctx: Ctx, timeout: float) -> dict:
+    """--optimizer muon under fsdp_8gpu.yaml on 2 GPUs: the train_resume stage's kill, resume and export with each
+    matrix gathered whole for Newton-Schulz (the header says so); then benchmarks/bench_muon_sharded.py at GPT-2
+    124M's shape: one Muon step and the whole step under FSDP2 against DDP on the same 2 GPUs."""
+    if ctx.smoke:
+        return {"skip_reason": MUON_FSDP_SKIP.format("a --smoke run uses the CPU")}
+    deadline = time.monotonic() + timeout
+    count = int(re.findall(r"^GPU_COUNT (\d+)$", ctx.sh("muon_fsdp", [PY, "-c", GPU_COUNT], 60).stdout, re.M)[-1])
+    if count < 2:
+        return {"skip_reason": MUON_FSDP_SKIP.format(f"this machine has {count}"), "gpus": count}
+    figures = {**train_stage("muon_fsdp", 2, ("--optimizer", "muon"))(ctx, deadline - time.monotonic()),
+               "gpus": count}
+    if figures.get("optimizer") != "Muon" or not figures.get("muon_gathered"):
+        raise StageError("the run header does not say Muon gathers each matrix whole", figures)
+    path = ctx.work / "bench_muon_sharded.json"
+    ctx.sh("muon_fsdp", [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                         str(free_port()), "-m", "benchmarks.bench_muon_sharded", "--n_layer", "12", "--n_head", "12",
+                         "--n_embd", "768", "--block_size", "1024", "--micro_batch_size", "8", "--trials", "5",
+                         "--json", str(path)], deadline - time.monotonic())
+    bench = json.loads(path.read_text())
+    medians = bench["medians"]
+    figures.update(fsdp2_step_ms=medians["fsdp2"]["step"] * 1e3, ddp_step_ms=medians["ddp"]["step"] * 1e3,
+                   fsdp2_muon_step_ms=medians["fsdp2"]["muon"] * 1e3, ddp_muon_step_ms=medians["ddp"]["muon"] * 1e3,
+                   muon_gathered_mib=bench["gathered_bytes"] / 2 ** 20)
+    return figures
 
 
 DEEPSPEED_SKIP = ("skipped: deepspeed is not installed here; benchmarks/prepare_lease.py carries its wheel, "
@@ -484,6 +521,11 @@ STAGES = [
           "train.py --tensor_parallel 2: the blocks split over 2 GPUs, bf16, kill, resume from the sharded checkpoint, "
           "final/ in the HF layout. Needs 2 GPUs or more; --smoke: skipped", 300, 30, 10, stage_tensor_parallel,
           ("skip_reason", "gpus", "processes", "tensor_parallel", *TRAIN_FIGURES)),
+    Stage("muon_fsdp", "accelerate launch fsdp_8gpu.yaml --num_processes 2 train.py --optimizer muon: Muon under "
+          "FSDP2 (each sharded matrix gathered whole for Newton-Schulz), bf16, kill, resume, export; then "
+          "benchmarks/bench_muon_sharded.py at GPT-2 124M's shape (the Muon step and the whole step, FSDP2 against "
+          "DDP). Needs 2 GPUs or more; --smoke: skipped", 300, 30, 10, stage_muon_fsdp,
+          ("skip_reason", "gpus", "optimizer", "muon_gathered", *TRAIN_FIGURES, *MUON_BENCH_FIGURES)),
     Stage("hellaswag", "all 10,042 HellaSwag items (approximate offline copy), GPT-2 124M random weights: speed "
           "only. --smoke: the 7-item fixture", 240, 40, 60, stage_hellaswag,
           ("items", "best_seconds", "best_batch_size", "accuracy_metric", "target_met")),

@@ -178,7 +178,8 @@ FSDP, DDP = Engine("fsdp"), Engine("ddp")
 
 @pytest.mark.parametrize("engine", [FSDP, *ZERO.values()], ids=lambda e: e.name)
 def test_muon_and_lora_are_refused_under_a_sharding_engine(engine):
-    """LoRA under every sharding engine, Muon under ZeRO's flat partitions; Muon runs under FSDP2 (test_muon.py)."""
+    """LoRA under every sharding engine, Muon under ZeRO (for the measured reason its line names: test_muon.py); Muon
+    runs under FSDP2 (test_muon.py)."""
     refused = [("adamw", True, "--lora_rank is not supported under")]
     if engine.kind == "deepspeed":
         refused.append(("muon", False, "--optimizer muon is not supported under"))

@@ -17,11 +17,11 @@ from conftest import REPO_ROOT
 import benchmarks.gpu_acceptance as gpu_acceptance
 import benchmarks.prepare_lease as prepare_lease
 
-STAGES = ["env", "tests", "step_compile", "train_resume", "fsdp", "zero3", "tensor_parallel", "hellaswag",
+STAGES = ["env", "tests", "step_compile", "train_resume", "fsdp", "zero3", "tensor_parallel", "muon_fsdp", "hellaswag",
           "step_eager", "memory_plan"]
 # The lease's order (issue 42): versions, the compiled step, a real run killed and resumed, FSDP2, HellaSwag, the rest.
 LEASE_ORDER = ["env", "step_compile", "train_resume", "fsdp", "hellaswag", "zero3", "step_eager", "tensor_parallel",
-               "memory_plan", "tests"]
+               "muon_fsdp", "memory_plan", "tests"]
 STEP_FIGURES = ["accelerate_tokens_per_s", "bare_tokens_per_s", "accelerate_over_bare", "accelerate_mfu",
                 "accelerate_peak_mem_gib", "bare_peak_mem_gib", "optimizer_fused", "tf32_matmul",
                 "accelerate_last_loss"]
@@ -53,10 +53,11 @@ def test_smoke_run_reports_every_stage_with_its_figures(smoke):
     assert all(r["compile_cache_files"] >= 0 for r in stages.values())
     assert {n: r["status"] for n, r in stages.items()} == {**{n: "pass" for n in STAGES}, "fsdp": "skipped",
                                                            "zero3": "skipped", "tensor_parallel": "skipped",
-                                                           "memory_plan": "skipped"}
+                                                           "muon_fsdp": "skipped", "memory_plan": "skipped"}
     assert "FSDP needs an accelerator" in stages["fsdp"]["figures"]["skip_reason"]
     assert "DEEPSPEED needs an accelerator" in stages["zero3"]["figures"]["skip_reason"]
     assert "tensor parallelism needs at least 2 accelerators" in stages["tensor_parallel"]["figures"]["skip_reason"]
+    assert "Muon under FSDP2 needs at least 2 accelerators" in stages["muon_fsdp"]["figures"]["skip_reason"]
     limits = {s.name: gpu_acceptance.SMOKE_HANG_FACTOR * s.smoke_budget_s for s in gpu_acceptance.STAGES}
     assert {n: r["budget_s"] for n, r in stages.items()} == limits  # only a hang is ended
 
@@ -203,7 +204,7 @@ def test_version_mismatches_name_the_stages_they_affect():
     assert lines[0].startswith("torch 2.13.0+cpu, not 2.11: affects step_compile, train_resume, fsdp, hellaswag")
     assert lines[1].startswith("accelerate 1.150.0, not 1.15: affects step_compile") and len(lines) == 2
     assert gpu_acceptance.version_mismatches({"torch": "2.11.2", "accelerate": "1.15.0"}) == [
-        "transformers missing, not 5.17: affects tests, train_resume, fsdp, zero3, tensor_parallel"]
+        "transformers missing, not 5.17: affects tests, train_resume, fsdp, zero3, tensor_parallel, muon_fsdp"]
 
 
 HELLASWAG_TINY = REPO_ROOT / "tests" / "fixtures" / "eval" / "hellaswag_tiny.jsonl"
@@ -258,3 +259,39 @@ def test_stages_whose_package_did_not_travel_are_skipped_with_the_fix(monkeypatc
     for name in ("zero3", "memory_plan"):
         reason = stages[name].run(ctx, 1)["skip_reason"]
         assert "benchmarks/prepare_lease.py carries" in reason, reason
+
+
+def test_the_muon_fsdp_stage_runs_on_2_gpus_and_says_why_not_on_fewer(monkeypatch, tmp_path):
+    """Muon under FSDP2 (issue 47) needs 2 GPUs: with 1 it is skipped with the count; with 2 it runs the train stage
+    with --optimizer muon on 2 processes, holds the header to Muon's whole-matrix gathering and reads the
+    benchmark's medians (here stand-ins: no process starts)."""
+    import subprocess as sp
+
+    gpus, launched = [1], []
+
+    def sh(self, stage, cmd, timeout, env=None, check=True):
+        if "--json" in cmd:  # benchmarks.bench_muon_sharded
+            launched.append(cmd)
+            medians = {side: {"step": 0.2, "muon": 0.02} for side in ("fsdp2", "ddp")}
+            Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps({"medians": medians,
+                                                                      "gathered_bytes": 3 * 2 ** 20}))
+        return sp.CompletedProcess(cmd, 0, stdout=f"GPU_COUNT {gpus[0]}\n")
+
+    header = {"optimizer": "Muon", "muon_gathered": True}
+
+    def train_stage(name, processes=1, extra=()):
+        assert (name, processes, extra) == ("muon_fsdp", 2, ("--optimizer", "muon"))
+        return lambda ctx, timeout: dict(header)
+
+    monkeypatch.setattr(gpu_acceptance.Ctx, "sh", sh)
+    monkeypatch.setattr(gpu_acceptance, "train_stage", train_stage)
+    ctx = gpu_acceptance.Ctx(smoke=False, out=tmp_path, work=tmp_path, hellaswag_data=None)
+    figures = gpu_acceptance.stage_muon_fsdp(ctx, 300)
+    assert figures == {"skip_reason": gpu_acceptance.MUON_FSDP_SKIP.format("this machine has 1"), "gpus": 1}
+    gpus[0] = 2
+    figures = gpu_acceptance.stage_muon_fsdp(ctx, 300)
+    assert figures["gpus"] == 2 and figures["fsdp2_muon_step_ms"] == pytest.approx(20.0)
+    assert figures["muon_gathered_mib"] == 3 and "benchmarks.bench_muon_sharded" in launched[0]
+    header["muon_gathered"] = False  # each rank orthogonalising its own shard would not say so
+    with pytest.raises(gpu_acceptance.StageError, match="gathers each matrix whole"):
+        gpu_acceptance.stage_muon_fsdp(ctx, 300)

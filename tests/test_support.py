@@ -86,3 +86,12 @@ def test_the_planner_refuses_muon_where_the_table_does():
 
 def test_the_readme_shows_the_table():
     assert support_table() in (REPO_ROOT / "README.md").read_text()
+
+
+def test_the_table_says_what_muon_costs_where_it_runs_sharded():
+    """Muon's cells under FSDP2 and tensor parallelism name the all-gather per matrix (its module declares them);
+    under DDP and the pipeline every rank holds its matrices whole: plain "runs"."""
+    muon_row = next(line for line in support_table().splitlines() if line.startswith("| `--optimizer muon` |"))
+    cells = dict(zip(COLUMNS, [c.strip() for c in muon_row.split("|")[2:-1]]))
+    assert cells["FSDP2"] == cells["FSDP2 x TP"] == "runs (each matrix all-gathered a step)"
+    assert cells["DDP"] == cells["DDP x PP"] == "runs" and cells["ZeRO-2"] == "refused"

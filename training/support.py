@@ -70,6 +70,12 @@ def support() -> dict[str, dict[str, Refusal]]:
     return {**optimizers, **SUPPORT}
 
 
+def costs() -> dict[str, dict[str, str]]:
+    """Feature -> column -> what it costs there beyond the engine's own work, where a registered optimizer declares
+    it (`OptimizerSpec.costs_under`): the note of the table's "runs" cell."""
+    return {f"--optimizer {name}": dict(spec.costs_under) for name, spec in OPTIMIZERS.items() if spec.costs_under}
+
+
 def refusal(feature: str, kind: str, zero_stage: int = 0, tensor_parallel: int = 1, asked: str | None = None,
             pipeline_parallel: int = 1) -> str | None:
     """The one-line refusal of `feature` under this launch's engine, or None where it runs. `asked`: the flag as
@@ -86,9 +92,12 @@ def refusal(feature: str, kind: str, zero_stage: int = 0, tensor_parallel: int =
 
 
 def support_table() -> str:
-    """The README's table: every feature refused somewhere, against every column ("runs" or "refused")."""
+    """The README's table: every feature refused somewhere, against every column ("runs", "runs (what it costs
+    there)" or "refused")."""
     lines = ["| feature | " + " | ".join(COLUMNS) + " |", "| --- |" + " --- |" * len(COLUMNS)]
+    notes = costs()
     for feature, refused in support().items():
-        cells = ["refused" if c in refused else "runs" for c in COLUMNS]
+        cost = notes.get(feature, {})
+        cells = ["refused" if c in refused else f"runs ({cost[c]})" if c in cost else "runs" for c in COLUMNS]
         lines.append(f"| `{feature}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)

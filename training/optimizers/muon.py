@@ -5,9 +5,14 @@ embeddings, the tied output layer, biases and LayerNorms stay with AdamW. `Muon`
 Newton-Schulz orthogonalisation runs in the dtype the device multiplies fast (`newton_schulz_dtype`), not always in
 bfloat16 as torch's does: a CPU without bf16 matrix units multiplies bf16 matrices 10x slower than fp32 ones.
 
-Muon orthogonalises whole matrices: under FSDP2 and tensor parallelism each matrix is gathered whole for it (`Muon`);
-DeepSpeed's ZeRO hands the optimizer flat partitions, in which no matrix is whole, and refuses it
-(`SPEC.refused_under`); LoRA's low-rank factors are not hidden matrices.
+Muon orthogonalises whole matrices: under FSDP2 and tensor parallelism each matrix is gathered whole for it (`Muon`).
+Under DeepSpeed's ZeRO it is refused (`SPEC.refused_under`): ZeRO hands a client optimizer flat partitions, in which
+no matrix is whole, and the Muon DeepSpeed ships for ZeRO (`MuonWithAuxAdam`, orthogonalising whole matrices while
+it fills the gradient partitions) clips the orthogonalised update by the global norm of updates and gradients
+together, not the raw gradient as torch's Muon after `clip_grad_norm_` does: measured by
+`benchmarks/muon_under_zero.py` (docs/benchmarks.md), 18% of the weights' move apart from one process after 10 steps
+at --grad_clip 1 under ZeRO-1, 2 and 3 alike, 6e-6 (float rounding) with clipping off. LoRA's low-rank factors are
+not hidden matrices.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from training.engine_names import DEEPSPEED, ZERO_COLUMNS, Refusal, engine_name
+from training.engine_names import DEEPSPEED, FSDP_COLUMN, TP_COLUMN, ZERO_COLUMNS, Refusal, engine_name
 from training.optimizers.spec import BLOCK_MATRICES, OptimizerPlan, OptimizerSpec
 
 
@@ -103,14 +108,17 @@ def describe(plan: OptimizerPlan, device_type: str) -> str:
     return f"lr {plan.muon_lr:g}, Newton-Schulz in {ns_dtype}"
 
 
-_WHY = "Muon orthogonalises whole matrices; {}"
+# Where each matrix is sharded or split (`Muon.step`): one all-gather of it a step, Newton-Schulz on every rank.
+_GATHERED = "each matrix all-gathered a step"
+# Measured (benchmarks/muon_under_zero.py, docs/benchmarks.md; tests/test_muon.py holds DeepSpeed to it).
+_ZERO_WHY = ("ZeRO hands this Muon flat partitions, where no matrix is whole, and DeepSpeed's own Muon clips the "
+             "orthogonalised update, not the gradient: 18% apart from torch's Muon after 10 steps at --grad_clip 1")
 SPEC = OptimizerSpec(
     name="muon", display="Muon", claims=BLOCK_MATRICES, state_bytes=4,  # one fp32 momentum buffer per matrix
     build=build, peak_lr=lambda plan: plan.muon_lr, describe=describe,
-    refused_under={ZERO_COLUMNS[s]: Refusal(_WHY.format("ZeRO hands the optimizer flat partitions of them, where no "
-                                                       "matrix is whole"),
-                                        f"use --optimizer adamw with {engine_name(DEEPSPEED, s)}, or Muon with a DDP "
-                                        "or FSDP2 launch config")
+    refused_under={ZERO_COLUMNS[s]: Refusal(_ZERO_WHY, f"use --optimizer adamw with {engine_name(DEEPSPEED, s)}, or "
+                                                       "Muon with a DDP or FSDP2 launch config")
                    for s in (1, 2, 3)},
+    costs_under={column: _GATHERED for column in (FSDP_COLUMN, TP_COLUMN)},
     lora_refusal="Muon orthogonalises whole hidden matrices, not rank-{rank} factors",
 )

@@ -43,6 +43,8 @@ class OptimizerSpec:
     peak_lr: Callable[[OptimizerPlan], float] | None = None  # its learning rate at the schedule's peak
     describe: Callable[[OptimizerPlan, str], str] | None = None  # the header's "(lr 0.02, ...)", given the device type
     refused_under: Mapping[str, Refusal] = field(default_factory=dict)  # support-table column -> why not
+    # support-table column -> what running there costs beyond the engine's own work, in a few words (the cell's note)
+    costs_under: Mapping[str, str] = field(default_factory=dict)
     lora_refusal: str | None = None  # why it cannot train LoRA adapters (None: it can)
 
 
