@@ -279,6 +279,32 @@ def test_muon_under_fsdp2_resumes_bit_exact(muon_fsdp_run, tmp_path):
     assert_same_weights(reference, tmp_path / "copy")
 
 
+@pytest.mark.slow
+def test_a_muon_fsdp2_checkpoint_moves_to_one_process(muon_run, muon_fsdp_run, tmp_path):
+    """Both optimizers' sharded states (Muon's momentum in optimizer_1/) read whole and resumed on one process
+    (training.moving): the run ends as the one that never moved."""
+    reference, _ = muon_fsdp_run
+    out = tmp_path / "run"
+    proc = launch(MUON_ARGS + resume_copy(reference, 2, out))
+    assert "note: step_000002 was saved under FSDP2 on 2 process(es), this launch runs DDP on 1" in proc.stdout
+    assert_updates_agree(muon_run[0], out)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_muon_checkpoint_resumed_under_zero_is_one_line_and_writes_nothing(muon_run, tmp_path):
+    """The refusal that remains of issue 46's moves: Muon does not run under ZeRO (above), so neither does its
+    checkpoint; one line on every rank, the run folder as it was."""
+    reference, _ = muon_run
+    out = tmp_path / "run"
+    args = MUON_ARGS + resume_copy(reference, 2, out)
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    proc = launch(args, nproc=2, engine="zero2_8gpu", check=False)
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and len(lines) == 1 and "Muon" in lines[0] and "ZeRO-2" in lines[0], lines
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
+
+
 MUON_TP_ARGS = MUON_ARGS + ["--tensor_parallel", "2"]
 
 

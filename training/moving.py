@@ -77,8 +77,9 @@ def checkpoint_move(point: ResumePoint | None, engine: Engine, world_size: int, 
     not reshard). A pipeline's checkpoint is a DDP run's files, whatever the degree."""
     if point is None:
         return None
-    saved = replace(Engine.of_record(point.engine), pipeline_parallel=engine.pipeline_parallel)
-    if saved == engine and not (engine.kind == DEEPSPEED and point.world_size != world_size):
+    saved = Engine.of_record(point.engine)
+    if replace(saved, pipeline_parallel=engine.pipeline_parallel) == engine and not (
+            engine.kind == DEEPSPEED and point.world_size != world_size):
         return None
     if saved.kind not in (DDP, FSDP, DEEPSPEED):
         raise UserError(f"{point.path} records an engine this version does not know ({saved.kind!r}); resume it "
@@ -198,8 +199,9 @@ def _write_ddp_files(state: WholeState, folder: Path, config: GPTConfig, plan: O
     for index, groups in enumerate(whole_groups(config, plan)):
         flat = [name for group in groups for name in group]
         numbered = {i: s for i, name in enumerate(flat) if (s := state.state(index, name)) is not None}
-        torch.save({"state": numbered, "param_groups": [{"params": list(range(len(flat)))}]},
-                   folder / optimizer_file(index))
+        starts = [sum(len(g) for g in groups[:i]) for i in range(len(groups))]  # the groups' settings: the run's own
+        param_groups = [{"params": list(range(start, start + len(g)))} for start, g in zip(starts, groups)]
+        torch.save({"state": numbered, "param_groups": param_groups}, folder / optimizer_file(index))
 
 
 def _piece(value: Any, like: torch.Tensor) -> Any:
