@@ -261,6 +261,32 @@ def test_any_engines_checkpoint_reads_whole_on_one_process(engine_run):
         assert torch.equal(merged[name], tensor), name
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("engine", ["fsdp_8gpu", "zero3_8gpu"])
+def test_the_export_command_turns_an_engines_checkpoint_into_an_hf_folder(engine, tmp_path_factory, tmp_path, capsys):
+    """`python -m model.export` (in process): the last checkpoint of a ZeRO-3 or an FSDP2 run becomes an HF folder
+    whose weights are the engine's own final/'s, bit for bit, which transformers' text-generation pipeline loads
+    offline; a second export into the same folder is refused in one line, the folder untouched."""
+    from safetensors.torch import load_file
+    from transformers import pipeline
+
+    from model.export import main
+
+    run = _engine_run(tmp_path_factory, engine) / "run"
+    out = tmp_path / "hf"
+    main(["--checkpoint", str(run / "checkpoints" / "step_000004"), "--out_dir", str(out)])
+    assert f"wrote {out}" in capsys.readouterr().out
+    exported, final = (load_file(str(folder / "model.safetensors")) for folder in (out, run / "final"))
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
+    text = pipeline("text-generation", model=str(out))("Hello", max_new_tokens=3, do_sample=False)
+    assert text[0]["generated_text"].startswith("Hello")
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    with pytest.raises(UserError, match="already exists and is not an empty folder"):
+        main(["--checkpoint", str(run / "checkpoints" / "step_000002"), "--out_dir", str(out)])
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+
+
 def test_a_deepspeed_checkpoint_without_deepspeed_installed_is_one_line(tmp_path, monkeypatch):
     """Reading a ZeRO checkpoint whole needs DeepSpeed's zero_to_fp32: on a core install, one line naming the extra."""
     import json
