@@ -20,6 +20,7 @@ from conftest import (
     probed_run,
     read_metrics,
     resume_copy,
+    shared_once,
 )
 
 from common.errors import UserError
@@ -68,7 +69,27 @@ def test_a_checkpoint_resumes_under_another_engine_as_the_run_that_never_moved(c
     assert_same_metrics(single_run, out)
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]  # each step once
     moved = yaml.safe_load((out / "config.yaml").read_text())["resumes"][-1]["moved"]
-    assert before in moved["from"] and after in moved["to"] and "random streams" in moved["not_carried"]
+    assert before in moved["from"] and after in moved["to"]
+    if nproc == 2:  # each rank resumes its own random stream
+        assert "random streams carry over" in notes[0] and "not_carried" not in moved
+    else:
+        assert "random streams (dropout) start afresh" in notes[0] and "random streams" in moved["not_carried"]
+
+
+DROPOUT_ARGS = DDP_ARGS + ["--dropout", "0.1"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_move_on_as_many_processes_keeps_each_ranks_random_stream(tmp_path_factory, tmp_path):
+    """With dropout, the masks of the steps after the move are those of the run that never moved only if each rank
+    resumed its own RNG stream: a DDP run with --dropout 0.1 moved to FSDP2 on 2 processes ends within rounding of
+    the DDP run itself."""
+    source = shared_once(tmp_path_factory, "ddp_dropout", lambda folder: launch(
+        DROPOUT_ARGS + ["--out_dir", str(folder / "run")], nproc=2)) / "run"
+    out = tmp_path / "run"
+    launch(DROPOUT_ARGS + resume_copy(source, 2, out), nproc=2, engine="fsdp_8gpu")
+    assert_weights_within_rounding(source, out)
 
 
 def _point(tmp_path, world_size: int, **engine):

@@ -15,9 +15,10 @@ by parameter name, c_attn in the Hugging Face order, on every rank; then each ra
   fp32, exp_avg, exp_avg_sq, step) in a scratch folder, which its ZeRO optimizer loads partition by partition.
 
 The step, the tokens, the learning rate (a function of the step) and the data position (the loaders keep one global
-cursor) carry over; the per-rank RNG streams (dropout) do not, which the run announces and config.yaml's `resumes:`
-records. The optimization is the same: the resumed run ends within float rounding of the run that never moved
-(summation orders differ between engines), not bit for bit.
+cursor) carry over; so do the RNG streams (dropout) on as many processes as saved them, each rank its own; on another
+number they start afresh, which the run announces and config.yaml's `resumes:` records. The optimization is the
+same: the resumed run ends within float rounding of the run that never moved (summation orders differ between
+engines), not bit for bit.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from common.errors import UserError
-from common.run_dir import DEEPSPEED_DIR, MODEL_WEIGHTS, fsdp_optimizer_dir, optimizer_file
+from common.run_dir import DEEPSPEED_DIR, MODEL_WEIGHTS, fsdp_optimizer_dir, optimizer_file, rng_state_file
 from model import GPT, GPTConfig
 from model.pretrained import deepspeed_quietly, read_checkpoint, read_distributed_checkpoint, strip_wrapper_prefixes
 from model.tensor_parallel import natural_order, parallel_order
@@ -55,6 +56,17 @@ class Move:
     plan: OptimizerPlan  # the run's optimizers (how a DDP checkpoint numbers the parameters)
 
     @property
+    def keeps_random_streams(self) -> bool:
+        """Whether every rank's RNG state carries over: the same number of processes, each resuming its own
+        stream (`restore_random_streams`); with another number, some ranks' streams have no owner or no state."""
+        return self.world == self.saved_world
+
+    @property
+    def not_carried(self) -> str | None:
+        """What the move cannot carry over (config.yaml's `resumes:` records it), None when it carries everything."""
+        return None if self.keeps_random_streams else NOT_CARRIED
+
+    @property
     def before(self) -> str:
         return f"{self.saved.name} on {self.saved_world} process(es)"
 
@@ -63,9 +75,11 @@ class Move:
         return f"{self.now.name} on {self.world} process(es)"
 
     def announcement(self, checkpoint: Path) -> str:
-        return (f"note: {checkpoint.name} was saved under {self.before}, this launch runs {self.after}: its weights, "
-                "optimizer state, step and data position carry over (the run ends within float rounding of one that "
-                f"never moved); {NOT_CARRIED} start afresh")
+        kept = ("weights, optimizer state, step, data position and random streams carry over" if
+                self.keeps_random_streams else "weights, optimizer state, step and data position carry over")
+        rest = f"; {self.not_carried} start afresh" if self.not_carried else ""
+        return (f"note: {checkpoint.name} was saved under {self.before}, this launch runs {self.after}: its {kept} "
+                f"(the run ends within float rounding of one that never moved){rest}")
 
 
 NOT_CARRIED = "per-rank random streams (dropout)"  # what a move cannot carry: the RNG states of ranks that may be gone
@@ -293,3 +307,20 @@ def _load_into_zero(state: WholeState, engine: Any) -> None:
     if engine.zero_optimization_stage() < 3:
         optimizer.update_lp_params()
 
+
+
+def restore_random_streams(checkpoint: Path, rank: int) -> None:
+    """This process's RNG states from `checkpoint` (accelerate's `random_states_<rank>.pkl`, which every engine
+    writes, read weights-only as accelerate reads it; training.manifest verified it): Python's, NumPy's, torch's CPU
+    generator and, where there is one, the GPUs'."""
+    import random
+
+    import numpy as np
+    from accelerate.utils import load
+
+    states = load(checkpoint / rng_state_file(rank))
+    random.setstate(states["random_state"])
+    np.random.set_state(states["numpy_random_seed"])
+    torch.set_rng_state(states["torch_manual_seed"])
+    if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
+        torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])

@@ -37,7 +37,7 @@ from common.errors import UserError
 from common.run_dir import RunDir
 from configs import read_run_config
 from configs.schema import RESUME_RULES
-from training.moving import NOT_CARRIED, Move
+from training.moving import Move
 from training.optim import OptimizerPlan
 from training.resume import ResumePoint
 from training.step import LRSchedule
@@ -118,7 +118,8 @@ def resume_recipe(record: dict[str, Any], resume: ResumePoint | None, plan: Opti
     step, config_file = resume.progress.step, RunDir(resume.path.parent.parent).config_file
     entry: dict[str, Any] = {"step": step, "checkpoint": str(resume.path)}
     if move is not None:
-        entry["moved"] = {"from": move.before, "to": move.after, "not_carried": NOT_CARRIED}
+        entry["moved"] = {"from": move.before, "to": move.after,
+                          **({"not_carried": move.not_carried} if move.not_carried else {})}
     if not config_file.is_file():
         return Recipe(record, ({**entry, "earlier_settings": f"not recorded (no {config_file})"},),
                       (f"note: no {config_file} records the settings of the steps before {step}; config.yaml "
