@@ -14,6 +14,9 @@ by parameter name, c_attn in the Hugging Face order, on every rank; then each ra
 - DeepSpeed ZeRO-1/2/3: the whole state written in DeepSpeed's universal checkpoint layout (one folder per parameter:
   fp32, exp_avg, exp_avg_sq, step) in a scratch folder, which its ZeRO optimizer loads partition by partition.
 
+Every process reads the whole state once (12 bytes a parameter with AdamW: fp32 weights and two moments), held in
+CPU memory for the seconds of the load: the price of reading any layout into any other without a conversion step.
+
 The step, the tokens, the learning rate (a function of the step) and the data position (the loaders keep one global
 cursor) carry over; so do the RNG streams (dropout) on as many processes as saved them, each rank its own; on another
 number they start afresh, which the run announces and config.yaml's `resumes:` records. The optimization is the
