@@ -202,10 +202,11 @@ def load_checkpoint(accelerator: Accelerator, point: ResumePoint, gpt_config: GP
                 restore_random_streams(point.path, accelerator.process_index)
         else:
             accelerator.load_state(str(point.path))
-        if isinstance(model, PipelinedGPT) and move is None:
-            model.load_whole(point.path)
-        for index, optimizer in _fsdp_outside(accelerator, trained) if move is None else ():
-            load_fsdp_optimizer(accelerator.state.fsdp_plugin, accelerator, optimizer, model, str(point.path), index)
+            if isinstance(model, PipelinedGPT):
+                model.load_whole(point.path)
+            for index, optimizer in _fsdp_outside(accelerator, trained):
+                load_fsdp_optimizer(accelerator.state.fsdp_plugin, accelerator, optimizer, model, str(point.path),
+                                    index)
     except (OSError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as err:
         # verify_checkpoint found every file intact: what is left is a checkpoint of another kind of run
         # (e.g. another optimizer or parameter layout) or a file changed since.
