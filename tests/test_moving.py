@@ -8,6 +8,9 @@ gradient norms, each step logged once, the move announced in one line and record
 """
 from __future__ import annotations
 
+import hashlib
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -68,6 +71,8 @@ def test_a_checkpoint_resumes_under_another_engine_as_the_run_that_never_moved(c
     assert_weights_within_rounding(single_run, out)
     assert_same_metrics(single_run, out)
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]  # each step once
+    digest = hashlib.sha256(str((out / "checkpoints" / "step_000002").resolve()).encode()).hexdigest()[:16]
+    assert not (Path(tempfile.gettempdir()) / f"gpt2-accelerate-moved-{digest}").exists()  # ZeRO's scratch: gone
     moved = yaml.safe_load((out / "config.yaml").read_text())["resumes"][-1]["moved"]
     assert before in moved["from"] and after in moved["to"]
     if nproc == 2:  # each rank resumes its own random stream

@@ -33,7 +33,7 @@ from model.lora import adapter_state, has_adapters, load_adapter_state, save_ada
 from model.unwrap import unwrapped
 from training.engines import Engine
 from training.manifest import FORMAT, write_manifest
-from training.moving import Move, load_whole, read_whole, restore_random_streams
+from training.moving import Move, load_moved
 from training.pipeline import PipelinedGPT
 from training.prepare import outside_accelerate
 from training.resume import Progress, ResumePoint, read_json
@@ -197,9 +197,7 @@ def load_checkpoint(accelerator: Accelerator, point: ResumePoint, gpt_config: GP
                           "(dropout) start afresh")
     try:
         if move is not None:  # another engine's format: read whole, each rank takes its piece (training.moving)
-            load_whole(read_whole(point, gpt_config, move.plan), model, list(trained), gpt_config, move.now)
-            if move.keeps_random_streams:
-                restore_random_streams(point.path, accelerator.process_index)
+            load_moved(point, move, gpt_config, model, list(trained), accelerator)
         else:
             accelerator.load_state(str(point.path))
             if isinstance(model, PipelinedGPT):

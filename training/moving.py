@@ -12,10 +12,12 @@ by parameter name, c_attn in the Hugging Face order, on every rank; then each ra
   holds the whole, so nothing is sent).
 - a pipeline's stage: the whole state written as a DDP run's files in a scratch folder, read by its own `load_whole`.
 - DeepSpeed ZeRO-1/2/3: the whole state written in DeepSpeed's universal checkpoint layout (one folder per parameter:
-  fp32, exp_avg, exp_avg_sq, step) in a scratch folder, which its ZeRO optimizer loads partition by partition.
+  fp32, exp_avg, exp_avg_sq, step) in a scratch folder of the temp directory, once per node (by its first process),
+  which every rank's ZeRO optimizer loads partition by partition; removed after.
 
-Every process reads the whole state once (12 bytes a parameter with AdamW: fp32 weights and two moments), held in
-CPU memory for the seconds of the load: the price of reading any layout into any other without a conversion step.
+Under DDP and FSDP2 every process reads the whole state once (12 bytes a parameter with AdamW: fp32 weights and two
+moments), held in CPU memory for the seconds of the load: the price of reading any layout into any other without a
+conversion step; under ZeRO one process per node reads it, and writes it to the scratch folder.
 
 The step, the tokens, the learning rate (a function of the step) and the data position (the loaders keep one global
 cursor) carry over; so do the RNG streams (dropout) on as many processes as saved them, each rank its own; on another
@@ -25,12 +27,15 @@ engines), not bit for bit.
 """
 from __future__ import annotations
 
+import hashlib
+import shutil
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from accelerate import Accelerator
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from common.errors import UserError
@@ -192,15 +197,30 @@ def _merge_zero_moments(folder: Path) -> dict[str, dict[str, Any]]:
             for name, state in strip_wrapper_prefixes(moments).items()}
 
 
+def load_moved(point: ResumePoint, move: Move, config: GPTConfig, model: torch.nn.Module, optimizers: list,
+               accelerator: Accelerator) -> None:
+    """Load `point` into this rank's prepared `model` and `optimizers` under `move` (the module docstring), and
+    this rank's random stream where it carries over; on every rank."""
+    if move.now.kind == DEEPSPEED:
+        # one folder per checkpoint path: the processes of a node agree on it, and no other launch uses it (the run
+        # folder's lock keeps a second resume of the same checkpoint out)
+        digest = hashlib.sha256(str(point.path.resolve()).encode()).hexdigest()[:16]
+        scratch = Path(tempfile.gettempdir()) / f"gpt2-accelerate-moved-{digest}"
+        _load_into_zero(lambda: read_whole(point, config, move.plan), model, accelerator, scratch)
+    else:
+        load_whole(read_whole(point, config, move.plan), model, optimizers, config, move.now)
+    if move.keeps_random_streams:
+        restore_random_streams(point.path, accelerator.process_index)
+
+
 def load_whole(state: WholeState, model: torch.nn.Module, optimizers: list, config: GPTConfig,
                engine: Engine) -> None:
-    """Give this rank's model and optimizers their pieces of `state` (see the module docstring); on every rank."""
+    """Give this rank's torch model (plain, sharded, split or a pipeline's stage) and optimizers their pieces of
+    `state` (see the module docstring)."""
     if isinstance(model, PipelinedGPT):
         with tempfile.TemporaryDirectory(prefix="moved-") as scratch:
             _write_ddp_files(state, Path(scratch), config, model.plan)
             model.load_whole(Path(scratch))
-    elif engine.kind == DEEPSPEED:
-        _load_into_zero(state, model)
     else:
         _load_into_torch(state, model, optimizers, config, engine.tensor_parallel)
 
@@ -266,42 +286,42 @@ def _parallel_states(states: dict[str, dict[str, Any]], n_embd: int, degree: int
             for name, s in states.items()}
 
 
-def _load_into_zero(state: WholeState, engine: Any) -> None:
-    """DeepSpeed's ZeRO optimizer loads `state` from its universal checkpoint layout, written in a scratch folder:
-    each rank takes its partition of the fp32 master weights and of AdamW's moments; ZeRO-1/2 then copy the master
-    weights into the model's (ZeRO-3's partitions are the model's)."""
-    import deepspeed
-
+def _load_into_zero(read: Callable[[], WholeState], engine: Any, accelerator: Accelerator, scratch: Path) -> None:
+    """DeepSpeed's ZeRO optimizer loads the checkpoint from its universal checkpoint layout in `scratch`, which one
+    process per node writes (`read()`: the whole state; the others neither read nor write it): each rank takes its
+    partition of the fp32 master weights and of AdamW's moments; ZeRO-1/2 then copy the master weights into the
+    model's (ZeRO-3's partitions are the model's). `scratch` is removed after."""
     optimizer = engine.optimizer
     base = optimizer.optimizer
     hyper = [{k: v for k, v in group.items() if k != "params"} for group in base.param_groups]
-    step = None
-    with tempfile.TemporaryDirectory(prefix="moved-") as scratch:
-        zero = Path(scratch) / "zero"
-        for param, name in optimizer.param_names.items():
-            own = strip_wrapper_prefixes({name: param})
-            plain = next(iter(own))
-            saved = state.state(0, plain)
-            if saved is None:
-                raise UserError(f"the checkpoint holds no optimizer state for {plain}; resume it with the optimizer "
-                                "it was saved with")
-            folder = zero / name
-            folder.mkdir(parents=True)
-            torch.save({"param": state.weight(plain).float()}, folder / "fp32.pt")
-            for key in ("exp_avg", "exp_avg_sq"):
-                torch.save({"param": saved[key].float()}, folder / f"{key}.pt")
-            step = saved["step"]
-            torch.save(step, folder / "step.pt")
-        torch.save({"ds_version": deepspeed.__version__, "clip_grad": optimizer.clip_grad, "param_groups": hyper,
-                    "optimizer_state_dict": {"state": {0: {"step": step}}, "param_groups": hyper}},
-                   zero / "optimizer_state.pt")
+    done = scratch / "written"
+    failure: BaseException | None = None
+    if accelerator.is_local_main_process:
+        shutil.rmtree(scratch, ignore_errors=True)
+        try:
+            _write_universal(read(), optimizer, hyper, scratch / "zero")
+            done.touch()
+        except BaseException as err:  # noqa: BLE001 - raised below, once the other processes are released
+            failure = err
+    accelerator.wait_for_everyone()
+    try:
+        if failure is not None:
+            raise failure
+        if not done.is_file():
+            raise UserError(f"the moved checkpoint could not be written in {scratch} (the first process of this node "
+                            "says why); free space there (or set TMPDIR) and resume again", on_every_rank=True)
         # as DeepSpeed's own load_checkpoint brackets it: ZeRO-3 releases every gathered parameter first, and after
         # gathers its persistent ones (the small parameters each rank keeps whole) from the loaded partitions
         for event in ("checkpoint_event_prologue", None, "checkpoint_event_epilogue"):
             if event is None:
-                optimizer._load_universal_checkpoint(scratch, load_optimizer_states=True, load_from_fp32_weights=True)
+                optimizer._load_universal_checkpoint(str(scratch), load_optimizer_states=True,
+                                                     load_from_fp32_weights=True)
             elif hasattr(optimizer, event):
                 getattr(optimizer, event)()
+    finally:
+        accelerator.wait_for_everyone()
+        if accelerator.is_local_main_process:
+            shutil.rmtree(scratch, ignore_errors=True)
     for group, own in zip(base.param_groups, hyper, strict=True):  # ZeRO-3 gives every group the first one's
         group.update(own)  # settings (the weight decay of the matrices to the biases and LayerNorms too)
     for saved in base.state.values():  # and one step tensor to all, which AdamW then advanced once per group
@@ -310,6 +330,30 @@ def _load_into_zero(state: WholeState, engine: Any) -> None:
     if engine.zero_optimization_stage() < 3:
         optimizer.update_lp_params()
 
+
+def _write_universal(state: WholeState, optimizer: Any, hyper: list[dict], zero: Path) -> None:
+    """`state` in DeepSpeed's universal checkpoint layout under `zero`: a folder per parameter (DeepSpeed's name for
+    it) with fp32.pt, exp_avg.pt, exp_avg_sq.pt ({"param": whole tensor}) and step.pt, and optimizer_state.pt (the
+    groups' settings: this run's own, which the load keeps)."""
+    import deepspeed
+
+    step = None
+    for param, name in optimizer.param_names.items():
+        plain = next(iter(strip_wrapper_prefixes({name: param})))
+        saved = state.state(0, plain)
+        if saved is None:
+            raise UserError(f"the checkpoint holds no optimizer state for {plain}; resume it with the optimizer it "
+                            "was saved with")
+        folder = zero / name
+        folder.mkdir(parents=True)
+        torch.save({"param": state.weight(plain).float()}, folder / "fp32.pt")
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.save({"param": saved[key].float()}, folder / f"{key}.pt")
+        step = saved["step"]
+        torch.save(step, folder / "step.pt")
+    torch.save({"ds_version": deepspeed.__version__, "clip_grad": optimizer.clip_grad, "param_groups": hyper,
+                "optimizer_state_dict": {"state": {0: {"step": step}}, "param_groups": hyper}},
+               zero / "optimizer_state.pt")
 
 
 def restore_random_streams(checkpoint: Path, rank: int) -> None:
