@@ -254,11 +254,19 @@ def test_muon_on_two_processes_matches_one(muon_run, tmp_path):
     assert_updates_agree(reference, out)
 
 
+MUON_TP_ARGS = MUON_ARGS + ["--tensor_parallel", "2"]
+
+
+def _fsdp_launch(tmp_path_factory, name: str, args: list[str]) -> tuple[Path, str]:
+    """`args` on 2 processes under fsdp_8gpu.yaml: (the run folder, what it printed)."""
+    out = tmp_path_factory.mktemp(name) / "run"
+    proc = launch(args + ["--out_dir", str(out)], nproc=2, engine="fsdp_8gpu")
+    return out, proc.stdout + proc.stderr
+
+
 @pytest.fixture(scope="module")
 def muon_fsdp_run(tmp_path_factory) -> tuple[Path, str]:
-    out = tmp_path_factory.mktemp("muon_fsdp") / "run"
-    proc = launch(MUON_ARGS + ["--out_dir", str(out)], nproc=2, engine="fsdp_8gpu")
-    return out, proc.stdout + proc.stderr
+    return _fsdp_launch(tmp_path_factory, "muon_fsdp", MUON_ARGS)
 
 
 @pytest.mark.slow
@@ -305,14 +313,9 @@ def test_a_muon_checkpoint_resumed_under_zero_is_one_line_and_writes_nothing(muo
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
 
 
-MUON_TP_ARGS = MUON_ARGS + ["--tensor_parallel", "2"]
-
-
 @pytest.fixture(scope="module")
 def muon_tp_run(tmp_path_factory) -> tuple[Path, str]:
-    out = tmp_path_factory.mktemp("muon_tp") / "run"
-    proc = launch(MUON_TP_ARGS + ["--out_dir", str(out)], nproc=2, engine="fsdp_8gpu")
-    return out, proc.stdout + proc.stderr
+    return _fsdp_launch(tmp_path_factory, "muon_tp", MUON_TP_ARGS)
 
 
 @pytest.mark.slow
