@@ -27,30 +27,31 @@ from data.source import open_source
 from planner import exit_after_plan
 from publish.card import write_card
 from publish.uploads import HubUploads
-from training.checkpoint import Checkpointer, restore, use_adapter_checkpoints
-from training.draw import draw_step
-from training.elastic import Attempt, open_process_group
-from training.engines import fit_deepspeed, refuse_unsupported
-from training.evaluation import TrainingEvals
-from training.export import export_final
-from training.layout import Layout
-from training.machine import Asked, Machine, runs_here
-from training.metrics import StepReport, run_header, trackers_for
-from training.moving import checkpoint_move
-from training.network import build_model
-from training.optim import build_optimizer, plan_optimizers, release_optimizer_state
-from training.pipeline import pipelined
-from training.preemption import PreemptionFlag
-from training.preflight import checkpoint_bytes
-from training.prepare import prepare
-from training.processes import (
+from training.checkpoints.checkpoint import Checkpointer, restore, use_adapter_checkpoints
+from training.checkpoints.export import export_final
+from training.checkpoints.moving import checkpoint_move
+from training.checkpoints.preflight import checkpoint_bytes
+from training.checkpoints.resume import find_resume_point
+from training.distributed.elastic import Attempt, open_process_group
+from training.distributed.engines import fit_deepspeed, refuse_unsupported
+from training.distributed.layout import Layout
+from training.distributed.machine import Asked, Machine, runs_here
+from training.distributed.pipeline import pipelined
+from training.distributed.prepare import prepare
+from training.distributed.processes import (
     BatchGeometry,
     close_process_group,
     shared_across_ranks,
     start_accelerator,
 )
+from training.distributed.tensor_parallel import evaluation_ranks, split
+from training.draw import draw_step
+from training.evaluations.runner import TrainingEvals
+from training.metrics import StepReport, run_header, trackers_for
+from training.network import build_model
+from training.optimizers.plan import build_optimizer, plan_optimizers, release_optimizer_state
+from training.preemption import PreemptionFlag
 from training.recipe import resume_recipe
-from training.resume import find_resume_point
 from training.run_folder import (
     claim_run_folder,
     open_run_folder,
@@ -58,7 +59,6 @@ from training.run_folder import (
     refuse_while_another_run_writes,
 )
 from training.step import LRSchedule, NonFinitePolicy, train_step
-from training.tensor_parallel import evaluation_ranks, split
 from training.timing import CHECKPOINT, DATA, EVAL, STEP, RunClock
 
 

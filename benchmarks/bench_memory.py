@@ -12,7 +12,7 @@ the chunked loss for F.cross_entropy over the full padded logits, which is what 
 the settings take turns N times (A, B, A, B), so a load that changes over time falls on both alike. Each process
 first sets the CPU allocator as train.py does (glibc's mmap and trim thresholds, huge pages for large tensors;
 `--malloc default` keeps glibc's and torch's own, which retain freed activation memory: see
-training.processes.return_freed_memory_to_the_os).
+training.distributed.processes.return_freed_memory_to_the_os).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import model.gpt
 from common.cli import CliParser
 from common.errors import run_cli
 from model import GPT, GPTConfig
-from training.processes import return_freed_memory_to_the_os, use_transparent_huge_pages
+from training.distributed.processes import return_freed_memory_to_the_os, use_transparent_huge_pages
 
 
 def plain_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid: int,
@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--activation_checkpointing", choices=("both", "off", "on"), default="both",
                         help="both: one subprocess for each")
     parser.add_argument("--malloc", choices=("train", "default"), default="train",
-                        help="train: the CPU allocator's settings of train.py (training.processes: glibc's "
+                        help="train: the CPU allocator's settings of train.py (training.distributed.processes: glibc's "
                              "thresholds, huge pages); default: glibc's and torch's own")
     parser.add_argument("--repeats", type=int, default=1, help="measure every setting this many times, in turns")
     args = parser.parse_args()

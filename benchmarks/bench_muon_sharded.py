@@ -6,7 +6,8 @@ against the same on 2 DDP processes.
     ... --json results.json                                                       # also write the figures as JSON
 
 On a CPU (gloo) it runs as written; with GPUs each rank takes the GPU of its LOCAL_RANK (nccl). Both sides are the
-project's own optimizers (`training.optim.build_optimizer`: AdamW, and our `Muon` on the blocks' matrices, which
+project's own optimizers (`training.optimizers.plan.build_optimizer`: AdamW, and our `Muon` on the blocks' matrices,
+which
 under FSDP2 gathers each sharded matrix whole with one all-gather, runs Newton-Schulz on every rank and keeps its
 own rows) on the same model, weights and batches:
 - `fsdp2`: torch's `fully_shard` on each block, then on the whole model (the units accelerate's FSDP2 plugin wraps
@@ -32,7 +33,7 @@ import torch.distributed as dist
 
 from configs import ModelConfig, OptimConfig, TrainingConfig
 from model import GPT, GPTConfig
-from training.optim import build_optimizer, plan_optimizers
+from training.optimizers.plan import build_optimizer, plan_optimizers
 from training.optimizers.spec import BLOCK_MATRICES, claimed_names
 
 GRAD_CLIP = TrainingConfig().grad_clip  # train.py's default

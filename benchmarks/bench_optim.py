@@ -36,8 +36,8 @@ from configs import DataConfig, TrainConfig
 from data.source import open_source
 from eval.val_loss import evaluate_loss
 from model import GPT, GPTConfig
-from training.optim import build_optimizer, plan_optimizers
-from training.processes import BatchGeometry
+from training.distributed.processes import BatchGeometry
+from training.optimizers.plan import build_optimizer, plan_optimizers
 from training.step import LRSchedule, train_step
 
 FINEWEB = Path(__file__).resolve().parents[2] / "shared" / "assets" / "fineweb_sample_100docs.parquet"

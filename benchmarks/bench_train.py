@@ -32,7 +32,7 @@ from common.errors import UserError, run_cli
 from configs import ModelConfig, OptimConfig, TrainingConfig
 from model import GPT, GPTConfig
 from training.mfu import estimate_mfu, peak_flops
-from training.optim import build_optimizer, plan_optimizers
+from training.optimizers.plan import build_optimizer, plan_optimizers
 from training.preemption import PreemptionFlag
 from training.step import LRSchedule, train_step
 
@@ -205,7 +205,7 @@ def main() -> None:
             "mixed_precision": args.mixed_precision, "compile": args.compile, "device": str(device),
             "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "steps": args.steps, "warmup_steps": args.warmup, "warmup_s": warmup_s,
-            # What the CUDA code paths turned on: fused AdamW (training/optim.py) and TF32 matmuls.
+            # What the CUDA code paths turned on: fused AdamW (training/optimizers/plan.py) and TF32 matmuls.
             "optimizer": plan.kind,
             "optimizer_fused": bool(getattr(acc_opts[0], "optimizer", acc_opts[0]).defaults.get("fused")),
             "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,

@@ -27,6 +27,7 @@ import subprocess
 import sys
 
 from common.cli import CliParser
+from common.engine_names import DDP, DEEPSPEED, FSDP, column
 from common.errors import UserError, run_cli
 from model.config import SIZES
 from planner import (
@@ -46,7 +47,6 @@ from planner import (
     render,
     run_advice,
 )
-from training.engine_names import DDP, DEEPSPEED, FSDP, column
 
 # glibc returns a freed block to the system only when it was mmapped, and raises its mmap threshold (up to 32 MB)
 # each time it frees one: from the second step on, most tensors live on the heap, whose freed pages stay in the
@@ -166,7 +166,7 @@ def table(device_gb: float) -> None:
           "FSDP2 and DeepSpeed: bf16 parameters), "
           "AdamW, eager, gradients held between micro-steps; computed by benchmarks.memory_plan (1 GiB + 10% kept "
           "free), not measured")
-    # the support table's column names (training.support), each engine as the planner's Launch takes it
+    # the support table's column names (training.distributed.support), each engine as the planner's Launch takes it
     engines = {column(DDP): {}, column(FSDP): {"fsdp": True},
                **{column(DEEPSPEED, stage): {"zero_stage": stage} for stage in (1, 2, 3)}}
     print("| model | " + " | ".join(f"{e} | {e} + AC" for e in engines) + " |")

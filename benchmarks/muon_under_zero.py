@@ -7,7 +7,8 @@ Both sides train the same tiny GPT (2 blocks, 32 wide, the GPT-2 vocabulary; fp3
 of 32 random tokens a step; each of the 2 ranks takes its half) from the same initial weights, at the project's
 default learning rates held constant (Muon 0.02, momentum 0.95; AdamW 1e-2, betas (0.9, 0.95), weight decay 0.1 on
 the >= 2-D tensors):
-- the reference, on rank 0 alone: `training.optim.build_optimizer` (torch's AdamW and our `Muon`, torch.optim.Muon's
+- the reference, on rank 0 alone: `training.optimizers.plan.build_optimizer` (torch's AdamW and our `Muon`,
+torch.optim.Muon's
   step), the whole batch, `clip_grad_norm_(--grad_clip)` on the raw gradients, then both steps: what train.py runs;
 - DeepSpeed: `deepspeed.runtime.zero.muon.muon_optimizer.MuonWithAuxAdam` as the client optimizer of a ZeRO-2 engine
   on 2 gloo processes, the same parameter groups (Muon on the blocks' matrices, tagged `use_muon`; torch's AdamW as
@@ -35,7 +36,7 @@ import torch  # noqa: E402
 
 from configs import ModelConfig, OptimConfig  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from training.optim import build_optimizer, plan_optimizers  # noqa: E402
+from training.optimizers.plan import build_optimizer, plan_optimizers  # noqa: E402
 from training.optimizers.spec import BLOCK_MATRICES, claimed_names  # noqa: E402
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, dropout=0.0)

@@ -4,7 +4,8 @@
     accelerate launch --multi_gpu --num_processes 2 -m benchmarks.run_phases REPORT_DIR [train.py's flags]
 
 It imports train.py as a module, wraps the calls that begin and end each phase (the names train.py and
-training.evaluation call them by, in `PHASES`), and runs `train.main` as `python train.py` would. Each rank writes
+training.evaluations.runner call them by, in `PHASES`), and runs `train.main` as `python train.py` would. Each rank
+writes
 `REPORT_DIR/rank{r}.json`: {phase: peak bytes} and the whole process's.
 
 On a CPU a phase's peak is the resident set (RSS): the kernel's high-water mark (VmHWM) when the phase raised it,
@@ -34,7 +35,7 @@ PHASES = {
     "validation": ("training.evaluations.validation", "evaluate_loss"),
     "sample": ("training.evaluations.validation", "sample"),
     "hellaswag": ("eval.hellaswag", "evaluate_hellaswag"),
-    "checkpoint save": ("training.checkpoint", "Checkpointer.save"),
+    "checkpoint save": ("training.checkpoints.checkpoint", "Checkpointer.save"),
     "export": ("train", "export_final"),
 }
 OTHER = "other"

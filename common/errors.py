@@ -34,7 +34,7 @@ class UserError(Exception):
 def computed_alike_on_every_rank() -> Iterator[None]:
     """Mark the `UserError`s of a block that every rank computes alike, without talking to the others (e.g.
     parsing the same flags): each rank raises the same error, so rank 0 alone prints it. (A block whose ranks
-    may disagree gathers their errors instead: `training.processes.shared_across_ranks`.)"""
+    may disagree gathers their errors instead: `training.distributed.processes.shared_across_ranks`.)"""
     try:
         yield
     except UserError as err:

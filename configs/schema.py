@@ -72,7 +72,7 @@ def _looks_like_path(value: str) -> bool:
 
 @dataclass
 class RunConfig:
-    """The run folder and its checkpoints (training.checkpoint, training.run_folder)."""
+    """The run folder and its checkpoints (training.checkpoints.checkpoint, training.run_folder)."""
 
     _argument_group_name = "run folder and checkpoints"
 
@@ -223,7 +223,7 @@ DEFAULT_LRS = {"from scratch with Muon": 1e-2, "from scratch with AdamW": 1e-3, 
 
 @dataclass
 class OptimConfig:
-    """The optimizers and the learning-rate schedule (training.optim)."""
+    """The optimizers and the learning-rate schedule (training.optimizers.plan)."""
 
     _argument_group_name = "optimizer and schedule"
 
@@ -271,7 +271,7 @@ class OptimConfig:
 
 @dataclass
 class EvalConfig:
-    """What is scored during training, and when (training.evaluation)."""
+    """What is scored during training, and when (training.evaluations.runner)."""
 
     _argument_group_name = "evaluation"
 

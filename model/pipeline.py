@@ -5,7 +5,7 @@ the tied output layer on the last.
 then cut) and keeps the full model's parameter names (`transformer.h.5.attn.c_attn.weight` on the stage that holds
 block 5), so a stage's state dict is a slice of the whole model's, and the whole one is their union. The output
 layer is tied to the token embedding: a last stage that is not also the first holds its own copy of `wte` under the
-same name, kept equal to the first stage's by summing their gradients (`training.pipeline`).
+same name, kept equal to the first stage's by summing their gradients (`training.distributed.pipeline`).
 
 Invariants: the stages' blocks are consecutive and cover every block once, the earlier stages holding one more
 when the blocks do not divide evenly; a stage's forward takes the previous stage's output (token ids on the first)

@@ -2,7 +2,8 @@
 layout, without allocating anything.
 
 One way inside, each module importing only those before it:
-    launch  -> what a process does with the model (`Launch`, `Shards`), from the run's `training.layout.Layout`
+    launch  -> what a process does with the model (`Launch`, `Shards`), from the run's
+    `training.distributed.layout.Layout`
     memory  -> the per-process plan of a step and of every phase of a run (`plan_memory`, `plan_run`)
     advice  -> the one setting to change when it does not fit
     render  -> the table

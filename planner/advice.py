@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from model.config import GPTConfig
 from planner.launch import GB, Launch
 from planner.memory import RunPhases, format_gib, plan_memory, plan_run
-from training.processes import BatchGeometry
+from training.distributed.processes import BatchGeometry
 
 
 def resized(config: GPTConfig, launch: Launch, micro_batch_size: int, processes: int | None = None) -> Launch | None:

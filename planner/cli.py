@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import os
 
+from common.engine_names import FSDP
 from common.errors import UserError
 from model.config import SIZES, GPTConfig
 from planner.advice import Spelling
 from planner.launch import GB, Launch
 from planner.memory import RunPhases, plan_memory
 from planner.render import render
-from training.engine_names import FSDP
-from training.layout import Layout
+from training.distributed.layout import Layout
+from training.distributed.processes import BatchGeometry
 from training.network import scratch_architecture
-from training.optim import plan_optimizers
-from training.processes import BatchGeometry
+from training.optimizers.plan import plan_optimizers
 
 DEFAULT_DEVICE_GB = 80.0  # an H100 / A100 80 GB
 
@@ -35,7 +35,8 @@ def model_config(name: str, block_size: int | None = None) -> GPTConfig:
 
 
 def launch_environment() -> dict[str, object]:
-    """What `accelerate launch` tells the processes it starts, beside the layout (`training.layout.Layout`): how
+    """What `accelerate launch` tells the processes it starts, beside the layout
+    (`training.distributed.layout.Layout`): how
     many, the precision, the CPU."""
     env = os.environ
     return {"processes": int(env.get("WORLD_SIZE", "1")),

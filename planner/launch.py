@@ -1,17 +1,18 @@
 """What a training process does with the model, as the planner sees it: its batch, its share of the model (the
-engine's sharding: `Shards`), its precision; its layout is the run's (`training.layout.Layout`), and a feature an
-engine does not run is refused from `training.support`'s table, as the run refuses it.
+engine's sharding: `Shards`), its precision; its layout is the run's (`training.distributed.layout.Layout`), and a
+feature an
+engine does not run is refused from `training.distributed.support`'s table, as the run refuses it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.engine_names import DDP, DEEPSPEED, FSDP, engine_name
 from common.errors import UserError
-from training.engine_names import DDP, DEEPSPEED, FSDP, engine_name
-from training.layout import Layout
+from training.distributed.layout import Layout
+from training.distributed.support import refusal
 from training.optimizers.registry import OPTIMIZERS as REGISTERED
 from training.optimizers.spec import OptimizerSpec
-from training.support import refusal
 
 GiB = 2**30
 GB = 10**9
@@ -54,15 +55,16 @@ class Launch:
     # micro-batches the run accepts, with the accumulation each gives (`resized`). None: any micro-batch.
     total_batch_size: int | None = None
     # --tensor_parallel: the blocks' matrices split over groups of this many processes, FSDP2 over the
-    # processes / tensor_parallel groups (`training.tensor_parallel`); 1: none.
+    # processes / tensor_parallel groups (`training.distributed.tensor_parallel`); 1: none.
     tensor_parallel: int = 1
-    # --pipeline_parallel: the blocks in this many stages, one per process of a pipeline (`training.pipeline`), the
+    # --pipeline_parallel: the blocks in this many stages, one per process of a pipeline
+    # (`training.distributed.pipeline`), the
     # processes / pipeline_parallel pipelines averaging their gradients; 1: none.
     pipeline_parallel: int = 1
 
     @property
     def layout(self) -> Layout:
-        """The launch's layout as a run holds it (`training.layout`)."""
+        """The launch's layout as a run holds it (`training.distributed.layout`)."""
         return Layout(self.processes, self.kind, self.zero_stage, self.tensor_parallel, self.pipeline_parallel)
 
     @property
@@ -87,7 +89,7 @@ class Launch:
 
     @property
     def kind(self) -> str:
-        """The engine, as `training.support` keys it."""
+        """The engine, as `training.distributed.support` keys it."""
         return DEEPSPEED if self.zero_stage else FSDP if self.fsdp else DDP
 
     @property

@@ -2,7 +2,7 @@
 
 `plan_memory(GPTConfig, Launch)` adds up, per device, what a step of this project's code holds: the fp32
 parameters, their gradients, the optimizer state (AdamW: two fp32 tensors per parameter; Muon: one momentum
-buffer on the blocks' matrices and AdamW's two on the rest, as `training.optim` splits them), DDP's gradient
+buffer on the blocks' matrices and AdamW's two on the rest, as `training.optimizers.plan` splits them), DDP's gradient
 buckets, FSDP2's sharding and its unsharded blocks in flight, the bf16 weight copies autocast keeps, the
 activations autograd saves (per layer, from `model.gpt.Block`'s code path) and the chunked loss's buffers
 (`model.loss`). `benchmarks/memory_plan.py` is its command line; `python train.py ... --plan` prints it for a
@@ -405,12 +405,13 @@ def plan_run(config: GPTConfig, launch: Launch, run: RunPhases) -> RunPlan:
     its endings, per item). A checkpoint save
     first checks the weights on one window (`Checkpointer`'s health check); its writers copy nothing
     (safetensors and torch.save write from the tensors). The export follows the last save, which holds the optimizer
-    state, so that state is freed first (`training.optim.release_optimizer_state`): it holds the weights and, on the
+    state, so that state is freed first (`training.optimizers.plan.release_optimizer_state`): it holds the weights and,
+    on the
     main process, the file's transposed block matrices (GPT-2's Conv1D layout) - on a CPU; on CUDA these are host
     copies. The Hub staging of a checkpoint loads it into a second model on the main process, and transposes too.
     Under pipeline parallelism the plan is the fuller stage's (`plan_memory`), and a checkpoint save and the export
     gather the whole model (with the optimizer state for a save) on the main process's host memory, where its
-    files are written (`training.pipeline`)."""
+    files are written (`training.distributed.pipeline`)."""
     process = TRAIN_PROCESS_BYTES + sum(spec.cpu_process_bytes for spec in run.specs) if launch.device == "cpu" else 0
     step = plan_memory(config, launch, process)
     counts = step.params

@@ -257,7 +257,8 @@ def assert_weights_within_rounding(a: Path, b: Path, atol: float = SIGNAL_ATOL) 
 
 def resume_copy(reference: Path, step: int, out: Path) -> list[str]:
     """The flags that resume a copy of the finished run `reference`, made at `out`, from its own checkpoint of
-    `step`: the run's later checkpoints and final/ are set aside when it starts (training.resume), as for a user who
+    `step`: the run's later checkpoints and final/ are set aside when it starts (training.checkpoints.resume), as for a
+    user who
     resumes an older checkpoint. Ending bit for bit where `reference` ended is the proof that a feature's checkpoint
     holds everything its run needs: one launch, where a run killed and resumed takes two. Whether a kill at any
     moment leaves such a checkpoint behind is the checkpointing's own claim, the same under every feature, proven

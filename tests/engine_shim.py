@@ -5,7 +5,7 @@ What accelerate 1.15 does with such a launch on a CPU, as shipped (../shared/not
 choice (`PartialState._prepare_backend`) finds no device, so every rank comes up alone (backend None, world size
 1); a DeepSpeed launch then fails DeepSpeed's batch check, an FSDP launch trains the whole batch on each rank.
 With `cpu=True` (ACCELERATE_USE_CPU) it runs plain DDP instead. train.py refuses all three in one line
-(`training.engines`); this shim changes just the two decisions that stand between a CPU and the engine:
+(`training.distributed.engines`); this shim changes just the two decisions that stand between a CPU and the engine:
 
 1. the backend: a launched rank (LOCAL_RANK set) of a DeepSpeed or FSDP launch for which accelerate found none gets
    gloo on the CPU (DeepSpeed's own CPU accelerator would ask for oneCCL, absent here);
@@ -14,7 +14,7 @@ With `cpu=True` (ACCELERATE_USE_CPU) it runs plain DDP instead. train.py refuses
    launch).
 
 train.py refuses an engine launch on a machine without a GPU before anything is built
-(`training.machine.accelerate_runs_engines`); the shim, which makes accelerate run it, answers yes there.
+(`training.distributed.machine.accelerate_runs_engines`); the shim, which makes accelerate run it, answers yes there.
 
 It also skips DeepSpeed's shared-memory collective op, which its CPU backend otherwise compiles with g++ at the
 first start (minutes; CI has no use for it: gloo does the collectives). The tests then prove each engine is really
@@ -70,9 +70,9 @@ def install() -> None:
 
     PartialState._prepare_backend = gloo_for_engine_launches
 
-    import training.machine
+    import training.distributed.machine
 
-    training.machine.accelerate_runs_engines = lambda machine: True  # accelerate now runs the engines here
+    training.distributed.machine.accelerate_runs_engines = lambda machine: True  # accelerate now runs the engines here
 
     accelerator_state_init = AcceleratorState.__init__
 

@@ -51,7 +51,7 @@ if os.environ.get("ENGINE_SHIM") == "1":  # a DeepSpeed or FSDP launch on this C
 if os.environ.get("PIPELINE_PROBE"):  # a folder: the parameters each pipeline rank holds, written at each checkpoint
     import json
 
-    from training.pipeline import PipelinedGPT
+    from training.distributed.pipeline import PipelinedGPT
 
     save_whole = PipelinedGPT.save_whole
 
@@ -147,7 +147,7 @@ elif kind in ("ctrl_c_in_step", "ctrl_c_twice_in_step"):
 
     LRSchedule.factor = factor_then_ctrl_c
 elif kind == "kill_in_save":
-    import training.checkpoint as checkpoint
+    import training.checkpoints.checkpoint as checkpoint
 
     rename_into_place = checkpoint.rename_into_place
 
@@ -169,10 +169,10 @@ elif kind == "kill_in_save_state":
 
     checkpointing.save = save_then_die_before_the_optimizer
 elif kind == "kill_in_rotation":
-    import training.checkpoint as checkpoint
+    import training.checkpoints.checkpoint as checkpoint
 
     class ShutilDyingInRotation:
-        """training.checkpoint's shutil, whose rmtree of an old checkpoint dies after one file."""
+        """training.checkpoints.checkpoint's shutil, whose rmtree of an old checkpoint dies after one file."""
 
         def __getattr__(self, name):
             return getattr(shutil, name)
@@ -187,7 +187,7 @@ elif kind == "kill_in_rotation":
 
     checkpoint.shutil = ShutilDyingInRotation()
 elif kind == "kill_in_export":
-    import training.export as export
+    import training.checkpoints.export as export
 
     rename_into_place = export.rename_into_place
 

@@ -28,7 +28,7 @@ from conftest import (
 
 from configs import ModelConfig, OptimConfig
 from model import GPT, GPTConfig
-from training.optim import build_optimizer, plan_optimizers
+from training.optimizers.plan import build_optimizer, plan_optimizers
 
 TINY_GPT = GPTConfig(vocab_size=100, n_layer=3, n_head=2, n_embd=32, block_size=16)
 
@@ -141,7 +141,7 @@ def test_under_torch_compile_the_same_gradients():
 RETENTION = """
 import sys
 import torch
-from training.processes import return_freed_memory_to_the_os
+from training.distributed.processes import return_freed_memory_to_the_os
 if sys.argv[1] == "train.py":
     assert return_freed_memory_to_the_os()
 def resident_mib():
@@ -158,7 +158,8 @@ print(round(resident_mib() - before))
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_freed_activation_memory_goes_back_to_the_os():
-    """What train.py sets on a CPU (training.processes.return_freed_memory_to_the_os): 19 freed tensors of 20 MiB
+    """What train.py sets on a CPU (training.distributed.processes.return_freed_memory_to_the_os): 19 freed tensors of
+    20 MiB
     are given back (only the live one stays resident); with glibc's rising threshold all 20 stay. A fresh process
     each: the allocator's state is the process's."""
     def grown(malloc: str) -> int:
@@ -173,7 +174,7 @@ def test_freed_activation_memory_goes_back_to_the_os():
 REUSE = """
 import resource, sys
 import torch
-from training.processes import return_freed_memory_to_the_os
+from training.distributed.processes import return_freed_memory_to_the_os
 if sys.argv[1] == "train.py":
     assert return_freed_memory_to_the_os()
 else:
@@ -205,7 +206,7 @@ def test_a_small_models_activations_are_reused_from_the_heap():
 
 HUGE_PAGES = """
 import torch
-from training.processes import use_transparent_huge_pages
+from training.distributed.processes import use_transparent_huge_pages
 print(use_transparent_huge_pages())
 kept = torch.ones(64 * 2**18)  # 64 MiB, written
 print(sum(int(line.split()[1]) for line in open("/proc/self/smaps") if line.startswith("AnonHugePages:")))
@@ -217,7 +218,8 @@ print(sum(int(line.split()[1]) for line in open("/proc/self/smaps") if line.star
     open("/sys/kernel/mm/transparent_hugepage/enabled").read() if os.path.exists(
         "/sys/kernel/mm/transparent_hugepage/enabled") else "")), reason="needs the kernel's THP mode 'madvise'")
 def test_large_cpu_tensors_get_huge_pages_unless_the_user_says_no():
-    """train.py's setting (training.processes.use_transparent_huge_pages, before the run's first tensor): a 64 MiB
+    """train.py's setting (training.distributed.processes.use_transparent_huge_pages, before the run's first tensor): a
+    64 MiB
     tensor lies in 2 MiB pages; a user's THP_MEM_ALLOC_ENABLE=0 is kept, and then it does not."""
     def huge_kib(**env) -> tuple[str, int]:
         environ = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}

@@ -140,4 +140,4 @@ def test_hellaswag_advice_offline_names_the_callers_flag():
     from eval.hellaswag_data import load_items
 
     with pytest.raises(UserError, match="pass a local HellaSwag jsonl with --hellaswag_data"):
-        load_items(None, flag="--hellaswag_data")  # as training.evaluation calls it; the Hub is offline in tests
+        load_items(None, flag="--hellaswag_data")  # as the evaluations runner calls it; the Hub is offline here

@@ -133,7 +133,7 @@ def test_importing_a_package_installs_no_handlers_or_filters():
     script = (
         "import signal, logging\n"
         "before = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1))\n"
-        "import train, training.checkpoint, training.preemption, training.run_folder, publish.uploads\n"
+        "import train, training.checkpoints.checkpoint, training.preemption, training.run_folder, publish.uploads\n"
         "after = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1))\n"
         "assert before == after, (before, after)\n"
         "assert not logging.getLogger('accelerate.utils.other').filters\n"

@@ -6,7 +6,8 @@ each step logged once in metrics.jsonl and TensorBoard; a hung worker ends the r
 the agent's 30 s) in one line naming a whole checkpoint; an error of one rank alone stops after the first restart
 (a bug's crash too, its traceback kept); a worker killed more often than the restarts allow leaves the last
 checkpoint intact. A restarted rank 1 starts 3 s late (tests/fault_train.py), so that the other rank always reaches
-the rendezvous first: the order in which a restart used to read the dead rank's address (training/elastic.py).
+the rendezvous first: the order in which a restart used to read the dead rank's address
+(training/distributed/elastic.py).
 """
 from __future__ import annotations
 
@@ -85,8 +86,8 @@ def test_a_hung_worker_ends_the_run_within_the_timeout_in_one_line_naming_a_whol
     step, the rank and the last checkpoint in one line; the agent ends the stopped rank (SIGKILL, 30 s after its
     SIGTERM); all within the timeout + 60 s of the stop. The checkpoint it names is whole (its manifest verifies):
     what a resume from it gives is the kill tests' claim (a killed worker's run, below, resumes it)."""
-    from training.manifest import verify_checkpoint
-    from training.resume import find_resume_point
+    from training.checkpoints.manifest import verify_checkpoint
+    from training.checkpoints.resume import find_resume_point
 
     out = tmp_path / "run"
     proc = launch(ARGS + ["--out_dir", str(out), "--collective_timeout", "10"], nproc=2,
@@ -159,8 +160,8 @@ def test_a_worker_killed_more_often_than_the_restarts_allow_leaves_the_last_chec
     """Rank 1 killed after step 5 in every attempt, --max_restarts 1: the agent gives up after the restart (exit
     status 1), and the checkpoint of step 3, the only one, is whole (its manifest verifies): what a resume from it
     gives is the killed-worker cases' claim (each resumes step 3 and ends bit-identical)."""
-    from training.manifest import verify_checkpoint
-    from training.resume import find_resume_point
+    from training.checkpoints.manifest import verify_checkpoint
+    from training.checkpoints.resume import find_resume_point
 
     out = tmp_path / "run"
     proc = launch(ARGS + ["--out_dir", str(out)], nproc=2, fault="kill_rank_1_every_attempt:5", check=False,
@@ -174,7 +175,7 @@ def test_a_worker_killed_more_often_than_the_restarts_allow_leaves_the_last_chec
 
 
 def test_the_line_names_the_silent_ranks_the_step_and_what_happens_next(tmp_path):
-    from training.elastic import Attempt, PeerWatch, lost_peer
+    from training.distributed.elastic import Attempt, PeerWatch, lost_peer
 
     checkpoint = tmp_path / "checkpoints" / "step_000003"
     watch = PeerWatch(0, 4, 10, lambda: checkpoint, Attempt(restart=0, max_restarts=2))

@@ -28,7 +28,7 @@ from conftest import (
 )
 
 from common.errors import UserError
-from training.engines import Engine, fit_deepspeed, refuse_unsupported
+from training.distributed.engines import Engine, fit_deepspeed, refuse_unsupported
 
 ENGINES = ["fsdp_8gpu", "zero1_8gpu", "zero2_8gpu", "zero3_8gpu"]
 
@@ -123,7 +123,8 @@ def _error_line(proc) -> str:
 def test_an_engine_launch_accelerate_cannot_run_here_is_refused(tmp_path):
     """As shipped, accelerate brings each rank of an FSDP launch on a CPU up alone (each would train the whole
     batch); with use_cpu it runs plain DDP instead (exit 0). Both real launches are refused in one line, the first
-    before accelerate brings anything up (`training.machine`: no GPU here), as is a DeepSpeed launch, whose ranks
+    before accelerate brings anything up (`training.distributed.machine`: no GPU here), as is a DeepSpeed launch, whose
+    ranks
     would come up alone only after DeepSpeed has built its CPU collective op with g++ (40-90 s; every shipped config:
     tests/test_launches.py, in process). The checks after the group opens stay as backstops
     (`test_a_deepspeed_launch_on_a_cpu_meets_the_same_checks`, in process)."""
@@ -141,7 +142,7 @@ def test_a_deepspeed_launch_on_a_cpu_meets_the_same_checks(monkeypatch):
     """What `accelerate launch --config_file zero2_8gpu.yaml` sets for its ranks, and what accelerate then makes of
     them on a CPU (../shared/notes/engines-on-cpu.md: each rank alone, world size 1): refused by name, as is the
     FSDP config with use_cpu (the real launches: the test above)."""
-    from training.engines import check_world_size, refuse_engine_on_cpu
+    from training.distributed.engines import check_world_size, refuse_engine_on_cpu
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
@@ -226,7 +227,7 @@ def test_deepspeed_config_gets_the_runs_geometry_and_refuses_a_conflict():
 
 
 def test_a_deepspeed_launch_without_deepspeed_installed_is_one_line(monkeypatch):
-    import training.engines as engines
+    import training.distributed.engines as engines
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setattr(engines, "find_spec", lambda name: None)

@@ -339,7 +339,7 @@ def test_a_damaged_jsonl_gz_is_one_line_naming_the_file(tmp_path, damage):
 def suggested_hellaswag(run: Path, hellaswag_data: str | None) -> list[str]:
     """The arguments of the eval.hellaswag command that a run's `next:` line suggests."""
     from common.run_dir import RunDir
-    from training.export import next_steps
+    from training.checkpoints.export import next_steps
 
     line = next_steps(RunDir(run), (6, 5.0), hellaswag_data)
     (command,) = [part for part in line.split(", python -m ") if part.startswith("eval.hellaswag ")]

@@ -301,8 +301,8 @@ def test_the_trainers_export_builds_no_second_model(tmp_path, monkeypatch):
     from accelerate import Accelerator
 
     from common.run_dir import RunDir
-    from training.export import export_final
-    from training.optim import release_optimizer_state
+    from training.checkpoints.export import export_final
+    from training.optimizers.plan import release_optimizer_state
 
     model = trained_like()
     accelerator = Accelerator(cpu=True)

@@ -30,8 +30,8 @@ from conftest import (
 
 import train
 from common.errors import UserError
-from training.manifest import verify_checkpoint
-from training.resume import find_resume_point
+from training.checkpoints.manifest import verify_checkpoint
+from training.checkpoints.resume import find_resume_point
 
 # 4 steps, a checkpoint at 2 and 4, dropout so that a lost RNG state would change the weights.
 RUN = TINY + ["--max_steps", "4", "--micro_batch_size", "2", "--total_batch_size", "64", "--save_every", "2",
@@ -173,9 +173,9 @@ def test_init_from_without_a_commit_resumes_a_fine_tune_pinned_to_one(tmp_path, 
     import yaml
 
     from configs import ModelConfig, OptimConfig
-    from training.optim import plan_optimizers
+    from training.checkpoints.resume import ResumePoint
+    from training.optimizers.plan import plan_optimizers
     from training.recipe import resume_recipe
-    from training.resume import ResumePoint
 
     pinned = "gpt2@" + "a" * 40
     (tmp_path / "run" / "checkpoints" / "step_000002").mkdir(parents=True)
@@ -369,7 +369,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path, mon
 
     from accelerate import Accelerator
 
-    import training.export
+    import training.checkpoints.export
 
     out = tmp_path / "run"
     args = TINY + ["--out_dir", str(out), "--max_steps", "4", "--micro_batch_size", "2", "--total_batch_size", "64",
@@ -391,7 +391,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path, mon
             (Path(directory) / "model.safetensors").write_bytes(b"partial")
             raise full
 
-        monkeypatch.setattr(training.export, "save_state_dict", full_export)
+        monkeypatch.setattr(training.checkpoints.export, "save_state_dict", full_export)
     last = train_until_error(monkeypatch, capsys, args)
     assert last.startswith("error: could not write ") and "No space left on device" in last
     assert not list(out.rglob(".tmp-*")) and not (out / "final").exists()

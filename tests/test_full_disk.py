@@ -18,7 +18,7 @@ from conftest import TINY, train_in_process
 from test_faults import train_until_error
 
 import publish.hub
-import training.export
+import training.checkpoints.export
 
 ARGS = TINY + ["--max_steps", "4", "--micro_batch_size", "2", "--total_batch_size", "64", "--save_every", "2",
                "--eval_every", "4", "--sample_tokens", "0"]
@@ -101,13 +101,13 @@ def test_each_file_of_a_checkpoint_failing_is_one_line_and_resume_finishes(tmp_p
 @pytest.mark.slow
 def test_the_final_export_and_the_hub_staging_failing_are_one_line(tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
-    real_save = training.export.save_state_dict
+    real_save = training.checkpoints.export.save_state_dict
 
     def save_without_room(*args, **kwargs):
         with no_room():
             return real_save(*args, **kwargs)
 
-    monkeypatch.setattr(training.export, "save_state_dict", save_without_room)
+    monkeypatch.setattr(training.checkpoints.export, "save_state_dict", save_without_room)
     last = train_until_error(monkeypatch, capsys, ARGS + ["--out_dir", str(out)])
     assert last.startswith(f"error: could not write {out / 'final'} (") and "--resume latest" in last, last
     assert not list(out.rglob(".tmp-*")) and not (out / "final").exists()

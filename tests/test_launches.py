@@ -58,7 +58,8 @@ def test_a_deepspeed_process_on_a_core_install_is_one_line(tmp_path):
     assert not out.exists()
 
 
-# ---- every shipped config on this CPU: the rule (training/machine.py), in process -----------------------------
+# ---- every shipped config on this CPU: the rule (training/distributed/machine.py), in process
+# -----------------------------
 
 def launched_environment(config_args: list[str]) -> dict[str, str]:
     """What each process of `accelerate launch <config_args> train.py` finds in its environment, from accelerate's
@@ -95,8 +96,8 @@ def outcome(monkeypatch, env: dict[str, str], machine) -> str:
     'runs: <the header's line>' ('runs: -' with no line). A FSDP or DeepSpeed launch on a machine without a GPU
     comes up as lone ranks (accelerate 1.15, measured: ../shared/notes/engines-on-cpu.md)."""
     from common.errors import UserError
-    from training.engines import check_world_size, refuse_engine_on_cpu
-    from training.machine import Asked, check_launch, runs_here
+    from training.distributed.engines import check_world_size, refuse_engine_on_cpu
+    from training.distributed.machine import Asked, check_launch, runs_here
 
     for key in [k for k in os.environ if k.startswith(("ACCELERATE_", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_"))]:
         monkeypatch.delenv(key)
@@ -139,7 +140,7 @@ def test_every_shipped_config_is_covered():
 
 @pytest.mark.parametrize("name", list(ON_THIS_CPU))
 def test_every_launch_on_a_cpu_says_what_it_runs_or_refuses(monkeypatch, name):
-    from training.machine import Machine
+    from training.distributed.machine import Machine
 
     env = launched_environment(_config_args(name))
     assert outcome(monkeypatch, env, Machine(gpus=0, cores=2)).startswith(ON_THIS_CPU[name])
@@ -208,8 +209,8 @@ def test_tensor_parallel_on_a_cpu_says_no_launch_here_runs_it(monkeypatch, name)
     fsdp_8gpu.yaml on a CPU said "launch with accelerate_configs/cpu_2proc.yaml ..., which trains the same run", and
     cpu_2proc.yaml refused tensor parallelism. Now each hop says that no launch on this machine runs it."""
     from common.errors import UserError
-    from training.layout import Layout
-    from training.machine import Machine, check_launch
+    from training.distributed.layout import Layout
+    from training.distributed.machine import Machine, check_launch
 
     env = {} if name == "one process" else launched_environment(_config_args(name))
     outcome(monkeypatch, env, Machine(gpus=0, cores=2))  # sets the launch's environment

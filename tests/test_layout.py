@@ -1,4 +1,4 @@
-"""training/layout.py: the launch's parallel layout, one object that the run, the refusals, the header, the
+"""training/distributed/layout.py: the launch's parallel layout, one object that the run, the refusals, the header, the
 checkpoint record and the memory planner read."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from accelerate.utils import DistributedType
 
 from common.errors import UserError
 from planner import Launch
-from training.engines import Engine
-from training.layout import Layout
-from training.machine import Machine
+from training.distributed.engines import Engine
+from training.distributed.layout import Layout
+from training.distributed.machine import Machine
 
 
 def test_the_degrees_multiply_to_the_world_tensor_parallel_innermost():

@@ -21,7 +21,7 @@ from conftest import REPO_ROOT  # noqa: F401  (the repo root on sys.path)
 
 from configs import ModelConfig, OptimConfig
 from configs.schema import DEFAULT_LRS
-from training.optim import plan_optimizers
+from training.optimizers.plan import plan_optimizers
 
 SMALL = ["--n_layer", "2", "--n_head", "2", "--n_embd", "64", "--block_size", "64", "--val_tokens", "2048",
          "--eval_batch_size", "8", "--sample_tokens", "0", "--micro_batch_size", "8", "--total_batch_size", "512",

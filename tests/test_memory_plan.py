@@ -244,7 +244,7 @@ def train_plan(monkeypatch, capsys, *flags: str) -> str:
 def test_train_plan_advice_names_a_micro_batch_the_run_accepts(monkeypatch, capsys):
     """Micro-batch 64 of the 350M preset does not fit one 80 GB device: the advice is 32, which divides the
     524,288-token batch (it was 40, the largest that fits, which the run refuses), and applied it plans a fit."""
-    from training.processes import BatchGeometry
+    from training.distributed.processes import BatchGeometry
 
     out = train_plan(monkeypatch, capsys)
     assert "fits: NO: micro-batch 64 needs" in out

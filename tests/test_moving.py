@@ -1,4 +1,5 @@
-"""Checkpoints that move (training.moving): a run resumed under another engine, tensor-parallel degree or number of
+"""Checkpoints that move (training.checkpoints.moving): a run resumed under another engine, tensor-parallel degree or
+number of
 processes than the one that saved its checkpoint, on 2 gloo processes through tests/engine_shim.py (fp32).
 
 Each case resumes a copy of a run of DDP_ARGS from its checkpoint of step 2 under another launch and is held against
@@ -27,8 +28,8 @@ from conftest import (
 )
 
 from common.errors import UserError
-from training.engines import Engine
-from training.moving import checkpoint_move
+from training.checkpoints.moving import checkpoint_move
+from training.distributed.engines import Engine
 
 TP_ARGS = ["--tensor_parallel", "2"]
 

@@ -18,8 +18,8 @@ from conftest import TINY, assert_same_weights, launch, read_metrics, resume_cop
 
 from configs import ModelConfig, OptimConfig
 from model import GPT, GPTConfig
-from training.optim import build_optimizer, describe_optimizers, plan_optimizers
 from training.optimizers.muon import Muon, newton_schulz_dtype
+from training.optimizers.plan import build_optimizer, describe_optimizers, plan_optimizers
 from training.optimizers.spec import BLOCK_MATRICES, claimed_names
 
 
@@ -290,7 +290,7 @@ def test_muon_under_fsdp2_resumes_bit_exact(muon_fsdp_run, tmp_path):
 @pytest.mark.slow
 def test_a_muon_fsdp2_checkpoint_moves_to_one_process(muon_run, muon_fsdp_run, tmp_path):
     """Both optimizers' sharded states (Muon's momentum in optimizer_1/) read whole and resumed on one process
-    (training.moving): the run ends as the one that never moved."""
+    (training.checkpoints.moving): the run ends as the one that never moved."""
     reference, _ = muon_fsdp_run
     out = tmp_path / "run"
     proc = launch(MUON_ARGS + resume_copy(reference, 2, out))

@@ -1,4 +1,4 @@
-"""--pipeline_parallel N: whole blocks on different processes (model/pipeline.py, training/pipeline.py).
+"""--pipeline_parallel N: whole blocks on different processes (model/pipeline.py, training/distributed/pipeline.py).
 
 References: one process accumulating the same micro-batches (`single_run`, DDP_ARGS) for the 2-stage and the
 2 stages x 2 pipelines runs (to float rounding, tests/bounds.py: the stages sum the same gradients in another
@@ -25,8 +25,8 @@ from conftest import (
 from common.errors import UserError
 from model import GPT, GPTConfig
 from model.pipeline import GPTStage, stage_blocks
-from training.layout import Layout
-from training.pipeline import pipelined
+from training.distributed.layout import Layout
+from training.distributed.pipeline import pipelined
 
 PP_ARGS = DDP_ARGS + ["--pipeline_parallel", "2"]
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from common.errors import UserError
-from training import preflight
-from training.preflight import check_out_dir_writable, checkpoint_bytes, nearest_existing, warn_if_low_disk
+from training.checkpoints import preflight
+from training.checkpoints.preflight import check_out_dir_writable, checkpoint_bytes, nearest_existing, warn_if_low_disk
 
 
 def test_writable_folder_passes_and_is_left_as_it_was(tmp_path: Path):
@@ -106,7 +106,7 @@ def test_a_validation_split_shorter_than_a_window_is_refused_with_working_advice
     from configs import parse_config
     from data.local import local_tokens
     from data.source import open_source
-    from training.evaluation import TrainingEvals
+    from training.evaluations.runner import TrainingEvals
 
     corpus = _small_corpus(tmp_path)
     n_val = len(local_tokens(str(corpus))) - int(len(local_tokens(str(corpus))) * 0.9)

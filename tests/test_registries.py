@@ -11,15 +11,15 @@ import pytest
 import torch
 from conftest import TINY, train_in_process
 
+from common.engine_names import Refusal
 from configs import EvalConfig
 from model import GPTConfig
 from planner import Launch, ParamCounts, RunPhases, plan_memory, plan_run
-from training.engine_names import Refusal
+from training.distributed.support import support_table
 from training.evaluations import registry as evaluations
 from training.evaluations.spec import EvaluationSpec, Metric
 from training.optimizers import registry as optimizers
 from training.optimizers.spec import BLOCK_MATRICES, OptimizerSpec
-from training.support import support_table
 
 # The toy optimizer: centered RMSprop with momentum on the blocks' matrices, AdamW on the rest, refused under FSDP2.
 TOY_OPTIMIZER = OptimizerSpec(

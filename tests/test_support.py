@@ -1,4 +1,5 @@
-"""training/support.py: the one table of what runs under which engine. The refusals train.py makes before a run
+"""training/distributed/support.py: the one table of what runs under which engine. The refusals train.py makes before a
+run
 (`refuse_unsupported`, `Layout.checked`) and the memory planner's (`Launch`) agree with it cell by cell, and
 the README shows it as it is."""
 from __future__ import annotations
@@ -9,12 +10,12 @@ import pytest
 from accelerate.utils import DistributedType
 from conftest import REPO_ROOT
 
+from common.engine_names import COLUMNS, column, engine_name
 from common.errors import UserError
 from planner import Launch
-from training.engine_names import COLUMNS, column, engine_name
-from training.engines import Engine, refuse_unsupported
-from training.layout import Layout
-from training.support import support, support_table
+from training.distributed.engines import Engine, refuse_unsupported
+from training.distributed.layout import Layout
+from training.distributed.support import support, support_table
 
 SUPPORT = support()  # the optimizers' rows, declared by their modules, and the rest
 

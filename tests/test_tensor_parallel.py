@@ -1,5 +1,6 @@
 """Tensor parallelism (`--tensor_parallel N`): the plan for our GPT (model/tensor_parallel.py), the launch around it
-(training/tensor_parallel.py), and train.py itself split over 2 CPU processes on gloo (the FSDP2 config through
+(training/distributed/tensor_parallel.py), and train.py itself split over 2 CPU processes on gloo (the FSDP2 config
+through
 tests/engine_shim.py), held against one process on the same global batch: equal to float rounding, really split
 (each rank's local shapes), resumed from its own checkpoint bit-exact, and `final/` in the Hugging Face layout.
 Then the launches it cannot run, refused in one line before anything is built.
@@ -31,9 +32,9 @@ from conftest import (
 
 from common.errors import UserError
 from model.tensor_parallel import head_group_order, natural_order, split_problem
-from training.engines import Engine, refuse_unsupported
-from training.layout import Layout
-from training.machine import Machine
+from training.distributed.engines import Engine, refuse_unsupported
+from training.distributed.layout import Layout
+from training.distributed.machine import Machine
 
 TP_ARGS = DDP_ARGS + ["--tensor_parallel", "2"]
 

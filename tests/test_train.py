@@ -416,7 +416,7 @@ def test_learning_rate_schedule():
 def test_optimizer_groups_decay_only_matrices():
     from configs import ModelConfig, OptimConfig
     from model import GPT, GPTConfig
-    from training.optim import build_optimizer, plan_optimizers
+    from training.optimizers.plan import build_optimizer, plan_optimizers
 
     model = GPT(GPTConfig(vocab_size=100, n_layer=2, n_head=2, n_embd=32, block_size=16))
     plan = plan_optimizers(OptimConfig(optimizer="adamw", weight_decay=0.1, lr=3e-4), ModelConfig())

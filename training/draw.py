@@ -15,7 +15,7 @@ from accelerate import Accelerator
 
 from common.errors import UserError
 from data.streaming import DataUnavailable
-from training.resume import Progress
+from training.checkpoints.resume import Progress
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -21,15 +21,15 @@ from typing import Any, Callable, Iterator
 import torch
 from accelerate import Accelerator
 
+from common.engine_names import DEEPSPEED
 from common.errors import UserError
 from common.run_dir import RunDir
 from configs import LogConfig
 from model.unwrap import unwrapped
-from training.engine_names import DEEPSPEED
-from training.engines import Engine, precision
+from training.distributed.engines import Engine, precision
+from training.distributed.processes import BatchGeometry
 from training.mfu import estimate_mfu, peak_flops
-from training.optim import OptimizerPlan, describe_optimizers
-from training.processes import BatchGeometry
+from training.optimizers.plan import OptimizerPlan, describe_optimizers
 from training.timing import DATA, SHOW_DATA_ABOVE, RunClock
 
 # `--report_to` value -> accelerate's trackers. "all" is those of the core install; trackio is an extra.
@@ -197,8 +197,10 @@ def run_header(accelerator: Accelerator, engine: Engine, model: torch.nn.Module,
     """The run's header: model size (`n_params`: every parameter, tied ones once, as the optimizer line counts
     them; and what LoRA trains), batch geometry, distribution, precision,
     compilation, activation checkpointing (when on), device, and `restart` (`restart k of N` under a launch that may
-    restart, `training.elastic.Attempt`); `here`: what a launch runs on this machine, where it differs from what a GPU
-    config says (`training.machine.runs_here`), on a line of its own; which optimizer trains which parameters; `data`,
+    restart, `training.distributed.elastic.Attempt`); `here`: what a launch runs on this machine, where it differs from
+    what a GPU
+    config says (`training.distributed.machine.runs_here`), on a line of its own; which optimizer trains which
+    parameters; `data`,
     the data source's own line.
     `engine`: the one train.py checked (with its tensor-parallel degree: geometry's world is then the data-parallel
     ranks); `model`: as prepared."""

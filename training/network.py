@@ -13,7 +13,7 @@ from common.weights import Weights, resolve_weights
 from configs import ModelConfig
 from model import GPT, GPTConfig
 from model.lora import add_adapters, check_resume, run_lora_config
-from training.resume import ResumePoint
+from training.checkpoints.resume import ResumePoint
 
 
 def build_model(cfg: ModelConfig, resume: ResumePoint | None,

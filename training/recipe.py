@@ -21,7 +21,8 @@ step it resumed at, the checkpoint, each changed field `{old, new}`, and the LR 
 step are the top-level values with the later entries' changes undone; nothing is overwritten without a trace.
 
 Some fields are refused by the checkpoint's own files rather than here, and pass this check when they pass those:
-the architecture and the optimizers (`gpt_config.json`, `run_state.json`: `training.checkpoint.load_checkpoint`),
+the architecture and the optimizers (`gpt_config.json`, `run_state.json`:
+`training.checkpoints.checkpoint.load_checkpoint`),
 the LoRA settings and base (`adapter_config.json`: `model.lora.check_resume`) and the data (the saved data
 position: its kind, shard hash, sequence count, block size, seed and Hub commit, in the loaders' `load_state_dict`;
 a local path spelled another way passes, and is recorded as a change).
@@ -37,9 +38,9 @@ from common.errors import UserError
 from common.run_dir import RunDir
 from configs import read_run_config
 from configs.schema import RESUME_RULES
-from training.moving import Move
-from training.optim import OptimizerPlan
-from training.resume import ResumePoint
+from training.checkpoints.moving import Move
+from training.checkpoints.resume import ResumePoint
+from training.optimizers.plan import OptimizerPlan
 from training.step import LRSchedule
 
 # Each field's rule, declared beside the field (`common.resume_rules`). Accepted fields whose checkpoint files
@@ -111,7 +112,8 @@ def resume_recipe(record: dict[str, Any], resume: ResumePoint | None, plan: Opti
     """The run's `Recipe`: `record` for a new run; for a resume, `record` compared with the config.yaml of the
     checkpoint's run folder: a refused change is a UserError (nothing written yet), the others are announced and
     appended to its `resumes`. `plan`: the run's optimizers (whose learning rates the announcement gives). `move`:
-    the checkpoint was saved by another engine or number of processes (`training.moving`), recorded in `resumes`
+    the checkpoint was saved by another engine or number of processes (`training.checkpoints.moving`), recorded in
+    `resumes`
     too (its line is the checkpoint loader's)."""
     if resume is None:
         return Recipe(record)

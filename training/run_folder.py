@@ -1,7 +1,7 @@
 """The run folder (`--out_dir`) of a training run: claimed once the run is accepted, then recorded.
 
 A refused run leaves the folder as it was: the folder is locked and written only after every check that
-can refuse the run has passed (`training.resume.find_resume_point` decided what may be resumed;
+can refuse the run has passed (`training.checkpoints.resume.find_resume_point` decided what may be resumed;
 `claim_run_folder` then takes the lock and checks the checkpoint file by file). One run per folder: the
 lock is held by a `RunLock` for as long as the run's context lasts (the OS drops it if the process dies).
 """
@@ -18,12 +18,12 @@ from common.run_dir import RunDir
 from common.weights import Weights
 from configs import RunConfig, TrainConfig, write_run_config
 from model import GPTConfig
-from training.manifest import verify_checkpoint
+from training.checkpoints.manifest import verify_checkpoint
+from training.checkpoints.preflight import check_out_dir_writable, warn_if_low_disk
+from training.checkpoints.resume import Progress, ResumePoint, find_resume_point, set_aside_superseded
 from training.metrics import MetricsLog, tracker_run_name
-from training.optim import OptimizerPlan
-from training.preflight import check_out_dir_writable, warn_if_low_disk
+from training.optimizers.plan import OptimizerPlan
 from training.recipe import Recipe
-from training.resume import Progress, ResumePoint, find_resume_point, set_aside_superseded
 
 
 class RunLock:
@@ -59,7 +59,7 @@ def refuse_while_another_run_writes(run: RunDir, is_main_process: bool) -> None:
     """Before the folder's contents are judged: a folder whose lock another process holds is refused as such, since
     no advice about its contents (`--resume latest`, say) can work while that run writes into it. The main process
     probes the lock (taken and let go at once; only an existing lock file, so a refused run creates none); call
-    inside `training.processes.shared_across_ranks`, which gives its refusal to every rank."""
+    inside `training.distributed.processes.shared_across_ranks`, which gives its refusal to every rank."""
     if is_main_process and run.lock_file.exists():
         RunLock(run).acquire().__exit__(None)
 
@@ -72,7 +72,7 @@ def claim_run_folder(accelerator: Accelerator, cfg: RunConfig, resume: ResumePoi
     the same way, checks the resume point file by file and warns when the disk looks too small for the
     `--keep_last` checkpoints of `checkpoint_size` bytes; it returns the held lock, to be entered into the
     run's context, which lets it go when the run ends (other processes: a context that holds nothing). Call
-    inside `training.processes.shared_across_ranks`."""
+    inside `training.distributed.processes.shared_across_ranks`."""
     run = RunDir(cfg.out_dir)
     if resume is not None and resume.progress.step > max_steps:
         raise UserError(f"{resume.path} is at step {resume.progress.step}, past --max_steps {max_steps}; "

@@ -1,7 +1,7 @@
 """One optimizer step, its learning rate, and what follows a step that was not finite.
 
 The batch is set in tokens (`total_batch_size`); the number of micro-steps follows from the micro
-batch, the context and the number of processes (`training.processes.BatchGeometry`). The learning rate
+batch, the context and the number of processes (`training.distributed.processes.BatchGeometry`). The learning rate
 is a function of the step alone (no scheduler object to checkpoint or to step the wrong number of times
 under accelerate).
 """
@@ -17,7 +17,7 @@ from accelerate import Accelerator
 from common.errors import UserError
 from common.run_dir import RunDir
 from data.tokenizer import IGNORE
-from training.pipeline import PipelinedGPT
+from training.distributed.pipeline import PipelinedGPT
 
 
 @dataclass(frozen=True)

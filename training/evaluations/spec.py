@@ -1,6 +1,6 @@
 """What an in-training evaluation declares: its flags, its schedule, its data (loaded once, before the first step),
 how it scores the model, the metrics it logs with the model card's words for them, and the forward its phase adds
-to the memory plan. `training.evaluation.TrainingEvals` runs them; the planner and the model card read them.
+to the memory plan. `training.evaluations.runner.TrainingEvals` runs them; the planner and the model card read them.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class Context:
     source: DataSource  # the run's data (its validation split)
     block_size: int
     seed: int  # the run's --seed (a sample drawn from it)
-    accelerator: Accelerator  # its ranks: the data-parallel ones (`training.tensor_parallel.evaluation_ranks`)
+    accelerator: Accelerator  # its data-parallel ranks (`tensor_parallel.evaluation_ranks`)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from training.engine_names import DEEPSPEED, FSDP_COLUMN, TP_COLUMN, ZERO_COLUMNS, Refusal, engine_name
+from common.engine_names import DEEPSPEED, FSDP_COLUMN, TP_COLUMN, ZERO_COLUMNS, Refusal, engine_name
 from training.optimizers.spec import BLOCK_MATRICES, OptimizerPlan, OptimizerSpec
 
 

@@ -12,7 +12,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from training.engine_names import Refusal
+from common.engine_names import Refusal
 
 # What an optimizer may claim beside AdamW: the 2-D weights inside the transformer blocks (`transformer.h.*`: the
 # attention and MLP projections). The planner counts them as `ParamCounts.block_matrices`.

@@ -3,10 +3,10 @@
 A checkpoint is `<out_dir>/checkpoints/step_000100/` (layout in `common.run_dir`) holding accelerate's
 files (model, one file per optimizer, per-rank RNG and accumulation step), `gpt_config.json`,
 `run_state.json` (step, tokens seen, tracker run id, world size, the optimizers by name), one
-`data_state_rank{r}.json` per rank and, written last, `manifest.json` (`training.manifest`). Everything is
+`data_state_rank{r}.json` per rank and, written last, `manifest.json` (`training.checkpoints.manifest`). Everything is
 first written to `.tmp-step_000100/` and renamed into place only once every rank has finished
 (`common.atomic`), so a crash in the middle of a save leaves a temp folder that `RunDir.latest_checkpoint`
-never picks (it is cleared by the next save). Which checkpoint to resume is `training.resume`'s decision.
+never picks (it is cleared by the next save). Which checkpoint to resume is `training.checkpoints.resume`'s decision.
 """
 from __future__ import annotations
 
@@ -31,12 +31,12 @@ from configs import RunConfig
 from model import GPTConfig
 from model.lora import adapter_state, has_adapters, load_adapter_state, save_adapter_config
 from model.unwrap import unwrapped
-from training.engines import Engine
-from training.manifest import FORMAT, write_manifest
-from training.moving import Move, load_moved
-from training.pipeline import PipelinedGPT
-from training.prepare import outside_accelerate
-from training.resume import Progress, ResumePoint, read_json
+from training.checkpoints.manifest import FORMAT, write_manifest
+from training.checkpoints.moving import Move, load_moved
+from training.checkpoints.resume import Progress, ResumePoint, read_json
+from training.distributed.engines import Engine
+from training.distributed.pipeline import PipelinedGPT
+from training.distributed.prepare import outside_accelerate
 
 
 def _quiet_tied_weight_warning(record: logging.LogRecord) -> bool:
@@ -96,7 +96,8 @@ def save_checkpoint(
     `optimizers`: the names of the prepared optimizers, in order; `engine`: the one that runs (recorded, with its
     tensor-parallel and pipeline degrees); `model`: a pipeline's stage (`PipelinedGPT`) writes the whole model's
     files itself (accelerate prepares neither it nor its optimizers); `trained`: the run's optimizers, of which those
-    kept out of accelerate under FSDP2 (`training.prepare`) are saved here. Returns the published checkpoint folder."""
+    kept out of accelerate under FSDP2 (`training.distributed.prepare`) are saved here. Returns the published
+    checkpoint folder."""
     final = run.checkpoint(progress.step)
     tmp = temp_path(final)
     if accelerator.is_main_process:
@@ -163,7 +164,7 @@ def _data_state_index(accelerator: Accelerator, model: torch.nn.Module | None) -
 
 
 def _fsdp_outside(accelerator: Accelerator, trained: list) -> list[tuple[int, torch.optim.Optimizer]]:
-    """The optimizers accelerate does not save under FSDP2 (`training.prepare`), with their index."""
+    """The optimizers accelerate does not save under FSDP2 (`training.distributed.prepare`), with their index."""
     return outside_accelerate(list(trained)) if accelerator.distributed_type == DistributedType.FSDP else []
 
 
@@ -196,7 +197,7 @@ def load_checkpoint(accelerator: Accelerator, point: ResumePoint, gpt_config: GP
                           f"{accelerator.num_processes}: data order and weights go on exactly, per-rank random streams "
                           "(dropout) start afresh")
     try:
-        if move is not None:  # another engine's format: read whole, each rank takes its piece (training.moving)
+        if move is not None:  # another engine's format: read whole, each rank takes its piece (moving.py)
             load_moved(point, move, gpt_config, model, list(trained), accelerator)
         else:
             accelerator.load_state(str(point.path))

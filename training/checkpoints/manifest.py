@@ -30,7 +30,7 @@ from common.run_dir import (
     optimizer_file,
     rng_state_file,
 )
-from training.resume import ResumePoint, fallback_advice, read_json
+from training.checkpoints.resume import ResumePoint, fallback_advice, read_json
 
 FORMAT = 2  # run_state.json's "format": 2 = the checkpoint has a manifest (format 1, without, still resumes)
 

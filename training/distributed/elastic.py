@@ -34,8 +34,8 @@ from typing import Any, Callable
 import torch
 
 from common.errors import UserError, fail, print_error
-from training.engines import requested_engine
-from training.processes import process_state
+from training.distributed.engines import requested_engine
+from training.distributed.processes import process_state
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ class PeerWatch:
         self.latest_checkpoint = latest_checkpoint
         self.attempt = attempt or Attempt.of_launch()
         self.store = _agent_store(timeout_s) if _under_agent_store() and world_size > 1 else None
-        self.progress: Any = None  # training.resume.Progress, once the run knows where it starts
+        self.progress: Any = None  # training.checkpoints.resume.Progress, once the run knows where it starts
 
     def follow(self, progress: Any) -> None:
         """Name `progress.step` (the last completed step) in the line from now on."""

@@ -5,7 +5,8 @@ accelerate falls back silently: a DeepSpeed or FSDP config on a machine where ac
 (or with `use_cpu`) trains plain DDP, or one lone process per rank, and exits 0. A run here refuses that in one
 line (`check_engine`, `check_world_size`): the engine that runs is the one the config asked for.
 
-Under DeepSpeed the run keeps its own optimizer (AdamW, built by `training.optim`) and its own learning rate per
+Under DeepSpeed the run keeps its own optimizer (AdamW, built by `training.optimizers.plan`) and its own learning rate
+per
 step (set into the optimizer's groups, as under DDP); DeepSpeed's config gets the batch geometry and the
 clipping from the run's flags (`fit_deepspeed`), so that one set of flags means one run under every engine.
 DeepSpeed applies the update inside `accelerator.backward` of a step's last micro-batch (accelerate's wrapper
@@ -23,10 +24,10 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
+from common.engine_names import DDP, DEEPSPEED, FAMILY_NAMES, FSDP, engine_name
 from common.errors import UserError
 from model.unwrap import unwrapped
-from training.engine_names import DDP, DEEPSPEED, FAMILY_NAMES, FSDP, engine_name
-from training.support import refusal
+from training.distributed.support import refusal
 
 
 def _env_flag(name: str) -> bool:
@@ -38,8 +39,9 @@ class Engine:
     """How the launch's processes hold the model: `kind` "ddp" (full replicas: DDP, or one process), "fsdp"
     (accelerate's FSDP2 plugin: parameters, gradients and optimizer state sharded) or "deepspeed" (ZeRO
     `zero_stage`: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters); `tensor_parallel`:
-    the ranks each block's matrices are split over (`training.tensor_parallel`; more than 1 under FSDP2 only);
-    `pipeline_parallel`: the stages of each pipeline (`training.pipeline`; under DDP only)."""
+    the ranks each block's matrices are split over (`training.distributed.tensor_parallel`; more than 1 under FSDP2
+    only);
+    `pipeline_parallel`: the stages of each pipeline (`training.distributed.pipeline`; under DDP only)."""
 
     kind: str = DDP
     zero_stage: int = 0
@@ -51,7 +53,7 @@ class Engine:
         return engine_name(self.kind, self.zero_stage, self.tensor_parallel, self.pipeline_parallel)
 
     def refusal(self, feature: str) -> str | None:
-        """`training.support`'s refusal of `feature` under this engine, or None where it runs."""
+        """`training.distributed.support`'s refusal of `feature` under this engine, or None where it runs."""
         return refusal(feature, self.kind, self.zero_stage, self.tensor_parallel,
                        pipeline_parallel=self.pipeline_parallel)
 
@@ -167,7 +169,7 @@ def deepspeed_missing() -> str | None:
 def refuse_unsupported(engine: Engine, accelerator: Accelerator, optimizer: str, lora: bool, on_nan: str,
                        activation_checkpointing: bool) -> None:
     """What this project does not run under `engine`, refused in one line before anything is built: the features
-    of `training.support`'s table, then what a config's contents rule out."""
+    of `training.distributed.support`'s table, then what a config's contents rule out."""
     for feature, asked in ((f"--optimizer {optimizer}", True), ("--lora_rank", lora),
                            ("--on_nan skip", on_nan == "skip")):
         if asked and (line := engine.refusal(feature)):
@@ -219,12 +221,6 @@ def fit_deepspeed(accelerator: Accelerator, micro_batch_size: int, accumulation:
             if zero.get(key, "auto") == "auto":
                 zero[key] = value
         zero["stage3_gather_16bit_weights_on_model_save"] = True
-
-
-def full_numel(parameter) -> int:
-    """A parameter's number of elements, also under ZeRO-3, which leaves a partitioned parameter empty on every
-    rank and keeps its size in `ds_numel`."""
-    return getattr(parameter, "ds_numel", parameter.numel())
 
 
 def full_state_dict(accelerator: Accelerator, model) -> dict | None:

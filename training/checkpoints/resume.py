@@ -4,8 +4,8 @@
 of that run folder. A new run never writes over another (a folder holding checkpoints, a final model or the
 metrics of a run killed before its first checkpoint); a checkpoint from elsewhere never resumes into a folder
 that holds a run; an older checkpoint of the folder itself may, and its newer ones are then set aside in
-`superseded/`, never deleted. Whether a checkpoint's files are intact is `training.manifest`'s job; loading
-them is `training.checkpoint`'s.
+`superseded/`, never deleted. Whether a checkpoint's files are intact is `training.checkpoints.manifest`'s job; loading
+them is `training.checkpoints.checkpoint`'s.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ import torch
 from accelerate import Accelerator
 
 from model.tensor_parallel import parallelize
-from training.layout import Layout
+from training.distributed.layout import Layout
 
 DP, TP = "dp", "tp"  # the mesh's dimensions
 

@@ -39,7 +39,7 @@ from common.run_dir import MODEL_WEIGHTS, optimizer_file
 from data.tokenizer import IGNORE
 from model.gpt import GPT, sample_next
 from model.pipeline import GPTStage
-from training.layout import Layout
+from training.distributed.layout import Layout
 from training.optimizers.spec import OptimizerPlan
 
 TIED = "transformer.wte.weight"  # the token embedding, also the output layer
@@ -310,7 +310,7 @@ class PipelinedGPT(nn.Module):
 def whole_groups(config, plan: OptimizerPlan) -> list[list[list[str]]]:
     """For each optimizer of `plan`, its param groups as one process builds them for the whole model: the names of
     their parameters, in order (the numbering of that optimizer's `state_dict`)."""
-    from training.optim import build_optimizer
+    from training.optimizers.plan import build_optimizer
 
     with torch.device("meta"):
         whole = GPT(config)

@@ -17,13 +17,13 @@ from dataclasses import dataclass, replace
 
 from accelerate import Accelerator
 
+from common.engine_names import DDP, FSDP
 from common.errors import UserError
 from model.tensor_parallel import split_problem
-from training.engine_names import DDP, FSDP
-from training.engines import Engine, launch_engine
-from training.machine import Machine, tensor_parallel_here
-from training.processes import process_state
-from training.support import refusal
+from training.distributed.engines import Engine, launch_engine
+from training.distributed.machine import Machine, tensor_parallel_here
+from training.distributed.processes import process_state
+from training.distributed.support import refusal
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,8 @@ class Layout:
         """This launch's layout, from accelerate's environment (processes, engine) and `--tensor_parallel`, refused
         in one line when the launch cannot run it or (shapes given: from scratch, the flags give them) the model
         cannot be split; call before anything is built. `world_size`: default, the process group's (which it
-        joins: `training.processes.process_state`); `--plan` passes the launch's WORLD_SIZE and joins none."""
+        joins: `training.distributed.processes.process_state`); `--plan` passes the launch's WORLD_SIZE and joins
+        none."""
         engine = launch_engine()
         world = process_state().num_processes if world_size is None else world_size
         layout = cls.checked(world, engine.kind, engine.zero_stage, tensor_parallel, pipeline_parallel,
@@ -120,6 +121,6 @@ class Layout:
 
     def running(self, accelerator: Accelerator) -> Layout:
         """The layout as accelerate runs it: the engine's kind was checked when the Accelerator started
-        (`training.engines.check_engine`); DeepSpeed's ZeRO stage is read from its plugin."""
+        (`training.distributed.engines.check_engine`); DeepSpeed's ZeRO stage is read from its plugin."""
         running = Engine.of(accelerator)
         return replace(self, kind=running.kind, zero_stage=running.zero_stage)

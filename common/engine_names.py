@@ -1,7 +1,8 @@
 """How the project names its engines, the one place they are spelled, and the columns of the support table.
 
 A DeepSpeed engine's name carries its ZeRO stage; tensor parallelism rides on FSDP2 and has a column of its own.
-`training.support` holds the table itself; the optimizers' modules (`training.optimizers`) declare their cells.
+`training.distributed.support` holds the table itself; the optimizers' modules (`training.optimizers`) declare their
+cells.
 """
 from __future__ import annotations
 

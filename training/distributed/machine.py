@@ -7,12 +7,13 @@ accelerate replaces what a machine cannot give by something else, without a word
 GPU config on a machine without one runs on the CPU. The rule:
 
 - what this machine cannot give is refused in one line before anything is built (`REFUSALS`, read by
-  `check_launch` at the start of every run, `training.processes.process_state`);
+  `check_launch` at the start of every run, `training.distributed.processes.process_state`);
 - what it gives otherwise than a GPU config says (processes over gloo on the CPU, bf16 on the CPU, torch.compile
   on the CPU) runs, and the run header says so in a line of its own (`runs_here`).
 
 An FSDP or DeepSpeed config on a machine without a GPU is one of the refusals; the engines' other cases stay with the
-engines (`training.engines`): such a config with `use_cpu` (`refuse_engine_on_cpu`), and, as a backstop, one whose
+engines (`training.distributed.engines`): such a config with `use_cpu` (`refuse_engine_on_cpu`), and, as a backstop,
+one whose
 ranks accelerate still brings up alone (`check_world_size`, once the group is opened). A ZeRO config on an install
 without DeepSpeed never reaches train.py (accelerate's launcher stops it: docs/faults.md).
 """
@@ -24,9 +25,9 @@ from typing import Callable
 
 import torch
 
+from common.engine_names import DDP, FAMILY_NAMES
 from common.errors import UserError
-from training.engine_names import DDP, FAMILY_NAMES
-from training.engines import CPU_FIX, requested_engine
+from training.distributed.engines import CPU_FIX, requested_engine
 
 
 @dataclass(frozen=True)

@@ -38,17 +38,17 @@ import torch
 from accelerate import Accelerator
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from common.engine_names import DDP, DEEPSPEED, FSDP
 from common.errors import UserError
 from common.run_dir import DEEPSPEED_DIR, MODEL_WEIGHTS, fsdp_optimizer_dir, optimizer_file, rng_state_file
 from model import GPT, GPTConfig
 from model.pretrained import deepspeed_quietly, read_checkpoint, read_distributed_checkpoint, strip_wrapper_prefixes
 from model.tensor_parallel import natural_order, parallel_order
 from model.unwrap import unwrapped
-from training.engine_names import DDP, DEEPSPEED, FSDP
-from training.engines import Engine
+from training.checkpoints.resume import ResumePoint
+from training.distributed.engines import Engine
+from training.distributed.pipeline import TIED, PipelinedGPT, whole_groups
 from training.optimizers.spec import OptimizerPlan
-from training.pipeline import TIED, PipelinedGPT, whole_groups
-from training.resume import ResumePoint
 
 _TIED_PAIR = {TIED: "lm_head.weight", "lm_head.weight": TIED}
 
@@ -358,7 +358,8 @@ def _write_universal(state: WholeState, optimizer: Any, hyper: list[dict], zero:
 
 def restore_random_streams(checkpoint: Path, rank: int) -> None:
     """This process's RNG states from `checkpoint` (accelerate's `random_states_<rank>.pkl`, which every engine
-    writes, read weights-only as accelerate reads it; training.manifest verified it): Python's, NumPy's, torch's CPU
+    writes, read weights-only as accelerate reads it; training.checkpoints.manifest verified it): Python's, NumPy's,
+    torch's CPU
     generator and, where there is one, the GPUs'."""
     import random
 

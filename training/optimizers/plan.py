@@ -22,7 +22,6 @@ from torch.distributed.tensor import DTensor
 from common.errors import UserError
 from configs import ModelConfig, OptimConfig
 from configs.schema import DEFAULT_LRS
-from training.engines import full_numel
 from training.optimizers import adamw
 from training.optimizers.registry import optimizer_spec
 from training.optimizers.spec import OptimizerPlan, claimed_names
@@ -79,6 +78,12 @@ def describe_optimizers(model: torch.nn.Module, plan: OptimizerPlan) -> str:
         about += ", each matrix gathered whole on every rank"
     return (f"optimizer: {plan.spec.display} ({about}) on {plan.spec.claims} ({claimed / 1e6:.2f}M params), "
             f"AdamW ({lr}) on embeddings/output layer, biases, LayerNorms ({(total - claimed) / 1e6:.2f}M)")
+
+
+def full_numel(parameter) -> int:
+    """A parameter's number of elements, also under ZeRO-3, which leaves a partitioned parameter empty on every
+    rank and keeps its size in `ds_numel`."""
+    return getattr(parameter, "ds_numel", parameter.numel())
 
 
 def release_optimizer_state(optimizers: list[torch.optim.Optimizer]) -> None:

@@ -1,16 +1,17 @@
 """What runs under what: every feature refused under some engine, against every engine, with its one-line reason and
-fix (the engines' names and the table's columns: `training.engine_names`).
+fix (the engines' names and the table's columns: `common.engine_names`).
 
-The refusals before a run (`training.engines.refuse_unsupported`, `training.layout.Layout.checked`),
+The refusals before a run (`training.distributed.engines.refuse_unsupported`,
+`training.distributed.layout.Layout.checked`),
 the memory planner's (`planner.Launch`) and the README's support table all read `support()`; a test
 holds the README's table equal to `support_table()`. A feature that starts to run under an engine is one cell here.
 
 Refusals that hang on a config's contents rather than on the engine (a DeepSpeed config's own optimizer block;
-accelerate's activation checkpointing beside ours) stay beside the config reading, in `training.engines`.
+accelerate's activation checkpointing beside ours) stay beside the config reading, in `training.distributed.engines`.
 """
 from __future__ import annotations
 
-from training.engine_names import (
+from common.engine_names import (
     COLUMNS,
     DDP_COLUMN,
     DEEPSPEED,

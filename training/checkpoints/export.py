@@ -21,8 +21,8 @@ from model.lora import has_adapters
 from model.pretrained import save_state_dict, strip_wrapper_prefixes
 from model.tensor_parallel import natural_order
 from model.unwrap import unwrapped
-from training.engines import full_state_dict
-from training.pipeline import PipelinedGPT
+from training.distributed.engines import full_state_dict
+from training.distributed.pipeline import PipelinedGPT
 
 
 def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConfig, run: RunDir,

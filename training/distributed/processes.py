@@ -19,14 +19,14 @@ from accelerate.utils import ProjectConfiguration, gather_object
 from common.errors import UserError
 from common.run_dir import RunDir
 from configs import TrainingConfig
-from training.engines import (
+from training.distributed.engines import (
     check_engine,
     check_world_size,
     deepspeed_missing,
     refuse_engine_on_cpu,
     requested_engine,
 )
-from training.machine import check_launch
+from training.distributed.machine import check_launch
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class BatchGeometry:
     def of_launch(cls, cfg: TrainingConfig, block_size: int, data_parallel_size: int | None = None) -> BatchGeometry:
         """The geometry of this launch (its world size is known before any Accelerator) for `--total_batch_size`.
         `data_parallel_size`: the ranks that read different batches, under tensor parallelism fewer than the
-        processes (`training.tensor_parallel`); default: every process."""
+        processes (`training.distributed.tensor_parallel`); default: every process."""
         world = process_state().num_processes if data_parallel_size is None else data_parallel_size
         try:
             return cls.for_total(cfg.total_batch_size, cfg.micro_batch_size, block_size, world)
@@ -79,11 +79,12 @@ def process_state(**process_group: Any) -> PartialState:
     """This process's place in the launch, before any Accelerator exists (so that the batch geometry is known
     first). A multi-process DDP launch on a machine without CUDA runs on gloo; otherwise every process would
     believe it is rank 0. A launch whose ranks still come up alone (a DeepSpeed or FSDP config without a device
-    for it) is refused (`training.engines.check_world_size`). `process_group`: `init_process_group`'s keyword
-    arguments (`training.elastic`), used by the first call, which opens the group."""
+    for it) is refused (`training.distributed.engines.check_world_size`). `process_group`: `init_process_group`'s
+    keyword
+    arguments (`training.distributed.elastic`), used by the first call, which opens the group."""
     if (missing := deepspeed_missing()) is not None:
         raise UserError(missing)
-    check_launch()  # what this machine cannot give of the launch: one line (training.machine)
+    check_launch()  # what this machine cannot give of the launch: one line (training.distributed.machine)
     refuse_engine_on_cpu()  # accelerate would train DDP instead
     state = PartialState(cpu=_cpu_launch(), **process_group)
     check_world_size(int(os.environ.get("WORLD_SIZE", "1")), state.num_processes)
@@ -93,7 +94,7 @@ def process_state(**process_group: Any) -> PartialState:
 def _cpu_launch() -> bool:
     """Whether to tell accelerate that a launch runs on the CPU: a multi-process launch on a machine without CUDA,
     unless its config asks for an engine, which accelerate would then silently replace by DDP (the engine's own
-    launch is left to accelerate, and checked: `training.engines`)."""
+    launch is left to accelerate, and checked: `training.distributed.engines`)."""
     return (int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
             and requested_engine() == "ddp")
 
