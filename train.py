@@ -72,7 +72,7 @@ def main() -> None:
             run, max_steps = RunDir(cfg.run.out_dir), cfg.training.max_steps
             # The process group, its waits bounded: a peer that dies or hangs ends the run in one line.
             peers = on_exit.enter_context(open_process_group(cfg.run.collective_timeout, run.latest_checkpoint))
-            plan = plan_optimizers(cfg.optim, cfg.model)  # what trains with what, at which learning rate
+            plan = plan_optimizers(cfg.optim, cfg.model, cfg.added)  # what trains with what, at which learning rate
             layout = Layout.of_launch(cfg.training.tensor_parallel,  # processes, engine, groups that split matrices
                                       *((cfg.model.n_head, cfg.model.n_embd) if cfg.model.from_scratch else ()),
                                       pipeline_parallel=cfg.training.pipeline_parallel,  # and pipelines' stages

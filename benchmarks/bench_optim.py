@@ -68,7 +68,7 @@ def train_one(run: str, cfg: TrainConfig, accelerator: Accelerator, val_tokens, 
     """Train `--max_steps` steps from `--seed`; the validation curve and the CPU/wall seconds."""
     adamw_only = run == "adamw"
     optim = replace(cfg.optim, optimizer="adamw", lr=adamw_lr) if adamw_only else replace(cfg.optim, optimizer="muon")
-    plan, arch, steps = plan_optimizers(optim, cfg.model), cfg.model, cfg.training.max_steps
+    plan, arch, steps = plan_optimizers(optim, cfg.model, cfg.added), cfg.model, cfg.training.max_steps
     set_seed(cfg.training.seed)
     model = GPT(GPTConfig(n_layer=arch.n_layer, n_head=arch.n_head, n_embd=arch.n_embd, block_size=arch.block_size))
     if run == "muon-qkv-split":
@@ -147,11 +147,13 @@ def main() -> None:
     for setup in SETUPS if args.setup == "both" else [args.setup]:
         cfg = TrainConfig(data=DataConfig(**SETUPS[setup]))
         cfg.training = replace(cfg.training, **({"max_steps": args.steps} if args.steps else {}))
-        cfg.optim = replace(cfg.optim, **{k: v for k, v in (("lr", args.lr), ("muon_lr", args.muon_lr)) if v})
+        cfg.optim = replace(cfg.optim, **({"lr": args.lr} if args.lr else {}))
+        if args.muon_lr:
+            cfg.added["muon"] = replace(cfg.added["muon"], muon_lr=args.muon_lr)
         val_tokens = open_source(cfg.data).val_set(cfg.model.block_size)
         print(f"{setup}: {cfg.model.n_layer} layers x {cfg.model.n_embd}, {cfg.training.total_batch_size} tokens/step, "
               f"{cfg.training.max_steps} steps, adamw run's lr {args.adamw_lr:g}, muon runs' lr {cfg.optim.lr:g} and "
-              f"muon_lr {cfg.optim.muon_lr:g}, {len(val_tokens)} validation tokens", flush=True)
+              f"muon_lr {cfg.added['muon'].muon_lr:g}, {len(val_tokens)} validation tokens", flush=True)
         measured = {run: train_one(run, cfg, accelerator, val_tokens, args.eval_every, args.adamw_lr) for run in runs}
         target = measured[runs[0]]["curve"][-1]["val_loss"]
         for run, r in measured.items():

@@ -85,8 +85,8 @@ def deepspeed_run(steps: int, grad_clip: float, ns_method: str, stage: int) -> d
         param.use_muon = name in muon_names
     rest = [param for name, param in named.items() if name not in muon_names]
     groups = [
-        {"params": [named[n] for n in sorted(muon_names)], "use_muon": True, "lr": p.muon_lr,
-         "momentum": p.muon_momentum, "weight_decay": p.muon_weight_decay, "ns_method": ns_method},
+        {"params": [named[n] for n in sorted(muon_names)], "use_muon": True, "lr": p.flags.muon_lr,
+         "momentum": p.flags.muon_momentum, "weight_decay": p.flags.muon_weight_decay, "ns_method": ns_method},
         {"params": [q for q in rest if q.dim() >= 2], "use_muon": False, "lr": p.lr, "betas": p.betas, "eps": 1e-8,
          "weight_decay": p.weight_decay},
         {"params": [q for q in rest if q.dim() < 2], "use_muon": False, "lr": p.lr, "betas": p.betas, "eps": 1e-8,

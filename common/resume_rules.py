@@ -1,5 +1,5 @@
-"""How a resume treats each flag, declared where the flag is defined (`_field(default, help, resume)` in
-`configs.schema` and `data.settings`); `training.recipe` reads the declarations.
+"""How a resume treats each flag, declared where the flag is defined (`flag(default, help, resume)`, in
+`configs.schema`, `data.settings` and an optimizer's own flags); `training.recipe` reads the declarations.
 
 - ACCEPTED: the value may change on a resume; the change is announced in one line and recorded in config.yaml.
 - CHECKED: accepted here, and refused when it differs by the checkpoint's own files (the architecture in
@@ -12,7 +12,7 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 ACCEPTED = "accepted"
@@ -27,6 +27,12 @@ class Refused:
 
 
 RESTORED = Refused("restored with the optimizer state")  # torch's load_state_dict puts the saved param_groups back
+
+
+def flag(default: Any, help: str, resume: str | Refused) -> Any:
+    """A field of a flag group: its default, its `--help` text (HfArgumentParser reads it from the metadata) and
+    what a resume may do with it."""
+    return field(default=default, metadata={"help": help, "resume": resume})
 
 
 def resume_rule(metadata: Any) -> str | Refused:

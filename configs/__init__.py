@@ -2,9 +2,10 @@
 
 `python train.py --config configs/gpt2_124m_fineweb_edu.yaml --lr 3e-4` reads the preset, then applies the
 flags; `python train.py configs/x.yaml` is the same as `--config configs/x.yaml`. Parsing is
-HfArgumentParser's over the groups of `configs.schema` (every field becomes `--field`, also spelled
-`--fi-eld`), in the style of every CLI here (`common.cli`): one-line errors with "did you mean", no prefix
-matching, defaults in `--help`. A preset's values are converted to their fields' types when the preset is
+HfArgumentParser's over the groups of `configs.schema` and those a component adds for itself (an
+optimizer's own flags: `configs.schema.add_group`). Every field becomes `--field`, also spelled `--fi-eld`, in the
+style of every CLI here (`common.cli`): one-line errors with "did you mean", no prefix matching, defaults in
+`--help`. A preset's values are converted to their fields' types when the preset is
 read, so every group is built from typed values and checks them itself.
 """
 from __future__ import annotations
@@ -23,7 +24,6 @@ import yaml
 from common.cli import CliParser, suggest, unknown_arguments_message
 from common.errors import UserError
 from configs.schema import (
-    FIELD_NAMES,
     GROUPS,
     DataConfig,
     EvalConfig,
@@ -35,6 +35,8 @@ from configs.schema import (
     RunConfig,
     TrainConfig,
     TrainingConfig,
+    all_groups,
+    field_names,
     field_types,
 )
 
@@ -101,7 +103,7 @@ class _Parser(CliParser, _HfArgumentParser):
 
 
 def _config_parser() -> _Parser:
-    return _Parser(list(GROUPS.values()), prog="python train.py", aliases=FIELD_ALIASES,
+    return _Parser(list(all_groups().values()), prog="python train.py", aliases=FIELD_ALIASES,
                    description="Train a GPT; every flag is a field of one of configs.schema's groups. A preset "
                                "(--config FILE, or FILE first) sets fields, flags override it.")
 
@@ -135,10 +137,11 @@ def _load_preset(path: str) -> dict[str, Any]:
         raise UserError(f"--config {path} is not valid YAML ({yaml_error_place(err)}); fix the file") from None
     if not isinstance(values, dict):
         raise UserError(f"--config {path} must be a mapping of field: value")
-    unknown = sorted(set(values) - set(FIELD_NAMES))
+    names = field_names()
+    unknown = sorted(set(values) - set(names))
     if unknown:
         hints = [f"{name} -> {guess}" for name in unknown
-                 if (guess := suggest(str(name), FIELD_NAMES, FIELD_ALIASES)) is not None]
+                 if (guess := suggest(str(name), names, FIELD_ALIASES)) is not None]
         raise UserError(f"--config {path}: unknown field(s) {', '.join(map(str, unknown))}"
                         + (f" (did you mean {', '.join(hints)}?)" if hints else "")
                         + "; see `python train.py --help`")
@@ -210,7 +213,8 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
                         "single_gpu.yaml train.py ...`")
     if unknown:
         parser.error(unknown_arguments_message(unknown, parser.option_names(), FIELD_ALIASES))
-    return TrainConfig(**dict(zip(GROUPS, groups)))
+    own, added = groups[:len(GROUPS)], groups[len(GROUPS):]
+    return TrainConfig(**dict(zip(GROUPS, own)), added=dict(zip(list(all_groups())[len(GROUPS):], added)))
 
 
 def write_run_config(values: dict[str, Any], path: Path) -> None:

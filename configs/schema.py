@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import UserError
-from common.resume_rules import ACCEPTED, CHECKED, NOT_COMPARED, RESTORED, SCHEDULE, Refused, resume_rule
+from common.resume_rules import ACCEPTED, CHECKED, NOT_COMPARED, RESTORED, SCHEDULE, Refused, flag, resume_rule
 from data.settings import DataConfig, check_val_tokens
 
 REPORT_TO = ("none", "tensorboard", "wandb", "trackio", "all")  # training.metrics.TRACKERS: what each starts
@@ -29,11 +29,6 @@ MAX_SEED = 2**32 - 1  # numpy's seed range (accelerate's set_seed seeds numpy to
 # filesystem, is 28 minutes. (torch's defaults: 30 minutes on gloo, 10 on NCCL.)
 COLLECTIVE_TIMEOUT_S = 1800
 
-
-def _field(default: Any, help: str, resume: str | Refused) -> Any:
-    """A config field with its `--help` text (HfArgumentParser reads it from the field's metadata) and what a resume
-    may do with it (`common.resume_rules`; `training.recipe` reads it)."""
-    return field(default=default, metadata={"help": help, "resume": resume})
 
 
 def _positive(group: Any, *names: str) -> None:
@@ -76,17 +71,17 @@ class RunConfig:
 
     _argument_group_name = "run folder and checkpoints"
 
-    out_dir: str = _field("out/shakespeare", "run folder (checkpoints, metrics, final/)", NOT_COMPARED)
-    resume: str | None = _field(None, "'latest' or a checkpoint folder; default: start a new run", NOT_COMPARED)
-    save_every: int = _field(100, "checkpoint every N steps (and at the last, and on SIGTERM/SIGUSR1)", ACCEPTED)
-    keep_last: int = _field(3, "checkpoints kept; older ones are deleted", ACCEPTED)
-    collective_timeout: int = _field(
+    out_dir: str = flag("out/shakespeare", "run folder (checkpoints, metrics, final/)", NOT_COMPARED)
+    resume: str | None = flag(None, "'latest' or a checkpoint folder; default: start a new run", NOT_COMPARED)
+    save_every: int = flag(100, "checkpoint every N steps (and at the last, and on SIGTERM/SIGUSR1)", ACCEPTED)
+    keep_last: int = flag(3, "checkpoints kept; older ones are deleted", ACCEPTED)
+    collective_timeout: int = flag(
         COLLECTIVE_TIMEOUT_S, "seconds a process waits for the others in a collective before the run ends with a "
         "line naming the step, the process(es) that did not answer and the last checkpoint (a hung process); 1800 "
         "lets the largest preset's checkpoint (GPT-2 1.5B: 25 GB with its optimizer state) be written and hashed at "
         "30 MB/s while the others wait", NOT_COMPARED)
-    plan: bool = _field(False, "print this config's per-device memory plan (computed from the shapes, not "
-                               "measured) for the accelerate launch, and exit before anything is built", NOT_COMPARED)
+    plan: bool = flag(False, "print this config's per-device memory plan (computed from the shapes, not "
+                             "measured) for the accelerate launch, and exit before anything is built", NOT_COMPARED)
 
     def __post_init__(self) -> None:
         _positive(self, "save_every", "keep_last", "collective_timeout")
@@ -110,22 +105,22 @@ class ModelConfig:
 
     _argument_group_name = "model"
 
-    init_from: str = _field("scratch", "'scratch', a Hub id (gpt2...gpt2-xl), an HF folder or one of our runs; "
-                                       "the architecture flags (n_layer, n_head, n_embd, bias) then come from "
-                                       "those weights", Refused("the weights the run started from"))
-    n_layer: int = _field(4, "transformer blocks (with --init_from scratch)", CHECKED)
-    n_head: int = _field(4, "attention heads per block; must divide n_embd", CHECKED)
-    n_embd: int = _field(128, "embedding width", CHECKED)
-    block_size: int = _field(128, "context length in tokens (training windows and the model's positions)", CHECKED)
-    dropout: float = _field(0.0, "dropout probability while training, in [0, 1)", CHECKED)
-    bias: bool = _field(True, "biases in the linear layers and LayerNorms, as GPT-2 (--no_bias: none)", CHECKED)
+    init_from: str = flag("scratch", "'scratch', a Hub id (gpt2...gpt2-xl), an HF folder or one of our runs; "
+                                     "the architecture flags (n_layer, n_head, n_embd, bias) then come from "
+                                     "those weights", Refused("the weights the run started from"))
+    n_layer: int = flag(4, "transformer blocks (with --init_from scratch)", CHECKED)
+    n_head: int = flag(4, "attention heads per block; must divide n_embd", CHECKED)
+    n_embd: int = flag(128, "embedding width", CHECKED)
+    block_size: int = flag(128, "context length in tokens (training windows and the model's positions)", CHECKED)
+    dropout: float = flag(0.0, "dropout probability while training, in [0, 1)", CHECKED)
+    bias: bool = flag(True, "biases in the linear layers and LayerNorms, as GPT-2 (--no_bias: none)", CHECKED)
     # LoRA (through peft): only the adapters train and are checkpointed; final/ is the merged model
-    lora_rank: int = _field(0, "LoRA rank r; 0 = full fine-tuning (every weight trains); needs --init_from", CHECKED)
-    lora_alpha: float = _field(16.0, "LoRA scaling: the adapter adds B A x lora_alpha / lora_rank", CHECKED)
-    lora_dropout: float = _field(0.0, "dropout on the adapters' input while training, in [0, 1)", CHECKED)
-    lora_targets: str = _field("c_attn,c_proj,c_fc", "comma-separated layers that get adapters: the attention "
-                                                      "(c_attn, attn.c_proj) and MLP (c_fc, mlp.c_proj) projections",
-                               CHECKED)
+    lora_rank: int = flag(0, "LoRA rank r; 0 = full fine-tuning (every weight trains); needs --init_from", CHECKED)
+    lora_alpha: float = flag(16.0, "LoRA scaling: the adapter adds B A x lora_alpha / lora_rank", CHECKED)
+    lora_dropout: float = flag(0.0, "dropout on the adapters' input while training, in [0, 1)", CHECKED)
+    lora_targets: str = flag("c_attn,c_proj,c_fc", "comma-separated layers that get adapters: the attention "
+                                                    "(c_attn, attn.c_proj) and MLP (c_fc, mlp.c_proj) projections",
+                             CHECKED)
 
     @property
     def from_scratch(self) -> bool:
@@ -183,24 +178,24 @@ class TrainingConfig:
     _argument_group_name = "training loop"
 
     # Batch: total_batch_size (tokens) = micro_batch_size * block_size * processes * accumulation
-    total_batch_size: int = _field(2048, "tokens per optimizer step; gradient accumulation = total_batch_size / "
-                                         "(micro_batch_size x block_size x processes)",
-                                   Refused("the batch of every step, in tokens"))
-    micro_batch_size: int = _field(8, "sequences per forward pass on each process", ACCEPTED)
-    max_steps: int = _field(100, "optimizer steps of the whole run", SCHEDULE)
-    grad_clip: float = _field(1.0, "clip the global gradient norm to this", ACCEPTED)
-    on_nan: str = _field("stop", "'stop' (keep the last good checkpoint) or 'skip' the step", ACCEPTED)
-    max_nan_skips: int = _field(10, "with --on_nan skip: stop after this many skipped steps in a row", ACCEPTED)
-    seed: int = _field(1337, "seed of the initial weights, data order, dropout and samples", Refused("the data order"))
-    activation_checkpointing: bool = _field(False, "recompute each transformer block's activations in the backward "
-                                                   "pass: far less activation memory for about a third more compute",
-                                            ACCEPTED)
-    tensor_parallel: int = _field(1, "split each block's matrices over groups of N processes (tensor parallelism, "
-                                     "with FSDP2 across the groups: needs an FSDP2 accelerate config); N must divide "
-                                     "n_head and the processes; 1 = none", CHECKED)
-    pipeline_parallel: int = _field(1, "put the blocks on N processes in turn (pipeline parallelism, 1F1B over the "
-                                       "step's micro-batches, which must be at least N; a DDP accelerate config); "
-                                       "N must divide the processes; 1 = none", ACCEPTED)
+    total_batch_size: int = flag(2048, "tokens per optimizer step; gradient accumulation = total_batch_size / "
+                                       "(micro_batch_size x block_size x processes)",
+                                 Refused("the batch of every step, in tokens"))
+    micro_batch_size: int = flag(8, "sequences per forward pass on each process", ACCEPTED)
+    max_steps: int = flag(100, "optimizer steps of the whole run", SCHEDULE)
+    grad_clip: float = flag(1.0, "clip the global gradient norm to this", ACCEPTED)
+    on_nan: str = flag("stop", "'stop' (keep the last good checkpoint) or 'skip' the step", ACCEPTED)
+    max_nan_skips: int = flag(10, "with --on_nan skip: stop after this many skipped steps in a row", ACCEPTED)
+    seed: int = flag(1337, "seed of the initial weights, data order, dropout and samples", Refused("the data order"))
+    activation_checkpointing: bool = flag(False, "recompute each transformer block's activations in the backward "
+                                                 "pass: far less activation memory for about a third more compute",
+                                          ACCEPTED)
+    tensor_parallel: int = flag(1, "split each block's matrices over groups of N processes (tensor parallelism, "
+                                   "with FSDP2 across the groups: needs an FSDP2 accelerate config); N must divide "
+                                   "n_head and the processes; 1 = none", CHECKED)
+    pipeline_parallel: int = flag(1, "put the blocks on N processes in turn (pipeline parallelism, 1F1B over the "
+                                     "step's micro-batches, which must be at least N; a DDP accelerate config); "
+                                     "N must divide the processes; 1 = none", ACCEPTED)
 
     def __post_init__(self) -> None:
         _positive(self, "total_batch_size", "micro_batch_size", "max_steps", "max_nan_skips", "tensor_parallel",
@@ -228,23 +223,19 @@ class OptimConfig:
     _argument_group_name = "optimizer and schedule"
 
     # Linear warmup, then cosine decay to lr * min_lr_ratio
-    lr: float | None = _field(None, "peak learning rate of AdamW (with Muon: of the embeddings/output layer, biases "
-                                    "and LayerNorms), reached after --warmup_steps; default: by what trains, "
-                                    + ", ".join(f"{lr:g} {job}" for job, lr in DEFAULT_LRS.items()), SCHEDULE)
-    min_lr_ratio: float = _field(0.1, "the cosine decay ends at lr x min_lr_ratio, at --max_steps", SCHEDULE)
-    warmup_steps: int = _field(10, "steps of linear warmup from lr / warmup_steps to lr", SCHEDULE)
-    weight_decay: float = _field(0.1, "AdamW weight decay, on weights of 2 or more dimensions (matrices, embeddings)",
-                                 RESTORED)
-    beta1: float = _field(0.9, "AdamW beta1", RESTORED)
-    beta2: float = _field(0.95, "AdamW beta2", RESTORED)
-    optimizer: str = _field("auto", "'muon' (torch.optim.Muon on the blocks' 2-D weights, AdamW with --lr on "
-                                    "embeddings/output layer, biases and LayerNorms), 'adamw' (every parameter), or "
-                                    "'auto': muon with --init_from scratch, adamw to fine-tune pretrained weights",
-                            CHECKED)
-    muon_lr: float = _field(0.02, "Muon's peak learning rate (--optimizer muon); same warmup and decay as --lr",
-                            SCHEDULE)
-    muon_momentum: float = _field(0.95, "Muon's momentum (Nesterov)", RESTORED)
-    muon_weight_decay: float = _field(0.0, "Muon's decoupled weight decay (each step w -= lr x wd x w)", RESTORED)
+    lr: float | None = flag(None, "peak learning rate of AdamW (with Muon: of the embeddings/output layer, biases "
+                                  "and LayerNorms), reached after --warmup_steps; default: by what trains, "
+                                  + ", ".join(f"{lr:g} {job}" for job, lr in DEFAULT_LRS.items()), SCHEDULE)
+    min_lr_ratio: float = flag(0.1, "the cosine decay ends at lr x min_lr_ratio, at --max_steps", SCHEDULE)
+    warmup_steps: int = flag(10, "steps of linear warmup from lr / warmup_steps to lr", SCHEDULE)
+    weight_decay: float = flag(0.1, "AdamW weight decay, on weights of 2 or more dimensions (matrices, embeddings)",
+                               RESTORED)
+    beta1: float = flag(0.9, "AdamW beta1", RESTORED)
+    beta2: float = flag(0.95, "AdamW beta2", RESTORED)
+    optimizer: str = flag("auto", "'muon' (torch.optim.Muon on the blocks' 2-D weights, AdamW with --lr on "
+                                  "embeddings/output layer, biases and LayerNorms), 'adamw' (every parameter), or "
+                                  "'auto': muon with --init_from scratch, adamw to fine-tune pretrained weights",
+                          CHECKED)
 
     def __post_init__(self) -> None:
         _non_negative(self, "warmup_steps")
@@ -261,12 +252,6 @@ class OptimConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise UserError(f"--{name} must be in [0, 1), got {getattr(self, name)}; "
                                 "use e.g. 0.9 (beta1) or 0.95 (beta2)")
-        if not self.muon_lr > 0:
-            raise UserError(f"--muon_lr must be positive, got {self.muon_lr}; use e.g. 0.02")
-        if not 0.0 <= self.muon_momentum < 1.0:
-            raise UserError(f"--muon_momentum must be in [0, 1), got {self.muon_momentum}; use e.g. 0.95")
-        if self.muon_weight_decay < 0:
-            raise UserError(f"--muon_weight_decay must be 0 or more, got {self.muon_weight_decay}; use e.g. 0 or 0.01")
 
 
 @dataclass
@@ -275,15 +260,15 @@ class EvalConfig:
 
     _argument_group_name = "evaluation"
 
-    eval_every: int = _field(50, "validation loss and a sample every N steps (and at the last)", ACCEPTED)
-    eval_batch_size: int | None = _field(None, "sequences (validation) or HellaSwag items per evaluation forward pass; "
-                                               "default: --micro_batch_size (an evaluation then peaks under a step)",
-                                         ACCEPTED)
-    hellaswag_every: int = _field(0, "HellaSwag every N steps; 0 = never; needs the eval package", ACCEPTED)
-    hellaswag_data: str | None = _field(None, "local HellaSwag jsonl; default: the Hub split", ACCEPTED)
-    hellaswag_limit: int | None = _field(None, "score only the first N HellaSwag items; default: all 10,042", ACCEPTED)
-    sample_tokens: int = _field(64, "tokens of the text sample printed at each evaluation; 0 = no sample", ACCEPTED)
-    sample_prompt: str = _field("\n", "prompt of that sample", ACCEPTED)
+    eval_every: int = flag(50, "validation loss and a sample every N steps (and at the last)", ACCEPTED)
+    eval_batch_size: int | None = flag(None, "sequences (validation) or HellaSwag items per evaluation forward pass; "
+                                             "default: --micro_batch_size (an evaluation then peaks under a step)",
+                                       ACCEPTED)
+    hellaswag_every: int = flag(0, "HellaSwag every N steps; 0 = never; needs the eval package", ACCEPTED)
+    hellaswag_data: str | None = flag(None, "local HellaSwag jsonl; default: the Hub split", ACCEPTED)
+    hellaswag_limit: int | None = flag(None, "score only the first N HellaSwag items; default: all 10,042", ACCEPTED)
+    sample_tokens: int = flag(64, "tokens of the text sample printed at each evaluation; 0 = no sample", ACCEPTED)
+    sample_prompt: str = flag("\n", "prompt of that sample", ACCEPTED)
 
     def __post_init__(self) -> None:
         _positive(self, "eval_every", *(["eval_batch_size"] if self.eval_batch_size is not None else []))
@@ -307,15 +292,15 @@ class LogConfig:
 
     _argument_group_name = "logging and trackers"
 
-    log_every: int = _field(10, "log a line (loss, lr, grad norm, tokens/s, MFU, ETA) every N steps", ACCEPTED)
-    report_to: str = _field("none", "'none', 'tensorboard', 'wandb', 'trackio' (a local dashboard, no account: "
-                                    "pip install -e \".[trackio]\"), or 'all' (tensorboard and wandb)", ACCEPTED)
-    wandb_project: str = _field("gpt2-accelerate", "wandb or trackio project (with --report_to wandb or trackio)",
-                                ACCEPTED)
-    run_name: str | None = _field(None, "run name for the trackers; default: the --out_dir folder's name", ACCEPTED)
-    mfu_peak_flops: float | None = _field(None, "bf16 peak FLOP/s per device for MFU; default: the "
-                                                "accelerator's if known (none on CPU or an unlisted GPU: no MFU)",
-                                          ACCEPTED)
+    log_every: int = flag(10, "log a line (loss, lr, grad norm, tokens/s, MFU, ETA) every N steps", ACCEPTED)
+    report_to: str = flag("none", "'none', 'tensorboard', 'wandb', 'trackio' (a local dashboard, no account: "
+                                  "pip install -e \".[trackio]\"), or 'all' (tensorboard and wandb)", ACCEPTED)
+    wandb_project: str = flag("gpt2-accelerate", "wandb or trackio project (with --report_to wandb or trackio)",
+                              ACCEPTED)
+    run_name: str | None = flag(None, "run name for the trackers; default: the --out_dir folder's name", ACCEPTED)
+    mfu_peak_flops: float | None = flag(None, "bf16 peak FLOP/s per device for MFU; default: the "
+                                              "accelerator's if known (none on CPU or an unlisted GPU: no MFU)",
+                                        ACCEPTED)
 
     def __post_init__(self) -> None:
         _positive(self, "log_every")
@@ -334,9 +319,9 @@ class HubConfig:
 
     _argument_group_name = "Hub"
 
-    push_to_hub: bool = _field(False, "push final/ to the Hub at the end (needs --hub_model_id)", ACCEPTED)
-    hub_model_id: str | None = _field(None, "Hub repo to push to, user/name; default: none", ACCEPTED)
-    hub_push_every: int = _field(0, "also push every K-th checkpoint to branch step-N; 0 = never", ACCEPTED)
+    push_to_hub: bool = flag(False, "push final/ to the Hub at the end (needs --hub_model_id)", ACCEPTED)
+    hub_model_id: str | None = flag(None, "Hub repo to push to, user/name; default: none", ACCEPTED)
+    hub_push_every: int = flag(0, "also push every K-th checkpoint to branch step-N; 0 = never", ACCEPTED)
 
     def __post_init__(self) -> None:
         _non_negative(self, "hub_push_every")
@@ -351,8 +336,8 @@ class PresetConfig:
 
     _argument_group_name = "preset"
 
-    config: str | None = _field(None, "YAML preset, e.g. configs/shakespeare.yaml (or given first, without "
-                                      "--config); flags override it; default: none, the values below", NOT_COMPARED)
+    config: str | None = flag(None, "YAML preset, e.g. configs/shakespeare.yaml (or given first, without "
+                                    "--config); flags override it; default: none, the values below", NOT_COMPARED)
 
     def __post_init__(self) -> None:
         _non_empty(self, "config")
@@ -362,6 +347,27 @@ class PresetConfig:
 GROUPS: dict[str, type] = {"preset": PresetConfig, "run": RunConfig, "model": ModelConfig, "data": DataConfig,
                            "training": TrainingConfig, "optim": OptimConfig, "eval": EvalConfig, "log": LogConfig,
                            "hub": HubConfig}
+# Groups that a component above this package declares for itself and adds when it is imported (each optimizer's own
+# flags: `training.optimizers.registry`); they follow GROUPS on the command line and in config.yaml.
+ADDED: dict[str, type] = {}
+
+
+def add_group(name: str, group: type) -> None:
+    """Add a component's own flag group (a dataclass of `flag` fields, checking its values in `__post_init__`).
+    Its name and its flags must be new."""
+    taken = {f.name for g in all_groups().values() for f in fields(g)}
+    if name in all_groups() or taken & {f.name for f in fields(group)}:
+        raise ValueError(f"a flag group named {name!r}, or one with its flags, is already there")
+    ADDED[name] = group
+
+
+def remove_group(name: str) -> None:
+    ADDED.pop(name, None)
+
+
+def all_groups() -> dict[str, type]:
+    """Every flag group, in command-line order: this package's, then the added ones."""
+    return {**GROUPS, **ADDED}
 
 
 @dataclass
@@ -377,6 +383,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
     hub: HubConfig = field(default_factory=HubConfig)
+    added: dict[str, Any] = field(default_factory=lambda: {name: group() for name, group in ADDED.items()})
 
     def __post_init__(self) -> None:
         check_val_tokens(self.data.val_tokens, self.model.block_size)
@@ -388,15 +395,19 @@ class TrainConfig:
         return {f.name: getattr(group, f.name) for group in self.groups() for f in fields(group)}
 
     def groups(self) -> list[Any]:
-        return [getattr(self, name) for name in GROUPS]
+        return [getattr(self, name) for name in GROUPS] + list(self.added.values())
 
 
 def field_types() -> dict[str, Any]:
     """Every flag's declared type, e.g. {"lr": float, "hellaswag_limit": int | None}."""
-    return {name: hint for group in GROUPS.values() for name, hint in typing.get_type_hints(group).items()
+    return {name: hint for group in all_groups().values() for name, hint in typing.get_type_hints(group).items()
             if not name.startswith("_")}
 
 
-FIELD_NAMES = [f.name for group in GROUPS.values() for f in fields(group)]
-# What a resume may do with each field, as the field declares it (`common.resume_rules`), in command-line order.
-RESUME_RULES = {f.name: resume_rule(f.metadata) for group in GROUPS.values() for f in fields(group)}
+def field_names() -> list[str]:
+    return [f.name for group in all_groups().values() for f in fields(group)]
+
+
+def resume_rules() -> dict[str, str | Refused]:
+    """What a resume may do with each field, as the field declares it (`common.resume_rules`), in command-line order."""
+    return {f.name: resume_rule(f.metadata) for group in all_groups().values() for f in fields(group)}

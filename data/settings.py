@@ -4,18 +4,12 @@ and its parse-time check from here, and `data.source` turns the settings into a 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from common.errors import UserError
-from common.resume_rules import ACCEPTED, CHECKED
+from common.resume_rules import ACCEPTED, CHECKED, flag
 
 SHAKESPEARE = "shakespeare"  # `--dataset` for the embedded Tiny Shakespeare
-
-
-def _field(default: object, help: str, resume: str) -> object:
-    """A field with its `--help` text (train.py's HfArgumentParser reads it from the metadata) and what a resume may
-    do with it (`common.resume_rules`)."""
-    return field(default=default, metadata={"help": help, "resume": resume})
 
 
 @dataclass(frozen=True)
@@ -26,16 +20,16 @@ class DataConfig:
 
     _argument_group_name = "data"
 
-    dataset: str = _field(SHAKESPEARE, "'shakespeare', a local .txt/.jsonl/.parquet file/glob/folder, a shard "
-                                       "folder, or a Hub id[:config]", CHECKED)
-    text_column: str = _field("text", "column holding the text in .jsonl/.parquet files and Hub datasets", CHECKED)
-    prompt_field: str = _field("prompt", "prompt field of prompt/completion .jsonl data (a .jsonl whose first record "
-                                         "has it and --completion_field; the loss counts only completion tokens)",
-                               CHECKED)
-    completion_field: str = _field("completion", "completion field of prompt/completion .jsonl data", CHECKED)
-    dataset_config: str | None = _field(None, "Hub dataset config name; default: the one given after ':' in "
-                                              "--dataset, or the dataset's default", CHECKED)
-    val_tokens: int = _field(8_192, "size of the fixed validation set, in tokens", ACCEPTED)
+    dataset: str = flag(SHAKESPEARE, "'shakespeare', a local .txt/.jsonl/.parquet file/glob/folder, a shard "
+                                     "folder, or a Hub id[:config]", CHECKED)
+    text_column: str = flag("text", "column holding the text in .jsonl/.parquet files and Hub datasets", CHECKED)
+    prompt_field: str = flag("prompt", "prompt field of prompt/completion .jsonl data (a .jsonl whose first record "
+                                       "has it and --completion_field; the loss counts only completion tokens)",
+                             CHECKED)
+    completion_field: str = flag("completion", "completion field of prompt/completion .jsonl data", CHECKED)
+    dataset_config: str | None = flag(None, "Hub dataset config name; default: the one given after ':' in "
+                                            "--dataset, or the dataset's default", CHECKED)
+    val_tokens: int = flag(8_192, "size of the fixed validation set, in tokens", ACCEPTED)
 
     def __post_init__(self) -> None:
         if self.val_tokens <= 0:

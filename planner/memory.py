@@ -46,7 +46,6 @@ from model.tensor_parallel import split_problem
 from planner.launch import GiB, Launch
 from training.evaluations.registry import EVALUATIONS
 from training.evaluations.spec import EvaluationSpec
-from training.optimizers.spec import BLOCK_MATRICES
 
 # RSS of a CPU process with torch and the project's modules imported and one tiny step run (the kernels' thread
 # pools and workspaces): 0.31 GiB measured on the 2-core EPYC of docs/benchmarks.md, torch 2.13
@@ -282,7 +281,7 @@ def _whole_matrix(config: GPTConfig, launch: Launch) -> list[Item]:
     """Muon under FSDP2 or tensor parallelism: the largest matrix (c_fc's 4C x C) gathered whole, its momentum-
     mixed update and Newton-Schulz's working copies (the iterate, its Gram matrix, the polynomial and the product:
     4 of its size, fp32 at most), one matrix at a time."""
-    if launch.optimizer_spec.claims is None or not (launch.fsdp or launch.tensor_parallel > 1):
+    if not launch.optimizer_spec.whole_matrices or not (launch.fsdp or launch.tensor_parallel > 1):
         return []
     largest = 4 * config.n_embd * config.n_embd
     return [Item("Muon's whole matrix", 4 * 5 * largest, "the largest matrix gathered for Newton-Schulz, and 4 "
@@ -305,13 +304,10 @@ def _weights_and_state(counts: ParamCounts, launch: Launch) -> tuple[Item, Item,
     grads = Item("gradients", size * P // shards.gradients, dtype + shards.note(shards.gradients))
     master = 4 * P // shards.optimizer_state if low else 0
     spec = launch.optimizer_spec
-    if spec.claims is not None:  # it trains the parameters it claims, AdamW the rest
-        claimed = {BLOCK_MATRICES: counts.block_matrices}[spec.claims]
-        state = Item("optimizer state", (spec.state_bytes * claimed + 8 * (P - claimed)) // shards.optimizer_state,
-                     f"{spec.display}'s state on {spec.claims}, AdamW's 2 fp32 tensors on the rest")
-    else:
-        state = Item("optimizer state", 8 * P // shards.optimizer_state + master, "AdamW: 2 fp32 tensors per parameter"
-                     + (" + the fp32 master copy" if master else "") + shards.note(shards.optimizer_state))
+    what = (f"{spec.display}: {spec.state_bytes} bytes per parameter" if spec.alone else
+            f"{spec.display}'s state on {spec.claims}, AdamW's 2 fp32 tensors on the rest")
+    state = Item("optimizer state", spec.state_bytes_of(P, counts.block_matrices) // shards.optimizer_state + master,
+                 what + (" + the fp32 master copy" if master else "") + shards.note(shards.optimizer_state))
     return params, grads, state
 
 
@@ -435,9 +431,8 @@ def plan_run(config: GPTConfig, launch: Launch, run: RunPhases) -> RunPlan:
     gathered = []
     if launch.pipeline_parallel > 1:  # the whole model's files, gathered on the main process's host memory
         whole = ParamCounts.of(config).total
-        spec = launch.optimizer_spec
-        claimed = ParamCounts.of(config).block_matrices if spec.claims is not None else 0
-        gathered = [Item("gathered whole model", (4 * whole + spec.state_bytes * claimed + 8 * (whole - claimed))
+        state = launch.optimizer_spec.state_bytes_of(whole, ParamCounts.of(config).block_matrices)
+        gathered = [Item("gathered whole model", (4 * whole + state)
                          if host else 0, "weights and optimizer state of every stage, on the main process"
                          + ("" if host else " (host memory)"))]
     phases["checkpoint save"] = kept + [evaluation(1, T, "the health check: one window")] + gathered

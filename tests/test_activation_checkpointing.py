@@ -114,7 +114,7 @@ def test_lora_adapters_get_the_plain_gradients():
 
 
 def test_a_muon_step_equals_the_plain_one():
-    plan = plan_optimizers(OptimConfig(optimizer="muon", lr=1e-3, muon_lr=0.02), ModelConfig())
+    plan = plan_optimizers(OptimConfig(optimizer="muon", lr=1e-3), ModelConfig())
     plain, ours = pair()
     x, y = batch()
     for model in (plain, ours):

@@ -27,7 +27,7 @@ def muon_parameter_names(model: torch.nn.Module) -> list[str]:
     return claimed_names(model, BLOCK_MATRICES)
 
 SMALL = GPTConfig(vocab_size=100, n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=0.0)
-MUON = plan_optimizers(OptimConfig(optimizer="muon", lr=1e-3, muon_lr=0.02), ModelConfig())
+MUON = plan_optimizers(OptimConfig(optimizer="muon", lr=1e-3), ModelConfig())
 ADAMW = plan_optimizers(OptimConfig(optimizer="adamw"), ModelConfig())
 NS_BF16 = newton_schulz_dtype("cpu") == torch.bfloat16  # this CPU orthogonalises in bf16 (AVX-512-BF16, AMX)
 

@@ -30,30 +30,44 @@ a local path spelled another way passes, and is recorded as a change).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from common import resume_rules as rules
 from common.errors import UserError
 from common.run_dir import RunDir
 from configs import read_run_config
-from configs.schema import RESUME_RULES
+from configs.schema import resume_rules
 from training.checkpoints.moving import Move
 from training.checkpoints.resume import ResumePoint
 from training.optimizers.plan import OptimizerPlan
 from training.step import LRSchedule
 
-# Each field's rule, declared beside the field (`common.resume_rules`). Accepted fields whose checkpoint files
-# check them (the architecture: gpt_config.json; LoRA: adapter_config.json; the optimizers and the engine:
-# run_state.json; the data: its saved position) pass here when they pass there (the module docstring).
-REFUSED = {name: rule.why for name, rule in RESUME_RULES.items() if isinstance(rule, rules.Refused)}
-NOT_COMPARED = frozenset(name for name, rule in RESUME_RULES.items() if rule == rules.NOT_COMPARED)
-# The learning-rate schedule (`LRSchedule`, each optimizer's peak): a change moves the LR from the resumed step on.
-SCHEDULE = tuple(name for name, rule in RESUME_RULES.items() if rule == rules.SCHEDULE)
-ACCEPTED = frozenset(name for name, rule in RESUME_RULES.items()
-                     if rule in (rules.ACCEPTED, rules.CHECKED, rules.SCHEDULE))
-# Accepted here, refused (when they differ) by the checkpoint's own files (`common.resume_rules.CHECKED`).
-CHECKED_BY_THE_CHECKPOINT = frozenset(name for name, rule in RESUME_RULES.items() if rule == rules.CHECKED)
+
+@dataclass(frozen=True)
+class FlagRules:
+    """Every flag by what a resume may do with it, as each flag declares (`common.resume_rules`), the registered
+    optimizers' own flags included. Accepted flags that the checkpoint's files check (the architecture:
+    gpt_config.json; LoRA: adapter_config.json; the optimizers and the engine: run_state.json; the data: its saved
+    position) pass here when they pass there (the module docstring)."""
+
+    refused: dict[str, str]  # flag -> what its value decides, for the refusal's line
+    not_compared: frozenset[str]
+    schedule: tuple[str, ...]  # the learning-rate schedule: a change moves the LR from the resumed step on
+    accepted: frozenset[str]
+    checked_by_the_checkpoint: frozenset[str]
+
+    @classmethod
+    def now(cls) -> FlagRules:
+        declared = resume_rules()
+        return cls(refused={n: r.why for n, r in declared.items() if isinstance(r, rules.Refused)},
+                   not_compared=frozenset(n for n, r in declared.items() if r == rules.NOT_COMPARED),
+                   schedule=tuple(n for n, r in declared.items() if r == rules.SCHEDULE),
+                   accepted=frozenset(n for n, r in declared.items()
+                                      if r in (rules.ACCEPTED, rules.CHECKED, rules.SCHEDULE)),
+                   checked_by_the_checkpoint=frozenset(n for n, r in declared.items() if r == rules.CHECKED))
+
+
 RESUMES = "resumes"  # config.yaml's list of what each resume changed
 _COMMIT = re.compile(r"[0-9a-f]{40}")  # a Hub revision that is a commit
 
@@ -98,13 +112,13 @@ def _same_hub_weights(old: Any, new: str) -> bool:
     return isinstance(old, str) and not _COMMIT.fullmatch(revision) and old.partition("@")[0] == new_id
 
 
-def _lrs(values: dict[str, Any], plan: OptimizerPlan, step: int) -> list[float] | None:
+def _lrs(values: dict[str, Any], plan: OptimizerPlan, step: int, schedule: tuple[str, ...]) -> list[float] | None:
     """Each optimizer's learning rate at the 0-based `step` under the schedule `values` record (None when they
     lack a part of it, as configs from older versions may)."""
-    if not all(isinstance(values.get(name), (int, float)) for name in SCHEDULE):
+    if not all(isinstance(values.get(name), (int, float)) for name in schedule):
         return None
     factor = LRSchedule(values["warmup_steps"], values["max_steps"], values["min_lr_ratio"]).factor(step)
-    return replace(plan, lr=values["lr"], muon_lr=values["muon_lr"]).lrs_at(factor)
+    return plan.with_recorded(values).lrs_at(factor)
 
 
 def resume_recipe(record: dict[str, Any], resume: ResumePoint | None, plan: OptimizerPlan,
@@ -132,13 +146,14 @@ def resume_recipe(record: dict[str, Any], resume: ResumePoint | None, plan: Opti
         raise UserError(f"{config_file}: '{RESUMES}' is not a list; fix it or remove the key")
     values = dict(record)
     changes = []
-    for change in changed_fields(recorded, {k: v for k, v in record.items() if k not in NOT_COMPARED}):
+    flags = FlagRules.now()
+    for change in changed_fields(recorded, {k: v for k, v in record.items() if k not in flags.not_compared}):
         if change.name == "init_from" and _same_hub_weights(change.old, change.new):
             values["init_from"] = change.old  # the pin stays: the same weights, at the commit the run read
-        elif change.name in REFUSED:
+        elif change.name in flags.refused:
             raise UserError(
                 f"{config_file} records {change.name} {change.old!r} and this resume passes {change.new!r}: a "
-                f"resume continues the run's recipe ({change.name}: {REFUSED[change.name]}); resume with "
+                f"resume continues the run's recipe ({change.name}: {flags.refused[change.name]}); resume with "
                 f"--{change.name} {change.old} as recorded, or start a new run in another --out_dir (with "
                 f"--init_from {resume.path} to start from these weights)")
         else:
@@ -147,19 +162,19 @@ def resume_recipe(record: dict[str, Any], resume: ResumePoint | None, plan: Opti
         return Recipe(values, (*earlier, entry) if move is not None else tuple(earlier))
     # A finished run: no step would use the change, yet config.yaml would record it. (A step past --max_steps, and a
     # change the checkpoint's own files refuse, each have their own line, later.)
-    if step == values["max_steps"] and not any(c.name in CHECKED_BY_THE_CHECKPOINT for c in changes):
+    if step == values["max_steps"] and not any(c.name in flags.checked_by_the_checkpoint for c in changes):
         names = ", ".join(f"--{c.name}" for c in changes)
         raise UserError(f"{resume.path} is where this run finished (step {step} of --max_steps {values['max_steps']}): "
                         f"a resume trains no step, so nothing would use {names}; pass a --max_steps above {step} to "
                         f"train on, or start a new run in another --out_dir (with --init_from {resume.path})")
     entry["changed"] = {c.name: {"old": c.old, "new": c.new} for c in changes}
     lines = [f"resuming at step {step} with {c} (config.yaml records it under '{RESUMES}')" for c in changes]
-    old_lrs, new_lrs = _lrs(recorded, plan, step), _lrs(values, plan, step)
+    old_lrs, new_lrs = _lrs(recorded, plan, step, flags.schedule), _lrs(values, plan, step, flags.schedule)
     if old_lrs is not None and new_lrs is not None and old_lrs != new_lrs:
         entry["lr_jump"] = {"step": step + 1, **{name: {"old": o, "new": n}
                                                  for name, o, n in zip(plan.names, old_lrs, new_lrs)}}
         jumps = ", ".join(f"{o:.4g} -> {n:.4g} ({name})" for name, o, n in zip(plan.names, old_lrs, new_lrs))
-        schedule = ", ".join(c.name for c in changes if c.name in SCHEDULE)
+        schedule = ", ".join(c.name for c in changes if c.name in flags.schedule)
         lines.append(f"the learning rate changes at step {step + 1}: {jumps}, the LR being a function of the step "
                      f"and of {schedule} (config.yaml records it under '{RESUMES}')")
     return Recipe(values, (*earlier, entry), tuple(lines))

@@ -107,7 +107,7 @@ def recorded_config(cfg: TrainConfig, arch: GPTConfig, plan: OptimizerPlan, data
     if init_weights is not None and init_weights.commit:
         values["init_from"] = init_weights.pinned
     values.update(n_layer=arch.n_layer, n_head=arch.n_head, n_embd=arch.n_embd, bias=arch.bias,
-                  block_size=arch.block_size, optimizer=plan.kind, lr=plan.lr, muon_lr=plan.muon_lr)
+                  block_size=arch.block_size, optimizer=plan.kind, lr=plan.lr)
     return values
 
 

@@ -8,7 +8,7 @@ import inspect
 
 import torch
 
-from training.optimizers.spec import OptimizerPlan, OptimizerSpec
+from training.optimizers.spec import BASE_STATE_BYTES, EVERY_PARAMETER, OptimizerPlan, OptimizerSpec
 
 
 def build(params: list[torch.nn.Parameter], plan: OptimizerPlan, device_type: str) -> torch.optim.Optimizer:
@@ -20,5 +20,9 @@ def build(params: list[torch.nn.Parameter], plan: OptimizerPlan, device_type: st
     return torch.optim.AdamW(groups, lr=plan.lr, betas=plan.betas, **({"fused": True} if fused else {}))
 
 
-SPEC = OptimizerSpec(name="adamw", display="AdamW", claims=None, state_bytes=8, build=build,
-                     peak_lr=lambda plan: plan.lr)
+def describe(plan: OptimizerPlan, device_type: str) -> str:
+    return f"lr {plan.lr:g}" + (f", the default for {plan.job}" if plan.lr_is_default else "")
+
+
+SPEC = OptimizerSpec(name="adamw", display="AdamW", claims=EVERY_PARAMETER, state_bytes=BASE_STATE_BYTES, build=build,
+                     peak_lr=lambda plan: plan.lr, describe=describe)

@@ -17,12 +17,34 @@ not hidden matrices.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from common.engine_names import DEEPSPEED, FSDP_COLUMN, TP_COLUMN, ZERO_COLUMNS, Refusal, engine_name
+from common.errors import UserError
+from common.resume_rules import RESTORED, SCHEDULE, flag
 from training.optimizers.spec import BLOCK_MATRICES, OptimizerPlan, OptimizerSpec
+
+
+@dataclass
+class MuonFlags:
+    """Muon's own flags, beside AdamW's (`--lr`, `--weight_decay`, `--beta1/2`)."""
+
+    _argument_group_name = "Muon (--optimizer muon)"
+
+    muon_lr: float = flag(0.02, "Muon's peak learning rate; same warmup and decay as --lr", SCHEDULE)
+    muon_momentum: float = flag(0.95, "Muon's momentum (Nesterov)", RESTORED)
+    muon_weight_decay: float = flag(0.0, "Muon's decoupled weight decay (each step w -= lr x wd x w)", RESTORED)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.muon_lr < math.inf:
+            raise UserError(f"--muon_lr must be positive, got {self.muon_lr}; use e.g. 0.02")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise UserError(f"--muon_momentum must be in [0, 1), got {self.muon_momentum}; use e.g. 0.95")
+        if not 0 <= self.muon_weight_decay < math.inf:
+            raise UserError(f"--muon_weight_decay must be 0 or more, got {self.muon_weight_decay}; use e.g. 0 or 0.01")
 
 
 def newton_schulz_dtype(device_type: str) -> torch.dtype:
@@ -99,13 +121,14 @@ class Muon(torch.optim.Muon):
 
 
 def build(params: list[torch.nn.Parameter], plan: OptimizerPlan, device_type: str) -> torch.optim.Optimizer:
-    return Muon(params, lr=plan.muon_lr, momentum=plan.muon_momentum, weight_decay=plan.muon_weight_decay,
+    own = plan.flags
+    return Muon(params, lr=own.muon_lr, momentum=own.muon_momentum, weight_decay=own.muon_weight_decay,
                 ns_dtype=newton_schulz_dtype(device_type))
 
 
 def describe(plan: OptimizerPlan, device_type: str) -> str:
     ns_dtype = str(newton_schulz_dtype(device_type)).removeprefix("torch.")
-    return f"lr {plan.muon_lr:g}, Newton-Schulz in {ns_dtype}"
+    return f"lr {plan.flags.muon_lr:g}, Newton-Schulz in {ns_dtype}"
 
 
 # Where each matrix is sharded or split (`Muon.step`): one all-gather of it a step, Newton-Schulz on every rank.
@@ -115,10 +138,10 @@ _ZERO_WHY = ("ZeRO hands this Muon flat partitions, where no matrix is whole, an
              "orthogonalised update, not the gradient: 18% apart from torch's Muon after 10 steps at --grad_clip 1")
 SPEC = OptimizerSpec(
     name="muon", display="Muon", claims=BLOCK_MATRICES, state_bytes=4,  # one fp32 momentum buffer per matrix
-    build=build, peak_lr=lambda plan: plan.muon_lr, describe=describe,
+    flags=MuonFlags, build=build, peak_lr=lambda plan: plan.flags.muon_lr, describe=describe,
     refused_under={ZERO_COLUMNS[s]: Refusal(_ZERO_WHY, f"use --optimizer adamw with {engine_name(DEEPSPEED, s)}, or "
                                                        "Muon with a DDP or FSDP2 launch config")
                    for s in (1, 2, 3)},
     costs_under={column: _GATHERED for column in (FSDP_COLUMN, TP_COLUMN)},
-    lora_refusal="Muon orthogonalises whole hidden matrices, not rank-{rank} factors",
+    lora_refusal="Muon orthogonalises whole hidden matrices, not rank-{rank} factors", whole_matrices=True,
 )

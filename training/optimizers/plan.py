@@ -16,6 +16,8 @@ optimizer is always the AdamW (accelerate saves it as `optimizer.bin`, a second 
 """
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -29,10 +31,11 @@ from training.optimizers.spec import OptimizerPlan, claimed_names
 __all__ = ["OptimizerPlan", "build_optimizer", "describe_optimizers", "plan_optimizers", "release_optimizer_state"]
 
 
-def plan_optimizers(cfg: OptimConfig, model: ModelConfig) -> OptimizerPlan:
+def plan_optimizers(cfg: OptimConfig, model: ModelConfig, flags: Mapping[str, Any] | None = None) -> OptimizerPlan:
     """`--optimizer` resolved for what trains (`auto`: Muon to train from scratch, AdamW to fine-tune or for LoRA),
-    and AdamW's learning rate: `--lr`, else the default of the job (configs.schema.DEFAULT_LRS). An optimizer that
-    is not registered, or one that cannot train LoRA's adapters under --lora_rank, is refused in one line."""
+    and AdamW's learning rate: `--lr`, else the default of the job (configs.schema.DEFAULT_LRS). `flags`: the
+    registered optimizers' own flags as parsed (`TrainConfig.added`; default: their defaults). An optimizer that is
+    not registered, or one that cannot train LoRA's adapters under --lora_rank, is refused in one line."""
     spec = optimizer_spec(cfg.optimizer if cfg.optimizer != "auto" else "muon" if model.from_scratch else "adamw")
     if model.lora_rank and spec.lora_refusal:
         raise UserError(f"--lora_rank trains its adapters with AdamW only "
@@ -45,39 +48,39 @@ def plan_optimizers(cfg: OptimConfig, model: ModelConfig) -> OptimizerPlan:
     else:
         job = "LoRA" if model.lora_rank else "full fine-tuning"
         default = DEFAULT_LRS[job]
+    own = (flags or {}).get(spec.name, spec.flags() if spec.flags else None)
     return OptimizerPlan(spec=spec, job=job, lr=cfg.lr if cfg.lr is not None else default,
-                         lr_is_default=cfg.lr is None, muon_lr=cfg.muon_lr, weight_decay=cfg.weight_decay,
-                         betas=(cfg.beta1, cfg.beta2), muon_momentum=cfg.muon_momentum,
-                         muon_weight_decay=cfg.muon_weight_decay)
+                         lr_is_default=cfg.lr is None, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
+                         flags=own)
 
 
 def build_optimizer(model: torch.nn.Module, plan: OptimizerPlan, device_type: str) -> list[torch.optim.Optimizer]:
-    """[AdamW] or [AdamW, the claiming optimizer] (`plan.names`)."""
-    claimed = claimed_names(model, plan.spec.claims)
+    """[the optimizer alone] or [AdamW, the claiming optimizer] (`plan.names`)."""
     named = dict(model.named_parameters())  # a tied weight appears once, under its first name
-    rest = [p for name, p in named.items() if p.requires_grad and name not in set(claimed)]
-    base = adamw.build(rest, plan, device_type)
-    if not claimed:
-        return [base]
-    return [base, plan.spec.build([named[name] for name in sorted(claimed)], plan, device_type)]
+    claimed = set(claimed_names(model, plan.spec.claims))
+    mine = plan.spec.build([named[name] for name in sorted(claimed)], plan, device_type)
+    if plan.spec.alone:
+        return [mine]
+    rest = [p for name, p in named.items() if p.requires_grad and name not in claimed]
+    return [adamw.build(rest, plan, device_type), mine]
 
 
 def describe_optimizers(model: torch.nn.Module, plan: OptimizerPlan) -> str:
     """Which optimizer trains which parameters, for the run's header, with what each says of itself on the device
     that holds the model (Muon: the dtype it orthogonalises in)."""
     total = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
-    lr = f"lr {plan.lr:g}" + (f", the default for {plan.job}" if plan.lr_is_default else "")
-    if plan.spec.claims is None:
-        return f"optimizer: AdamW ({lr}) on all {total / 1e6:.2f}M trainable params"
+    device_type = next(model.parameters()).device.type
+    about = plan.spec.describe(plan, device_type) if plan.spec.describe else f"lr {plan.spec.peak_lr(plan):g}"
+    if plan.spec.alone:
+        return f"optimizer: {plan.spec.display} ({about}) on all {total / 1e6:.2f}M trainable params"
     named = dict(model.named_parameters())
     names = claimed_names(model, plan.spec.claims)
     claimed = sum(full_numel(named[name]) for name in names)
-    device_type = next(model.parameters()).device.type
-    about = plan.spec.describe(plan, device_type) if plan.spec.describe else f"lr {plan.spec.peak_lr(plan):g}"
     if any(isinstance(named[name], DTensor) for name in names):  # FSDP2's shards, tensor parallelism's pieces
         about += ", each matrix gathered whole on every rank"
+    base = adamw.describe(plan, device_type)
     return (f"optimizer: {plan.spec.display} ({about}) on {plan.spec.claims} ({claimed / 1e6:.2f}M params), "
-            f"AdamW ({lr}) on embeddings/output layer, biases, LayerNorms ({(total - claimed) / 1e6:.2f}M)")
+            f"AdamW ({base}) on embeddings/output layer, biases, LayerNorms ({(total - claimed) / 1e6:.2f}M)")
 
 
 def full_numel(parameter) -> int:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from common.errors import UserError
+from configs.schema import add_group, remove_group
 from training.optimizers import adamw, muon
 from training.optimizers.spec import OptimizerSpec
 
@@ -11,14 +12,21 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {}
 
 
 def register(spec: OptimizerSpec) -> OptimizerSpec:
-    """Add an optimizer (its `--optimizer` name must be new; only AdamW, the base, claims no parameters)."""
+    """Add an optimizer (its `--optimizer` name must be new), and its own flags to train.py's."""
     if spec.name in OPTIMIZERS or spec.name == "auto":
         raise ValueError(f"an optimizer named {spec.name!r} is already registered")
-    if (spec.claims is None) != (spec.name == "adamw") or spec.build is None or spec.peak_lr is None:
-        raise ValueError(f"optimizer {spec.name!r} must claim parameters (AdamW trains the rest) and declare its "
-                         "build and peak_lr")
+    if spec.build is None or spec.peak_lr is None:
+        raise ValueError(f"optimizer {spec.name!r} must declare its build and peak_lr")
+    if spec.flags is not None:
+        add_group(spec.name, spec.flags)
     OPTIMIZERS[spec.name] = spec
     return spec
+
+
+def unregister(name: str) -> None:
+    """Take an optimizer out again, with its flags (a test's toy)."""
+    OPTIMIZERS.pop(name, None)
+    remove_group(name)
 
 
 def optimizer_spec(name: str) -> OptimizerSpec:

@@ -1,44 +1,49 @@
 """What an optimizer declares to take part in a run, and the run's resolved choice of optimizers.
 
-AdamW is the base of every run: it trains whatever no other optimizer claims. An optimizer module declares an
-`OptimizerSpec`: the parameters it claims (`claims`), how it is built, its learning rate, its state (which the
-memory planner adds up), what the run's header says of it, and the engines it does not run under (which the
-support table shows and the refusals read). `OptimizerPlan` is `--optimizer` resolved for one run.
+An optimizer module declares an `OptimizerSpec`: the parameters it claims, its own flags, how it is built, its
+learning rate, its state (which the memory planner adds up), what the run's header says of it, and the engines it
+does not run under (which the support table shows and the refusals read). One that claims every parameter trains
+alone (AdamW, by default); one that claims a part (Muon: the blocks' matrices) trains beside AdamW, which takes the
+rest. `OptimizerPlan` is `--optimizer` resolved for one run.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Mapping
 
 import torch
 
 from common.engine_names import Refusal
 
-# What an optimizer may claim beside AdamW: the 2-D weights inside the transformer blocks (`transformer.h.*`: the
-# attention and MLP projections). The planner counts them as `ParamCounts.block_matrices`.
+# What an optimizer may claim: every trainable parameter (it trains alone), or the 2-D weights inside the
+# transformer blocks (`transformer.h.*`: the attention and MLP projections; the planner's
+# `ParamCounts.block_matrices`), AdamW training the rest.
+EVERY_PARAMETER = "every parameter"
 BLOCK_MATRICES = "the blocks' 2-D weights"
+BASE_STATE_BYTES = 8  # AdamW's, on what a part-claiming optimizer leaves to it: two fp32 moments
 
 
-def claimed_names(model: torch.nn.Module, claims: str | None) -> list[str]:
-    """The names of the trainable parameters `claims` means in `model` (none for None: AdamW trains them all)."""
-    if claims is None:
-        return []
+def claimed_names(model: torch.nn.Module, claims: str) -> list[str]:
+    """The names of the trainable parameters `claims` means in `model` (a tied weight once)."""
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if claims == EVERY_PARAMETER:
+        return [name for name, _ in trainable]
     if claims != BLOCK_MATRICES:
         raise ValueError(f"unknown parameter set {claims!r}")
-    return [name for name, p in model.named_parameters()
-            if p.requires_grad and p.dim() == 2 and name.startswith("transformer.h.")]
+    return [name for name, p in trainable if p.dim() == 2 and name.startswith("transformer.h.")]
 
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """One optimizer, as the run, the planner, the checkpoints and the support table see it.
-
-    Invariant: `claims` is None only for AdamW, the base that trains every parameter no other optimizer claims."""
+    """One optimizer, as the run, the planner, the checkpoints and the support table see it."""
 
     name: str  # --optimizer's value; checkpoints record it (accelerate saves the second optimizer as optimizer_1.bin)
     display: str  # how the run's header names it
-    claims: str | None  # BLOCK_MATRICES, or None (AdamW: everything)
+    claims: str  # EVERY_PARAMETER (it trains alone) or BLOCK_MATRICES (beside AdamW)
     state_bytes: int  # bytes of optimizer state per parameter it trains (AdamW: 8, two fp32 moments)
+    # Its own flags (`--muon_lr`, ...): a dataclass of `common.resume_rules.flag` fields that checks its values, added
+    # to train.py's flags when the optimizer is registered; the plan carries the parsed values (`OptimizerPlan.flags`).
+    flags: type | None = None
     build: Callable[[list[torch.nn.Parameter], OptimizerPlan, str], torch.optim.Optimizer] | None = None
     peak_lr: Callable[[OptimizerPlan], float] | None = None  # its learning rate at the schedule's peak
     describe: Callable[[OptimizerPlan, str], str] | None = None  # the header's "(lr 0.02, ...)", given the device type
@@ -46,6 +51,20 @@ class OptimizerSpec:
     # support-table column -> what running there costs beyond the engine's own work, in a few words (the cell's note)
     costs_under: Mapping[str, str] = field(default_factory=dict)
     lora_refusal: str | None = None  # why it cannot train LoRA adapters (None: it can)
+    # It orthogonalises whole matrices (Muon): under FSDP2 and tensor parallelism each is gathered for it, which the
+    # planner charges as one more matrix and its working copies.
+    whole_matrices: bool = False
+
+    @property
+    def alone(self) -> bool:
+        """It trains every parameter, without AdamW beside it."""
+        return self.claims == EVERY_PARAMETER
+
+    def state_bytes_of(self, total: int, block_matrices: int) -> int:
+        """The optimizers' state for a model of `total` parameters with `block_matrices` of them in the blocks'
+        matrices: its own on what it claims, AdamW's on the rest."""
+        claimed = total if self.alone else block_matrices
+        return self.state_bytes * claimed + BASE_STATE_BYTES * (total - claimed)
 
 
 @dataclass(frozen=True)
@@ -56,11 +75,9 @@ class OptimizerPlan:
     job: str  # what trains: a key of configs.schema.DEFAULT_LRS ("LoRA", "full fine-tuning", ...)
     lr: float  # AdamW's peak learning rate: --lr, else the job's default
     lr_is_default: bool  # no --lr was given
-    muon_lr: float  # Muon's peak learning rate (--muon_lr)
-    weight_decay: float
-    betas: tuple[float, float]
-    muon_momentum: float
-    muon_weight_decay: float
+    weight_decay: float  # AdamW's
+    betas: tuple[float, float]  # AdamW's
+    flags: Any = None  # the claiming optimizer's own flags, parsed (`OptimizerSpec.flags`); None for AdamW alone
 
     @property
     def kind(self) -> str:
@@ -69,9 +86,17 @@ class OptimizerPlan:
 
     @property
     def names(self) -> tuple[str, ...]:
-        """The optimizers `build_optimizer` returns, in order: ("adamw",) or ("adamw", the claiming one)."""
-        return ("adamw",) if self.spec.claims is None else ("adamw", self.spec.name)
+        """The optimizers `build_optimizer` returns, in order: (the one alone,) or ("adamw", the claiming one)."""
+        return (self.spec.name,) if self.spec.alone else ("adamw", self.spec.name)
+
+    def with_recorded(self, values: Mapping[str, Any]) -> OptimizerPlan:
+        """This plan with the peak learning rates a run's config.yaml `values` record (what a resume compares)."""
+        flags = self.flags
+        if flags is not None:
+            flags = replace(flags, **{f.name: values[f.name] for f in fields(flags) if f.name in values})
+        return replace(self, lr=values["lr"], flags=flags)
 
     def lrs_at(self, factor: float) -> list[float]:
         """Each optimizer's learning rate when the schedule is at `factor` of the peak (one per optimizer)."""
-        return [self.lr * factor] + ([self.spec.peak_lr(self) * factor] if self.spec.claims is not None else [])
+        peaks = [self.spec.peak_lr(self)] if self.spec.alone else [self.lr, self.spec.peak_lr(self)]
+        return [peak * factor for peak in peaks]
