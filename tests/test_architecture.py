@@ -8,6 +8,7 @@ arrow).
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,16 @@ ALLOWED = {
     "benchmarks": {"common", "configs", "data", "eval", "model", "training", "planner", "train"},
 }
 PACKAGES = set(ALLOWED)
+
+# Inside training/: four sub-packages and the root (the loop and the run's record), imports one way down.
+# docs/architecture.md draws this table.
+TRAINING_ALLOWED = {
+    "root": {"checkpoints", "distributed", "optimizers", "evaluations"},  # step, metrics, run_folder, recipe, ...
+    "checkpoints": {"distributed", "optimizers"},  # each engine's checkpoint format
+    "distributed": {"optimizers"},  # the support table reads the optimizers' cells; prepare builds them
+    "optimizers": set(),
+    "evaluations": set(),
+}
 
 
 def package_files(package: str) -> list[Path]:
@@ -97,6 +108,36 @@ def test_no_module_imports_itself_back():
     assert circles == []
 
 
+def training_part(module: str) -> str | None:
+    """Which part of training/ a module is in ("distributed", ..., "root" for training/*.py), None outside it."""
+    parts = module.split(".")
+    if parts[0] != "training":
+        return None
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in TRAINING_ALLOWED) else "root"
+
+
+def back_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """The imports between parts of training/ that TRAINING_ALLOWED does not allow."""
+    wrong = []
+    for source, targets in graph.items():
+        for target in targets:
+            a, b = training_part(source), training_part(target)
+            if a and b and a != b and b not in TRAINING_ALLOWED[a]:
+                wrong.append(f"{source} ({a}) imports {target} ({b})")
+    return sorted(wrong)
+
+
+def test_training_sub_packages_import_one_way():
+    graph = module_graph()
+    assert back_arrows(graph) == []
+    assert {training_part(m) for m in graph} - {None} == set(TRAINING_ALLOWED)  # no part without a row
+    root = sorted(m for m in graph if training_part(m) == "root" and m != "training")
+    assert len(root) <= 12, root  # the loop and the run's record; the rest lives in a sub-package
+    # The check can fail: a distributed module reaching back into the checkpoints is one wrong arrow.
+    assert back_arrows({"training.distributed.layout": {"training.checkpoints.resume"}}) == \
+        ["training.distributed.layout (distributed) imports training.checkpoints.resume (checkpoints)"]
+
+
 def test_allowed_arrows_have_no_cycle():
     # Depth-first search over ALLOWED: the layering itself must be a DAG for the test above to mean it.
     state: dict[str, str] = {}
@@ -112,6 +153,9 @@ def test_allowed_arrows_have_no_cycle():
     for package in ALLOWED:
         if package not in state:
             visit(package)
+    # training/'s own table is a ladder: each part may import only parts below it.
+    order = ["optimizers", "evaluations", "distributed", "checkpoints", "root"]
+    assert all(TRAINING_ALLOWED[p] <= set(order[:i]) for i, p in enumerate(order))
 
 
 def test_nothing_binds_the_name_eval():
@@ -151,3 +195,29 @@ def test_the_planner_is_one_way_inside():
     for i, name in enumerate(order):
         inside = {target for target in graph[name] if target.startswith("planner")}
         assert inside <= set(order[:i]), f"{name} imports {sorted(inside - set(order[:i]))}"
+
+
+# What the rest of the code asks of an engine it asks the layout (`Layout`) or the engine's own objects: a branch
+# on the engine's identity belongs in training/distributed/ or the checkpoint code (each engine's format).
+ENGINE_BRANCH = re.compile(r"\.kind\s*[!=]=|distributed_type\s*[!=]=|isinstance\([^)]*PipelinedGPT|"
+                           r"tensor_parallel\s*>\s*1|pipeline_parallel\s*>\s*1|zero_stage\s*(?:[!=<>]=?|in\b)")
+ENGINE_HOMES = ("training/distributed/", "training/checkpoints/", "common/engine_names.py", "tests/", "benchmarks/")
+ENGINE_BRANCHES_ALLOWED = 8  # issue 54's bound; what is left is listed by the test's message
+
+
+def engine_branches() -> list[str]:
+    found = []
+    for path in project_files(suffix=".py"):
+        rel = path.relative_to(REPO_ROOT).as_posix()
+        if rel.startswith(ENGINE_HOMES):
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            code = line.split("#")[0]
+            if ENGINE_BRANCH.search(code):
+                found.append(f"{rel}:{number}: {line.strip()}")
+    return found
+
+
+def test_the_engine_is_asked_through_the_layout():
+    found = engine_branches()
+    assert len(found) <= ENGINE_BRANCHES_ALLOWED, "\n".join(found)
