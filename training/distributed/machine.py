@@ -76,8 +76,8 @@ _SEVERAL_FIX = ("launch several with --config_file accelerate_configs/cpu_2proc.
 
 def accelerate_runs_engines(machine: Machine) -> bool:
     """Whether accelerate runs FSDP and DeepSpeed on `machine`: on GPUs only. Without one it brings every rank of such
-    a launch up alone (../shared/notes/engines-on-cpu.md), after DeepSpeed has built its CPU collective op (40-90 s).
-    tests/engine_shim.py, which gives those engines gloo on a CPU, answers yes."""
+    a launch up alone (docs/engines.md, "What the engines do on a CPU"). tests/engine_shim.py, which gives those
+    engines gloo on a CPU, answers yes."""
     return machine.gpus > 0
 
 

@@ -17,10 +17,8 @@ the last stage's result. Checkpoints and `final/` hold the whole model, gathered
 files a DDP run writes (`model.safetensors`, `optimizer.bin`, ...), so a pipeline checkpoint resumes under DDP, one
 process, or another pipeline degree, and the other way round.
 
-Measured facts this rests on (../shared/notes/pipeline-on-cpu.md): on gloo the stages need static shapes (inputs
-and outputs of one micro-batch, activations requiring grad); every rank's schedule needs the loss function, or the
-first stage runs no backward; `scale_grads=False` with the loss divided by the micro-batches is accumulation's
-scale.
+On gloo the stages need static shapes, every rank's schedule needs the loss function, and `scale_grads=False` with
+the loss divided by the micro-batches is accumulation's scale (docs/engines.md, "What the engines do on a CPU").
 """
 from __future__ import annotations
 

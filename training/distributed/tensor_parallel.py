@@ -13,7 +13,7 @@ is already FSDP2 as it is. FSDP2 then does what it does for any run: sharded che
 .checkpoint, which saves the tensor-parallel DTensors as they are), the whole weights gathered for `final/`, the
 global gradient norm over every DTensor. accelerate's own route (`ParallelismConfig(tp_size=N)`) does not run
 with this stack: its FSDP2 + TP preparation imports `ReplicateParallel` from transformers, which transformers 5
-lacks, and it refuses a CPU launch (docs/architecture.md, ../shared/notes/engines-on-cpu.md).
+lacks, and it refuses a CPU launch (docs/engines.md, "What the engines do on a CPU").
 """
 from __future__ import annotations
 

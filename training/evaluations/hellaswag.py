@@ -10,8 +10,8 @@ import torch
 from training.evaluations.spec import Context, EvaluationSpec, Metric
 
 # The longest HellaSwag row (context + ending) in tokens, rounded up to eval.hellaswag's padding multiple of 16: the
-# length a batch with the longest item pads to: 150 tokens at most over the 10,042 validation items (the copy in
-# /work/shared/assets, block_size 1024).
+# length a batch with the longest item pads to: 150 tokens at most over the 10,042 validation items (block_size
+# 1024).
 ROW_TOKENS = 160
 # What scoring it adds to a CPU process's resident set: the `evaluate` package and its metric, the items
 # (benchmarks/bench_run_memory.py, docs/benchmarks.md: 0.28 GiB, 2-core EPYC, torch 2.13).
