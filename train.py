@@ -63,62 +63,71 @@ from training.timing import CHECKPOINT, DATA, EVAL, STEP, RunClock
 
 
 def main() -> None:
-    clock = RunClock()  # where the run's time goes: the step, waiting for data, evaluations, checkpoints, the rest
-    with ExitStack() as on_exit:  # what the run holds (its process group, its folder's lock) is let go at its end
+    clock = RunClock()
+    # The run's process group and its folder's lock are let go when the run ends, however it ends.
+    with ExitStack() as on_exit:
         on_exit.callback(close_process_group)
-        # Setup: whatever can refuse the run does so before anything is written, once, on every rank alike.
+
+        # Setup. Whatever can refuse the run does so here, on every rank alike, before anything is written.
         with computed_alike_on_every_rank():
-            cfg = exit_after_plan(parse_config())  # --plan: print the memory plan and stop here
+            cfg = exit_after_plan(parse_config())
             run, max_steps = RunDir(cfg.run.out_dir), cfg.training.max_steps
-            # The process group, its waits bounded: a peer that dies or hangs ends the run in one line.
+            # A peer that dies or hangs ends the run in one line, not a silent wait.
             peers = on_exit.enter_context(open_process_group(cfg.run.collective_timeout, run.latest_checkpoint))
-            plan = plan_optimizers(cfg.optim, cfg.model, cfg.added)  # what trains with what, at which learning rate
-            layout = Layout.of_launch(cfg.training.tensor_parallel,  # processes, engine, groups that split matrices
-                                      *((cfg.model.n_head, cfg.model.n_embd) if cfg.model.from_scratch else ()),
-                                      pipeline_parallel=cfg.training.pipeline_parallel,  # and pipelines' stages
+            plan = plan_optimizers(cfg.optim, cfg.model, cfg.added)
+            # The shapes are known from the flags when training from scratch; --init_from's are checked once loaded.
+            shapes = (cfg.model.n_head, cfg.model.n_embd) if cfg.model.from_scratch else ()
+            layout = Layout.of_launch(cfg.training.tensor_parallel, *shapes,
+                                      pipeline_parallel=cfg.training.pipeline_parallel,
                                       n_layer=cfg.model.n_layer if cfg.model.from_scratch else None)
-            geometry = BatchGeometry.of_launch(cfg.training, cfg.model.block_size,  # of the batch, in tokens; its
-                                               layout.data_parallel_size)  # world: the ranks reading other batches
-            trackers = trackers_for(cfg.log.report_to)  # an extra's tracker not installed: one line
+            geometry = BatchGeometry.of_launch(cfg.training, cfg.model.block_size, layout.data_parallel_size)
+            trackers = trackers_for(cfg.log.report_to)
         accelerator = start_accelerator(geometry.accumulation, trackers, run)
-        ranks = evaluation_ranks(layout, accelerator)  # the data-parallel ranks (the accelerator without TP)
-        data_rank = layout.data_parallel_rank(accelerator.process_index)  # a TP group reads one stream of batches
+        ranks = evaluation_ranks(layout, accelerator)
+        data_rank = layout.data_parallel_rank(accelerator.process_index)
+
+        # From here a rank may fail alone (a file it reads), so the ranks agree on errors before going on.
         with shared_across_ranks(accelerator):
-            layout = layout.running(accelerator)  # DeepSpeed's ZeRO stage as its plugin runs it
-            engine = layout.engine  # DDP, FSDP2 or DeepSpeed ZeRO-n: the accelerate config's; x TP
+            layout = layout.running(accelerator)
+            engine = layout.engine
             refuse_unsupported(engine, accelerator, plan.kind, bool(cfg.model.lora_rank), cfg.training.on_nan,
-                               cfg.training.activation_checkpointing)  # what we do not run under it, in one line
-            refuse_while_another_run_writes(run, accelerator.is_main_process)  # first: no advice helps then
-            resume = find_resume_point(cfg.run.resume, run.path)  # never over another run's files
-            move = checkpoint_move(resume, engine, accelerator.num_processes, plan)  # saved by another engine?
-            uploads = HubUploads(cfg.hub, run, cfg.run.save_every, accelerator.is_main_process)  # token checked now
-            set_seed(cfg.training.seed)  # identical initial weights on every rank
+                               cfg.training.activation_checkpointing)
+            refuse_while_another_run_writes(run, accelerator.is_main_process)
+            resume = find_resume_point(cfg.run.resume, run.path)
+            move = checkpoint_move(resume, engine, accelerator.num_processes, plan)
+            uploads = HubUploads(cfg.hub, run, cfg.run.save_every, accelerator.is_main_process)
+            # Identical initial weights on every rank.
+            set_seed(cfg.training.seed)
             model, init_weights = build_model(cfg.model, resume, cfg.training.activation_checkpointing)
-            layout.check_model(model.config.n_head, model.config.n_embd)  # --init_from's heads, too
-            use_adapter_checkpoints(accelerator, bool(cfg.model.lora_rank))  # LoRA: adapters only, not the base
+            layout.check_model(model.config.n_head, model.config.n_embd)
+            use_adapter_checkpoints(accelerator, bool(cfg.model.lora_rank))
+
             # Data: every rank reads its own rows of the same global batches; validation is one fixed token set.
-            source = open_source(cfg.data)  # --dataset, parsed once
+            source = open_source(cfg.data)
             loader = source.train_loader(block_size=geometry.block_size, micro_batch_size=geometry.micro_batch_size,
-                                         rank=data_rank, world_size=geometry.world_size,
-                                         seed=cfg.training.seed)
-            on_exit.callback(loader.close)  # a stream read ahead: its thread stopped, its files closed
+                                         rank=data_rank, world_size=geometry.world_size, seed=cfg.training.seed)
+            on_exit.callback(loader.close)
             evals = TrainingEvals(cfg.eval, source, geometry.block_size, cfg.training.seed, ranks)
-            arch, n_params, flops_per_token = model.config, model.num_params(False), model.flops_per_token()  # all
+
+            arch, n_params, flops_per_token = model.config, model.num_params(False), model.flops_per_token()
             fit_deepspeed(accelerator, geometry.micro_batch_size, geometry.accumulation, cfg.training.grad_clip,
-                          arch.n_embd)  # DeepSpeed's config gets this run's batch and clipping (other engines: no-op)
-            record = recorded_config(cfg, arch, plan, source.pinned, init_weights)  # Hub data, weights at commits
-            recipe = resume_recipe(record, resume, plan, move)  # what a resume may not change is refused here
+                          arch.n_embd)
+            # What the run records, and what a resume may not change, is settled before the folder is claimed.
+            record = recorded_config(cfg, arch, plan, source.pinned, init_weights)
+            recipe = resume_recipe(record, resume, plan, move)
             on_exit.enter_context(claim_run_folder(accelerator, cfg.run, resume, max_steps,
-                                                   checkpoint_bytes(n_params)))  # one run per folder, locked
-        model = split(model, layout, accelerator)  # --tensor_parallel: the blocks split, FSDP2 across the groups
-        model = pipelined(model, layout, geometry.accumulation, geometry.micro_batch_size,  # --pipeline_parallel:
-                          accelerator)  # this rank's stage, its micro-batches the step's accumulation
-        optimizers = build_optimizer(model, plan, accelerator.device.type)  # [AdamW] or [AdamW, Muon]
-        model, *optimizers = prepare(accelerator, model, optimizers, plan)  # no scheduler: the LR is from the step
-        torch.manual_seed(cfg.training.seed + data_rank)  # each data-parallel rank its own dropout masks from here
-        progress = restore(accelerator, resume, cfg.run, arch, plan.names, loader, model,  # weights, optimizers,
-                           optimizers, move)  # RNGs, the data position (from another engine's format: moved)
+                                                   checkpoint_bytes(n_params)))
+
+        # The model as this launch holds it: split, staged, prepared; then the state it resumes from.
+        model = split(model, layout, accelerator)
+        model = pipelined(model, layout, geometry.accumulation, geometry.micro_batch_size, accelerator)
+        optimizers = build_optimizer(model, plan, accelerator.device.type)
+        model, *optimizers = prepare(accelerator, model, optimizers, plan)
+        # Each data-parallel rank draws its own dropout masks from here on.
+        torch.manual_seed(cfg.training.seed + data_rank)
+        progress = restore(accelerator, resume, cfg.run, arch, plan.names, loader, model, optimizers, move)
         peers.follow(progress)
+
         metrics = open_run_folder(accelerator, run, resume, progress, recipe, cfg.log.wandb_project, cfg.log.run_name)
         checkpoints = Checkpointer(accelerator, run, arch, plan.names, cfg.run.keep_last, healthy=evals.finite_loss,
                                    engine=engine, trained=optimizers)
@@ -128,18 +137,21 @@ def main() -> None:
                             clock)
         accelerator.print(run_header(accelerator, engine, model, n_params, geometry, plan, cfg.model.lora_summary,
                                      source.describe(), Attempt.of_launch().describe(),
-                                     runs_here(Asked.of_environment(), Machine.this())))  # a GPU config on a CPU
+                                     runs_here(Asked.of_environment(), Machine.this())))
         if accelerator.is_main_process and (warning := schedule.warmup_warning()):
-            print(f"warning: {warning}", file=sys.stderr, flush=True)  # the run goes on (a smoke run, say)
-        # The loop: one optimizer step, then what is due after it (log line, evals, checkpoint, a signal's stop).
-        model.train()  # dropout on: pretrained weights are loaded in eval mode, as for inference
-        preempted = PreemptionFlag(announce=accelerator.is_main_process)  # SIGTERM, SIGUSR1, the first Ctrl-C
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
+
+        # The loop: one optimizer step, then what is due after it (a log line, evaluations, a checkpoint, a stop).
+        # Pretrained weights load in eval mode, as for inference: dropout goes back on here.
+        model.train()
+        preempted = PreemptionFlag(announce=accelerator.is_main_process)
         with TerminalBar(total=max_steps, initial=progress.step, show=accelerator.is_main_process, unit="step",
-                         dynamic_ncols=True) as bar:  # closed (its line ended) also when an error stops the run
+                         dynamic_ncols=True) as bar:
             while progress.step < max_steps:
                 with report.timing():
                     lrs = plan.lrs_at(schedule.factor(progress.step))
-                    with clock.phase(DATA):  # all ranks stop if one cannot read its data
+                    # All ranks stop together if one cannot read its data.
+                    with clock.phase(DATA):
                         batches = draw_step(accelerator, loader, geometry.accumulation, progress,
                                             save=partial(checkpoints.save, model, progress))
                     with clock.phase(STEP):
@@ -152,34 +164,38 @@ def main() -> None:
                 last = progress.step == max_steps
                 record = report.of_step(progress.step, last, loss_sum / geometry.accumulation, lrs[0], grad_norm,
                                         progress.tokens, write=bar.write)
+
                 with clock.phase(EVAL) as evaluating:
                     evaluated = evals.run_due(model, progress.step, last, write=bar.write)
                 if evaluated:
                     record.update(evaluated, eval_s=round(evaluating.seconds, 4))
+
                 stop = preempted.any_rank(accelerator)
                 if progress.step % cfg.run.save_every == 0 or last or stop:
                     with clock.phase(CHECKPOINT) as saving:
                         saved = checkpoints.save(model, progress, loader.state_dict())
                     uploads.checkpoint_saved(progress.step, saved)
                     record["checkpoint_s"] = round(saving.seconds, 4)
-                metrics.log(progress.step, record)  # the step's line, its evaluations and save (or nothing)
+                metrics.log(progress.step, record)
                 if stop:
                     accelerator.print(preempted.stopped_at(progress.step))
                     break
 
-        # Shutdown: final/, an orderly end (gloo processes exiting with live tensors and an open group abort now and
-        # then), then the final push once the group is gone (no rank waits in a collective during the upload).
+        # Shutdown. A finished run exports final/ with its card; the optimizer state is already in the last
+        # checkpoint, so its memory goes to the export.
         if finished := progress.step == max_steps:
-            release_optimizer_state(optimizers)  # in the last checkpoint: the export gets the memory
-            export_final(accelerator, model, arch, run, metrics.last_val, init_weights,  # and what to run next
+            release_optimizer_state(optimizers)
+            export_final(accelerator, model, arch, run, metrics.last_val, init_weights,
                          tensor_parallel=layout.tensor_parallel, hellaswag_data=cfg.eval.hellaswag_data)
-            if accelerator.is_main_process:  # final/ gets the card and curves the Hub push would upload
+            if accelerator.is_main_process:
                 write_card(run.path, hub_model_id=cfg.hub.hub_model_id if cfg.hub.push_to_hub else None)
-        accelerator.print(clock.summary())  # this process's wall time: step, data, evaluation, checkpoint, other
+        accelerator.print(clock.summary())
+        # gloo processes that exit with live tensors and an open group abort now and then: end in order.
         accelerator.wait_for_everyone()
         del model, optimizers
         gc.collect()
         accelerator.end_training()
+    # The final push starts once the group is gone, so that no rank waits in a collective during the upload.
     uploads.wait()
     if finished:
         uploads.push_final()
