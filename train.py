@@ -148,7 +148,7 @@ def main() -> None:
         with TerminalBar(total=max_steps, initial=progress.step, show=accelerator.is_main_process, unit="step",
                          dynamic_ncols=True) as bar:
             while progress.step < max_steps:
-                with report.timing():
+                with report.timing(progress.step + 1, progress.step + 1 == max_steps):
                     lrs = plan.lrs_at(schedule.factor(progress.step))
                     # All ranks stop together if one cannot read its data.
                     with clock.phase(DATA):
@@ -157,11 +157,16 @@ def main() -> None:
                     with clock.phase(STEP):
                         loss_sum, grad_norm = train_step(accelerator, model, optimizers, iter(batches).__next__,
                                                          geometry.accumulation, lrs, cfg.training.grad_clip,
-                                                         masked_targets=loader.masked_targets)
+                                                         masked_targets=loader.masked_targets,
+                                                         skip_nonfinite=nan_policy.skips)
                 nan_policy.after_step(progress.step + 1, grad_norm)
                 progress.advance(geometry.tokens_per_step)
                 bar.update(1)
                 last = progress.step == max_steps
+                # The host reads the device only on steps that show something; a non-finite step stops the run
+                # before anything reads its loss or its weights.
+                if report.logs(progress.step, last) or evals.due(progress.step, last):
+                    nan_policy.check()
                 record = report.of_step(progress.step, last, loss_sum / geometry.accumulation, lrs[0], grad_norm,
                                         progress.tokens, write=bar.write)
 
@@ -172,6 +177,7 @@ def main() -> None:
 
                 stop = preempted.any_rank(accelerator)
                 if progress.step % cfg.run.save_every == 0 or last or stop:
+                    nan_policy.check()
                     with clock.phase(CHECKPOINT) as saving:
                         saved = checkpoints.save(model, progress, loader.state_dict())
                     uploads.checkpoint_saved(progress.step, saved)

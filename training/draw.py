@@ -3,7 +3,8 @@
 A streamed dataset can fail to be read after its retries (`data.streaming.DataUnavailable`: the Hub down for
 minutes). Drawn inside the step, the failure would stop one rank between micro-steps while the others wait
 in the gradient all-reduce. Drawn first, it is known before any collective of the step; the ranks agree on it
-(one scalar all-reduce per step) and all stop after the last completed step, which they save first.
+(`any_rank`: one host-side all-reduce per step, none on one process) and all stop after the last completed step,
+which they save first.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from accelerate import Accelerator
 from common.errors import UserError
 from data.streaming import DataUnavailable
 from training.checkpoints.resume import Progress
+from training.distributed.processes import any_rank
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -37,8 +39,7 @@ def draw_step(accelerator: Accelerator, loader: Loader, n: int, progress: Progre
         batches = [loader.next_batch() for _ in range(n)]
     except DataUnavailable as err:
         print(f"rank {accelerator.process_index}: {err}", flush=True)
-    failed = torch.tensor([0.0 if len(batches) == n else 1.0], device=accelerator.device)
-    if accelerator.reduce(failed, reduction="sum").item() > 0:
+    if any_rank(len(batches) != n, accelerator):
         raise data_unavailable(progress, save(before) if progress.step else None)
     return batches
 

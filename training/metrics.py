@@ -107,10 +107,12 @@ class Throughput:
         self.seconds, self.steps = 0.0, 0
 
     @contextmanager
-    def timing(self) -> Iterator[None]:
-        """Time one optimizer step."""
+    def timing(self, wait_for: torch.device | None = None) -> Iterator[None]:
+        """Time one optimizer step; `wait_for`: a device whose queued work the step waits for at its end."""
         start = time.perf_counter()
         yield
+        if wait_for is not None and wait_for.type == "cuda":
+            torch.cuda.synchronize(wait_for)
         self.seconds += time.perf_counter() - start
         self.steps += 1
 
@@ -159,16 +161,24 @@ class StepReport:
         self.peak = peak_flops(accelerator.device, cfg.mfu_peak_flops)  # None where unknown: no MFU then
         self.throughput, self.line = Throughput(tokens_per_step), StepLine(max_steps, start_step)
 
-    def timing(self):
-        return self.throughput.timing()
+    def logs(self, step: int, last: bool) -> bool:
+        """Whether optimizer step `step` (1-based) is a logged one."""
+        return last or step % self.log_every == 0
 
-    def of_step(self, step: int, last: bool, mean_loss: torch.Tensor, lr: float, grad_norm: float, tokens: int,
-                write: Callable[[str], None]) -> dict[str, Any]:
+    def timing(self, step: int, last: bool):
+        """Time the optimizer step that will be `step`. A logged step waits for the device at its end, so that the
+        time read at it holds every step's device work (the others never wait for it)."""
+        return self.throughput.timing(self.accelerator.device if self.logs(step, last) else None)
+
+    def of_step(self, step: int, last: bool, mean_loss: torch.Tensor, lr: float, grad_norm: torch.Tensor,
+                tokens: int, write: Callable[[str], None]) -> dict[str, Any]:
         """The record of optimizer step `step` if it is a logged one (printed with `write`), else {}.
-        `mean_loss`: this rank's mean micro-batch loss of the step, on device (reduced here, on every rank)."""
-        if step % self.log_every and not last:
+        `mean_loss` (this rank's mean micro-batch loss of the step) and `grad_norm` are on the device, read here
+        (the loss averaged over the ranks, on every rank)."""
+        if not self.logs(step, last):
             return {}
         loss = self.accelerator.reduce(mean_loss, reduction="mean").item()
+        grad_norm = float(grad_norm)
         waited = torch.tensor([self.clock.since_last(DATA)], device=self.accelerator.device)
         data_wait = self.accelerator.reduce(waited, reduction="max").item()  # the step waits for the slowest rank
         steps_seconds = self.throughput.seconds

@@ -18,8 +18,9 @@ import signal
 import sys
 from typing import TextIO
 
-import torch
 from accelerate import Accelerator
+
+from training.distributed.processes import any_rank
 
 
 class PreemptionFlag:
@@ -58,9 +59,9 @@ class PreemptionFlag:
         return f"{what}: checkpoint saved at step {step}; continue with --resume latest"
 
     def any_rank(self, accelerator: Accelerator) -> bool:
-        """True on every rank if a signal reached any rank (so all ranks stop at the same step)."""
-        flag = torch.tensor([0.0 if self.signal is None else 1.0], device=accelerator.device)
-        return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
+        """True on every rank if a signal reached any rank (so all ranks stop at the same step), without waiting
+        for the device."""
+        return any_rank(self.signal is not None, accelerator)
 
 
 class _DropAfterSignal:

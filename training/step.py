@@ -1,9 +1,12 @@
 """One optimizer step, its learning rate, and what follows a step that was not finite.
 
-The batch is set in tokens (`total_batch_size`); the number of micro-steps follows from the micro
-batch, the context and the number of processes (`training.distributed.processes.BatchGeometry`). The learning rate
-is a function of the step alone (no scheduler object to checkpoint or to step the wrong number of times
-under accelerate).
+The batch is set in tokens (`total_batch_size`); the number of micro-steps follows from the micro batch, the context
+and the number of processes (`training.distributed.processes.BatchGeometry`). The learning rate is a function of the
+step alone: no scheduler object to checkpoint, or to step the wrong number of times under accelerate.
+
+A step never waits for the device. The loss and the gradient norm stay on it; the host reads them on the steps that
+show them (a log line, an evaluation, a checkpoint), and the non-finite check reads its flag there too. Only
+`--on_nan skip` reads the norm every step, since it must decide before the update whether to apply it.
 """
 from __future__ import annotations
 
@@ -50,10 +53,13 @@ class LRSchedule:
 
 def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer],
                next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], grad_accum: int, lrs: Sequence[float],
-               grad_clip: float, masked_targets: bool = False) -> tuple[torch.Tensor, float]:
+               grad_clip: float, masked_targets: bool = False,
+               skip_nonfinite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step: `grad_accum` micro-steps, clip, update every optimizer (`lrs[i]` is optimizer i's
-    learning rate; no update when the norm is not finite). Returns the summed micro-batch losses (on device;
-    / grad_accum, averaged over ranks, it is the step's loss) and the global gradient norm.
+    learning rate). Returns the summed micro-batch losses (/ grad_accum, averaged over ranks, it is the step's loss)
+    and the global gradient norm, both on device. With `skip_nonfinite` a step whose norm is not finite is not
+    applied (the norm is read on the host for that); without it the update is applied whatever the norm, and
+    `NonFinitePolicy` stops the run before anything reads its weights.
 
     The step's gradient is that of the mean loss over every target token of the global batch. With
     `masked_targets` (targets may be -100, so micro-batches hold different numbers of targets) the step's
@@ -62,7 +68,9 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizers: Seq
     averages over ranks, which leaves sum / count. Without it (every position a target, equal counts) the
     mean of micro-batch means is that same mean, with no extra collective."""
     if isinstance(model, PipelinedGPT):  # the schedule runs the micro-batches through the stages
-        return model.step(accelerator, [next_batch() for _ in range(grad_accum)], lrs, grad_clip, masked_targets)
+        loss_sum, norm = model.step(accelerator, [next_batch() for _ in range(grad_accum)], lrs, grad_clip,
+                                    masked_targets)
+        return loss_sum, torch.tensor(norm)
     for optimizer, lr in zip(optimizers, lrs, strict=True):
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -72,12 +80,12 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizers: Seq
     scale = None
     if masked_targets:
         batches = list(batches)
-        count = sum(int((y != IGNORE).sum()) for _, y in batches)
-        global_count = accelerator.reduce(torch.tensor(count, device=device), reduction="sum")
+        count = to_device(sum((y != IGNORE).sum() for _, y in batches), device)
+        global_count = accelerator.reduce(count, reduction="sum")
         scale = accelerator.num_processes * grad_accum / global_count.clamp(min=1)
     for x, y in batches:
         with accelerator.accumulate(model):  # all-reduces gradients only on the last micro-step
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            x, y = to_device(x, device), to_device(y, device)
             if scale is None:
                 _, loss = model(x, y)
             else:
@@ -86,35 +94,65 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizers: Seq
             accelerator.backward(loss)  # divides by grad_accum: the step's gradient is the mean
         loss_sum += loss.detach()
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip)  # global norm, same on all ranks
-    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+        grad_norm = grad_norm.full_tensor()
+    apply = not skip_nonfinite or math.isfinite(float(grad_norm))
     for optimizer in optimizers:
-        if math.isfinite(grad_norm):
+        if apply:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return loss_sum, grad_norm
+    return loss_sum, torch.as_tensor(grad_norm)
+
+
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch on `device` without waiting for the copy: from pinned host memory to a GPU (a copy from pageable
+    memory would block the host), as it is elsewhere."""
+    if device.type == "cuda" and not batch.is_pinned():
+        batch = batch.pin_memory()
+    return batch.to(device, non_blocking=True)
 
 
 class NonFinitePolicy:
-    """`--on_nan`: what follows an optimizer step whose loss or gradient norm was not finite (and that
-    `train_step` therefore did not apply): stop, naming the last good checkpoint, or skip it, but never more
-    than `--max_nan_skips` steps in a row (a run whose every step is skipped is broken, not unlucky)."""
+    """`--on_nan`: what follows an optimizer step whose loss or gradient norm was not finite: stop, naming the last
+    good checkpoint, or skip it, but never more than `--max_nan_skips` steps in a row (a run whose every step is
+    skipped is broken, not unlucky). The norm is global, so every rank decides alike.
+
+    `stop` keeps the first such step on the device and `check` reads it before anything reads the weights or the
+    loss (a log line, an evaluation, a checkpoint): the run stops there, naming that step, as if it had stopped at
+    once. `skip` reads every step's norm (`train_step` has not applied that step)."""
 
     def __init__(self, on_nan: str, max_nan_skips: int, run: RunDir, accelerator: Accelerator) -> None:
         self.on_nan, self.max_nan_skips, self.run, self.accelerator = on_nan, max_nan_skips, run, accelerator
         self.skipped_in_a_row = 0
+        self.first_bad: torch.Tensor | None = None  # `stop`: the first non-finite step, 0 while there is none
 
-    def after_step(self, step: int, grad_norm: float) -> None:
-        """`step`: the 1-based number of the step just run. The norm is global, so every rank decides alike."""
-        if math.isfinite(grad_norm):
+    @property
+    def skips(self) -> bool:
+        return self.on_nan == "skip"
+
+    def after_step(self, step: int, grad_norm: torch.Tensor | float) -> None:
+        """`step`: the 1-based number of the step just run."""
+        if not self.skips:
+            norm = torch.as_tensor(grad_norm)
+            bad = torch.where(torch.isfinite(norm), 0, step)
+            self.first_bad = bad if self.first_bad is None else torch.where(self.first_bad > 0, self.first_bad, bad)
+            return
+        if math.isfinite(float(grad_norm)):
             self.skipped_in_a_row = 0
             return
         self.skipped_in_a_row += 1
         limit = self.max_nan_skips
-        if self.on_nan == "stop" or self.skipped_in_a_row > limit:
-            skip = self.on_nan == "skip"
-            why = f" ({self.skipped_in_a_row} steps in a row, over --max_nan_skips {limit})" if skip else ""
-            advice = "Lower --lr and resume from it" + ("" if skip else ", or resume with --on_nan skip")
-            raise UserError(f"non-finite loss/gradient norm at step {step}{why}; last good checkpoint: "
-                            f"{self.run.latest_checkpoint()}. {advice}", on_every_rank=True)
+        if self.skipped_in_a_row > limit:
+            self._stop(step, f" ({self.skipped_in_a_row} steps in a row, over --max_nan_skips {limit})")
         self.accelerator.print(f"step {step}: non-finite gradient norm, step skipped ({self.skipped_in_a_row} in a "
                                f"row; --on_nan skip stops after {limit})")
+
+    def check(self) -> None:
+        """`stop`: end the run if a step since the start was not finite (reads one number from the device)."""
+        if self.first_bad is not None and (step := int(self.first_bad)) > 0:
+            self._stop(step, "")
+
+    def _stop(self, step: int, why: str) -> None:
+        advice = "Lower --lr and resume from it" + ("" if self.skips else ", or resume with --on_nan skip")
+        raise UserError(f"non-finite loss/gradient norm at step {step}{why}; last good checkpoint: "
+                        f"{self.run.latest_checkpoint()}. {advice}", on_every_rank=True)

@@ -171,6 +171,23 @@ def close_process_group() -> None:
         torch.distributed.destroy_process_group()
 
 
+_FLAGS_GROUP: list = []  # the gloo group that `any_rank` agrees through, made at its first use
+
+
+def any_rank(flag: bool, accelerator: Accelerator) -> bool:
+    """Whether `flag` holds on any rank, answered alike on every rank; call on every rank. One process answers from
+    its own flag. Several sum theirs in an all-reduce of a host tensor over gloo, which never waits for a GPU: a
+    group of its own where the run's collectives are NCCL's (made by every rank at the first call)."""
+    if accelerator.num_processes == 1:
+        return flag
+    if not _FLAGS_GROUP:
+        gloo = torch.distributed.get_backend() == "gloo"
+        _FLAGS_GROUP.append(torch.distributed.group.WORLD if gloo else torch.distributed.new_group(backend="gloo"))
+    count = torch.tensor([int(flag)], dtype=torch.int32)
+    torch.distributed.all_reduce(count, group=_FLAGS_GROUP[0])
+    return bool(count.item())
+
+
 @contextmanager
 def shared_across_ranks(accelerator: Accelerator) -> Iterator[None]:
     """Run a block on every rank; if it raised a `UserError` on any rank, raise the first (lowest rank's)

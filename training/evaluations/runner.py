@@ -19,7 +19,7 @@ from data.source import DataSource
 from eval.val_loss import evaluate_loss
 from model.unwrap import unwrapped
 from training.evaluations.registry import EVALUATIONS
-from training.evaluations.spec import Context
+from training.evaluations.spec import Context, EvaluationSpec
 
 
 class TrainingEvals:
@@ -36,9 +36,16 @@ class TrainingEvals:
         self.val_tokens = self.active["validation"][1]  # the health check's first window
         self.pairs = isinstance(self.val_tokens, PairExamples)  # held-out examples (at least one), not a stream
 
+    def _due(self, step: int, last: bool) -> list[tuple[EvaluationSpec, Any]]:
+        return [(spec, data) for spec, data in self.active.values() if last or step % spec.every(self.ctx.cfg) == 0]
+
+    def due(self, step: int, last: bool) -> bool:
+        """Whether an evaluation runs after `step` (every one at the last step)."""
+        return bool(self._due(step, last))
+
     def run_due(self, model: torch.nn.Module, step: int, last: bool, write: Callable[[str], None]) -> dict[str, Any]:
         """The evaluations due after `step` (all of them at the last step), printed and returned as metrics."""
-        due = [(spec, data) for spec, data in self.active.values() if last or step % spec.every(self.ctx.cfg) == 0]
+        due = self._due(step, last)
         if not due:
             return {}
         accelerator = self.ctx.accelerator
