@@ -105,8 +105,8 @@ LEASE_BUDGET_S = LEASE_CALL_S - LEASE_SPARE_S
 LEASE_ORDER = ("env", "sweep", "step_compile", "train_resume", "fsdp", "hellaswag",
                "zero3", "step_eager", "tensor_parallel", "muon_fsdp", "memory_plan", "tests")
 # A window's calls of the same command, and what each must always have time for: the sweep fills the first; the
-# second goes on with the acceptance stages.
-LEASE_CALLS = (("env", "sweep"), ("env", "step_compile", "train_resume", "fsdp", "hellaswag"))
+# second goes on with the acceptance stages (fsdp, after train_resume, waits for a third unless --budget allows).
+LEASE_CALLS = (("env", "sweep"), ("env", "step_compile", "train_resume", "hellaswag"))
 # The versions the device image holds, which the lease's budgets were sized on, and the stages a different version
 # puts in question (the figures would be another version's; a stage may also break).
 DEVICE_VERSIONS = {"torch": "2.11", "transformers": "5.17", "accelerate": "1.15"}
@@ -120,6 +120,8 @@ VERSION_AFFECTS = {
 
 # Targets of issue 11 (one H100); judged only in the full (non-smoke) run.
 TARGET_TOK_S = 550_000
+# Issue 53's, at the users' shape (64 x 1024 x 8; llm.c: 468k per H100), with the same accelerate / bare bound.
+TARGET_USERS_TOK_S = 500_000
 TARGET_OVERHEAD = 0.03
 TARGET_HELLASWAG_S = 20.0
 
@@ -250,40 +252,69 @@ def stage_tests(ctx: Ctx, timeout: float) -> dict:
     return figures
 
 
-def bench_train_args(ctx: Ctx) -> list[str]:
+def bench_train_args(ctx: Ctx, users_shape: bool = False) -> list[str]:
+    """bench_train's flags: today's 16 x 1024 x 2 (the 2026-11-26 figures), or the users' shape, 64 x 1024 x 8 =
+    524,288 tokens per optimizer step (the GPT-2 presets): fewer, 16 times longer steps."""
     if ctx.smoke:  # tiny model, bf16 autocast on the CPU; no inductor (its CPU compile alone takes ~45 s here)
-        return ["--model", "tiny", "--micro_batch_size", "2", "--grad_accum", "2", "--steps", "2", "--warmup", "1",
-                "--trials", "2", "--device", "cpu", "--mixed_precision", "bf16"]
-    trials = "4" if ctx.lease else "8"
-    return ["--model", "gpt2", "--block_size", "1024", "--micro_batch_size", "16", "--grad_accum", "2",
-            "--steps", "16", "--warmup", "2", "--trials", trials, "--device", "cuda", "--mixed_precision", "bf16"]
+        shape = (["--micro_batch_size", "4", "--grad_accum", "4", "--steps", "1", "--warmup", "1", "--trials", "1"]
+                 if users_shape else ["--micro_batch_size", "2", "--grad_accum", "2", "--steps", "2", "--warmup", "1",
+                                      "--trials", "2"])
+        return ["--model", "tiny", *shape, "--device", "cpu", "--mixed_precision", "bf16"]
+    if users_shape:
+        steps = "2" if ctx.lease else "4"
+        shape = ["--micro_batch_size", "64", "--grad_accum", "8", "--steps", steps, "--warmup", "2", "--trials", steps]
+    else:
+        trials = "4" if ctx.lease else "8"
+        shape = ["--micro_batch_size", "16", "--grad_accum", "2", "--steps", "16", "--warmup", "2", "--trials", trials]
+    return ["--model", "gpt2", "--block_size", "1024", *shape, "--device", "cuda", "--mixed_precision", "bf16"]
 
 
-def step_stage(name: str, compile_: bool) -> Callable[[Ctx, float], dict]:
+def step_figures(ctx: Ctx, name: str, compile_: bool, users_shape: bool, timeout: float) -> dict:
+    """One bench_train run (train.py's step against the bare loop) and its figures."""
+    path = ctx.work / f"{name}{'_users' if users_shape else ''}.json"
+    flags = ["--compile"] if compile_ and not ctx.smoke else []
+    proc = ctx.sh(name, [PY, "-m", "benchmarks.bench_train", *bench_train_args(ctx, users_shape), *flags, "--json",
+                         str(path)], timeout, check=False)
+    if not path.exists():
+        raise StageError(f"bench_train wrote no figures (exit code {proc.returncode})")
+    b = json.loads(path.read_text())
+    figures = {"model": b["model"], "n_params": b["n_params"], "tokens_per_step": b["tokens_per_step"],
+               "mixed_precision": b["mixed_precision"], "compile": b["compile"], "device": b["device_name"],
+               "optimizer_fused": b["optimizer_fused"], "tf32_matmul": b["tf32_matmul"],
+               "warmup_s": b["warmup_s"], "accelerate_over_bare": b["ratio_overall"],
+               "accelerate_over_bare_median_paired": b["ratio_median_paired"]}
+    for side in ("accelerate", "bare"):
+        for key in ("tokens_per_s", "mfu", "peak_mem_gib", "last_loss"):
+            figures[f"{side}_{key}"] = b[side][key]
+    if compile_ and not ctx.smoke:
+        target = TARGET_USERS_TOK_S if users_shape else TARGET_TOK_S
+        figures["target_met"] = (b["accelerate"]["tokens_per_s"] >= target
+                                 and b["ratio_overall"] >= 1 - TARGET_OVERHEAD)
+    if b["accelerate"]["last_loss"] != b["accelerate"]["last_loss"]:  # NaN
+        raise StageError("the loss is NaN", figures)
+    if not ctx.smoke and not (b["optimizer_fused"] and b["tf32_matmul"]):
+        raise StageError("fused AdamW or TF32 is off on CUDA", figures)
+    return figures
+
+
+def step_stage(name: str, compile_: bool, users_shape: bool = False) -> Callable[[Ctx, float], dict]:
+    """train.py's step against the bare loop at today's 16 x 2; with `users_shape`, first at the users' shape too
+    (its figures prefixed `users_`)."""
     def run(ctx: Ctx, timeout: float) -> dict:
-        path = ctx.work / f"{name}.json"
-        flags = ["--compile"] if compile_ and not ctx.smoke else []
-        proc = ctx.sh(name, [PY, "-m", "benchmarks.bench_train", *bench_train_args(ctx), *flags, "--json", str(path)],
-                      timeout, check=False)
-        if not path.exists():
-            raise StageError(f"bench_train wrote no figures (exit code {proc.returncode})")
-        b = json.loads(path.read_text())
-        figures = {"model": b["model"], "n_params": b["n_params"], "tokens_per_step": b["tokens_per_step"],
-                   "mixed_precision": b["mixed_precision"], "compile": b["compile"], "device": b["device_name"],
-                   "optimizer_fused": b["optimizer_fused"], "tf32_matmul": b["tf32_matmul"],
-                   "warmup_s": b["warmup_s"], "accelerate_over_bare": b["ratio_overall"],
-                   "accelerate_over_bare_median_paired": b["ratio_median_paired"]}
-        for side in ("accelerate", "bare"):
-            for key in ("tokens_per_s", "mfu", "peak_mem_gib", "last_loss"):
-                figures[f"{side}_{key}"] = b[side][key]
-        if compile_ and not ctx.smoke:
-            figures["target_met"] = (b["accelerate"]["tokens_per_s"] >= TARGET_TOK_S
-                                     and b["ratio_overall"] >= 1 - TARGET_OVERHEAD)
-        if b["accelerate"]["last_loss"] != b["accelerate"]["last_loss"]:  # NaN
-            raise StageError("the loss is NaN", figures)
-        if not ctx.smoke and not (b["optimizer_fused"] and b["tf32_matmul"]):
-            raise StageError("fused AdamW or TF32 is off on CUDA", figures)
-        return figures
+        deadline = time.monotonic() + timeout
+        figures = {}
+        if users_shape:
+            try:
+                users = step_figures(ctx, name, compile_, True, timeout)
+            except StageError as err:
+                raise StageError(f"users' shape: {err.args[0]}",
+                                 {f"users_{k}": x for k, x in (err.args[1] if len(err.args) > 1 else {}).items()}
+                                 ) from None
+            figures = {f"users_{k}": x for k, x in users.items()}
+        try:
+            return {**step_figures(ctx, name, compile_, False, deadline - time.monotonic()), **figures}
+        except StageError as err:
+            raise StageError(err.args[0], {**(err.args[1] if len(err.args) > 1 else {}), **figures}) from None
     return run
 
 
@@ -771,6 +802,8 @@ def sweep_markdown(figures: dict) -> list[str]:
 
 SWEEP_FIGURES = ("baseline", "baseline_tokens_per_s", "best", "best_tokens_per_s", "best_mfu", "best_over_baseline",
                  "ok", "failed", "not_run", "skipped", "loss_disagreements")
+USERS_STEP_FIGURES = ("users_accelerate_tokens_per_s", "users_accelerate_mfu", "users_accelerate_over_bare",
+                      "users_accelerate_peak_mem_gib", "users_target_met")
 STEP_FIGURES = ("accelerate_tokens_per_s", "bare_tokens_per_s", "accelerate_over_bare", "accelerate_mfu", "bare_mfu",
                 "accelerate_peak_mem_gib", "bare_peak_mem_gib", "optimizer_fused", "tf32_matmul", "warmup_s",
                 "target_met")
@@ -789,8 +822,10 @@ STAGES = [
           "MFU): on this machine's torch, but on CPU tensors even with a GPU (the tests pin the CPU)",
           150, 45, 120, stage_tests, ("passed", "failed", "skipped", "errors")),
     Stage("step_compile", "train.py's train_step vs a bare PyTorch loop: GPT-2 124M, T=1024, bf16, torch.compile, "
-          "fused AdamW, TF32 (tokens/s, MFU, peak memory). --smoke: tiny model, bf16, no compile",
-          420, 115, 90, step_stage("step_compile", compile_=True), STEP_FIGURES),
+          "fused AdamW, TF32 (tokens/s, MFU, peak memory), at the users' shape (64 x 1024 x 8, `users_` figures) "
+          "and today's 16 x 1024 x 2. --smoke: tiny model, bf16, no compile",
+          600, 200, 120, step_stage("step_compile", compile_=True, users_shape=True),
+          (*USERS_STEP_FIGURES, *STEP_FIGURES)),
     Stage("train_resume", "accelerate launch single_gpu.yaml train.py (bf16, inductor): train, SIGKILL after a "
           "checkpoint, --resume latest, export. --smoke: --cpu, no dynamo",
           360, 145, 150, train_stage("train_resume"), TRAIN_FIGURES),

@@ -75,6 +75,10 @@ def test_smoke_run_reports_every_stage_with_its_figures(smoke):
         assert figures["accelerate_tokens_per_s"] > 0 and figures["bare_tokens_per_s"] > 0
         assert figures["mixed_precision"] == "bf16" and figures["model"] == "tiny"
         assert figures["accelerate_last_loss"] == pytest.approx(figures["bare_last_loss"], rel=1e-3)
+    users = stages["step_compile"]["figures"]  # the users' shape too, scaled down: 4 x 4 micro-batches
+    assert users["users_tokens_per_step"] == 4 * 4 * 64 and users["users_accelerate_tokens_per_s"] > 0
+    assert users["users_accelerate_last_loss"] == pytest.approx(users["users_bare_last_loss"], rel=1e-3)
+    assert "users_accelerate_tokens_per_s" not in stages["step_eager"]["figures"]
     train = stages["train_resume"]["figures"]
     assert train["killed_exit_code"] != 0 and train["checkpoint_at_kill"] == "step_000002"
     assert train["resumed"] is True and train["precision"] == "bf16" and train["distributed"] == "NO"
@@ -184,8 +188,7 @@ def test_the_lease_fits_calls_of_8_minutes():
     assert gpu_acceptance.LEASE_BUDGET_S + gpu_acceptance.LEASE_SPARE_S <= gpu_acceptance.LEASE_CALL_S
     budgets = {s.name: s.lease_budget_s for s in gpu_acceptance.STAGES}
     assert list(gpu_acceptance.LEASE_ORDER) == LEASE_ORDER and sorted(LEASE_ORDER) == sorted(budgets)
-    assert gpu_acceptance.LEASE_CALLS == (("env", "sweep"), ("env", "step_compile", "train_resume", "fsdp",
-                                                              "hellaswag"))
+    assert gpu_acceptance.LEASE_CALLS == (("env", "sweep"), ("env", "step_compile", "train_resume", "hellaswag"))
     for call in gpu_acceptance.LEASE_CALLS:
         assert sum(budgets[n] for n in call) <= gpu_acceptance.LEASE_BUDGET_S
     # the first call is the sweep's: nothing after it fits there, so the same command's next call begins the rest
