@@ -31,14 +31,13 @@ import os
 import resource
 import statistics
 import time
-import warnings
 from typing import Callable
 
 import torch
 from accelerate import Accelerator
 from torch._dynamo.utils import counters as dynamo_counters
 
-from benchmarks.step_probe import Phases, SyncCounter, format_profile_table, profile_table
+from benchmarks.step_probe import Phases, count_syncs, probe, profile_step
 from common.errors import UserError, run_cli
 from configs import ModelConfig, OptimConfig, TrainingConfig
 from model import GPT, GPTConfig
@@ -148,7 +147,7 @@ def main() -> None:
     n_params = acc_model.num_params()
     acc_opts = build_optimizer(acc_model, plan, device.type)  # [AdamW] or [AdamW, Muon], as in train.py
     bare_opts = [] if bare_model is None else build_optimizer(bare_model, plan, device.type)
-    muons = [o for o in acc_opts + bare_opts if isinstance(o, torch.optim.Muon)]
+    muons = [o for o in acc_opts + bare_opts if any(c.__name__ == "Muon" for c in type(o).__mro__)]
     knobs["muon_stacked"] = bool(muons) and all(hasattr(o, "stacked") for o in muons)
     if args.muon_stacked is not None:
         if not muons:
@@ -267,35 +266,12 @@ def main() -> None:
         print(f"accelerate / bare tokens/s: {ratio:.3f} overall, {best['accelerate'] / best['bare']:.3f} best "
               f"trials, {statistics.median(paired):.3f} median of paired trials (range {min(paired):.3f}-"
               f"{max(paired):.3f}); overhead {1 - ratio:+.1%} (target <= 3%)")
-    profile = None
-    if args.profile:  # after the timing, so that the profiler touches no figure above
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities) as prof:
-            step_once("accelerate")
-            sync()
-        profile = profile_table(prof, device.type)
-        profile["text"] = format_profile_table(profile)  # for gpu_acceptance.py's report, which imports no torch
-        print("profile of one train.py step, " + profile["text"])
-    syncs = None
-    if args.sync_count:  # last: dynamo runs a frame it has not compiled eagerly under a dispatch mode
-        counter = phases.counter = SyncCounter()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if device.type == "cuda":
-                torch.cuda.set_sync_debug_mode("warn")
-            try:
-                with counter:
-                    step_once("accelerate")
-            finally:
-                if device.type == "cuda":
-                    torch.cuda.set_sync_debug_mode("default")
-        phases.counter = None
-        syncs = counter.summary()
-        if device.type == "cuda":
-            syncs["cuda_sync_warnings"] = sum("synchroniz" in str(w.message) for w in caught)
-        print(f"host syncs in one train.py step: {syncs}")
+    # After the timing, so that neither touches a figure above; an error in either (an OOM in the profiled step)
+    # is its figure's, not the run's. The sync count last: dynamo runs a frame it has not compiled eagerly under a
+    # dispatch mode.
+    profile = probe("profile", lambda: profile_step(lambda: step_once("accelerate"), device)) if args.profile else None
+    syncs = probe("host syncs", lambda: count_syncs(lambda: step_once("accelerate"), phases, device)) \
+        if args.sync_count else None
     if device.type == "cuda":  # both models and optimizers stay resident, so the difference is what counts
         print("peak memory allocated: " + " | ".join(f"{s} {m / 2**30:.2f} GiB" for s, m in peak_mem.items()))
     else:  # ru_maxrss is in KiB on Linux and covers the whole process (both sides)

@@ -653,7 +653,9 @@ def error_line(log: str) -> str:
 def bench_row(b: dict) -> dict:
     """A row's figures from bench_train's JSON (--accelerate_only, the sweep's flags)."""
     a, syncs, phases = b["accelerate"], b.get("host_syncs") or {}, b.get("phase_ms") or {}
-    return {"device": b["device_name"], "torch": b["torch"], "compile": b["compile"],
+    errors = {k: b[k]["error"] for k in ("host_syncs", "profile") if "error" in (b.get(k) or {})}
+    return {**({"probe_errors": errors} if errors else {}),
+            "device": b["device_name"], "torch": b["torch"], "compile": b["compile"],
             "micro_batch_size": b["micro_batch_size"], "grad_accum": b["grad_accum"],
             "tokens_per_step": b["tokens_per_step"], "tokens_per_s": a["tokens_per_s"],
             "best_trial_tokens_per_s": a["best_trial_tokens_per_s"], "mfu": a["mfu"],
@@ -790,7 +792,7 @@ def sweep_markdown(figures: dict) -> list[str]:
         lines.append(f"| {r['priority']} | {r['variant']} | ok | {num(r['tokens_per_s'])} | {mfu} | "
                      f"{num(r['step_ms'], '.1f')} | {num(r['optimizer_ms'], '.1f')} | {num(r['clip_ms'], '.1f')} | "
                      f"{num(peak, '.2f')} | {num(r['compile_s'], '.1f')} | {r['graph_breaks']} | "
-                     f"{r['host_syncs_per_step']} ({r['host_syncs_in_optimizer']}) | "
+                     f"{num(r['host_syncs_per_step'], 'd')} ({num(r['host_syncs_in_optimizer'], 'd')}) | "
                      f"{num(r['first_loss'], '.4f')} ({agrees}) | `{' '.join(r['flags'])}` |")
     for label in ("baseline", "best"):
         profile = figures.get(f"profile_{label}")

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from collections import Counter
 from typing import Callable
 
@@ -159,3 +160,51 @@ def format_profile_table(table: dict, width: int = 72) -> str:
         name = r["name"] if len(r["name"]) <= width else r["name"][:width - 3] + "..."
         lines.append(f"  {r['ms']:>9.3f} {r['ms'] / total:>6.1%} {r['calls']:>6}  {r['category']:<11} {name}")
     return "\n".join(lines)
+
+
+def profile_step(step: Callable[[], object], device: torch.device) -> dict:
+    """`step()` once under torch.profiler: its `profile_table`, with the table as text (for gpu_acceptance.py's
+    report, which imports no torch)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    table = profile_table(prof, device.type)
+    table["text"] = format_profile_table(table)
+    print("profile of one train.py step, " + table["text"])
+    return table
+
+
+def count_syncs(step: Callable[[], object], phases: Phases, device: torch.device) -> dict:
+    """`step()` once under a `SyncCounter` (told the phase by `phases`) and, on CUDA,
+    `torch.cuda.set_sync_debug_mode("warn")`, whose warnings are counted beside it."""
+    counter = phases.counter = SyncCounter()
+    cuda = device.type == "cuda"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with counter:
+                step()
+        finally:
+            phases.counter = None
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+    syncs = counter.summary()
+    if cuda:
+        syncs["cuda_sync_warnings"] = sum("synchroniz" in str(w.message) for w in caught)
+    print(f"host syncs in one train.py step: {syncs}")
+    return syncs
+
+
+def probe(what: str, measure: Callable[[], dict]) -> dict:
+    """`measure()`, or {"error": ...} where it raises: an extra step's failure is its own figure's."""
+    try:
+        return measure()
+    except Exception as err:  # whatever it is, the timed figures stand
+        print(f"{what}: failed ({type(err).__name__}: {err})")
+        return {"error": f"{type(err).__name__}: {str(err)[:300]}"}

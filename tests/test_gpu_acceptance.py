@@ -448,3 +448,45 @@ def test_the_sweep_fails_when_its_baseline_does_not_run(tmp_path, monkeypatch):
     err, rows, given = stand_in_sweep(tmp_path / "b", monkeypatch, sweep, {}, timeout=3.0)
     assert [r["status"] for r in rows] == ["not run", "not run"] and not given
     assert "the baseline muon_16x2 did not run: its ~40 s do not fit" in err.args[0]
+
+
+def test_the_step_probes_count_syncs_by_phase_and_sort_ops_into_categories():
+    """benchmarks/step_probe.py on a CPU: a deliberate .item() inside and outside a wrapped optimizer step is counted
+    where it ran, the wrapped calls are timed, and an extra step's failure is its figure's only."""
+    import torch
+
+    from benchmarks import step_probe
+
+    class Opt:
+        def step(self):
+            torch.ones(2).sum().item()
+
+    opt, phases = Opt(), step_probe.Phases(torch.device("cpu"))
+    phases.wrap(opt, "step", "optimizer")
+
+    def step():
+        x = torch.arange(4.0)
+        float(x.sum())  # _local_scalar_dense
+        torch.nonzero(x)
+        opt.step()
+
+    syncs = step_probe.count_syncs(step, phases, torch.device("cpu"))
+    assert syncs == {"host_syncs": 3, "host_syncs_in_optimizer": 1,
+                     "host_syncs_by_op": {"_local_scalar_dense": 2, "nonzero": 1}}
+    assert phases.counter is None and step_probe.count_syncs(lambda: None, phases, torch.device("cpu"))[
+        "host_syncs"] == 0
+    phases.reset()
+    opt.step()
+    assert phases.total_ms()["optimizer"] > 0
+
+    assert [step_probe.category(n) for n in (
+        "sm90_xmma_gemm_bf16bf16_bf16f32", "flash_fwd_kernel", "triton_per_fused_add_native_layer_norm_0",
+        "void at::native::vectorized_elementwise_kernel<4>", "Memcpy HtoD (Pageable -> Device)",
+        "void multi_tensor_apply_kernel<FusedAdamMathFunctor>", "aten::mm", "Optimizer.step#Muon.step",
+        "aten::empty_strided")] == ["GEMM", "attention", "triton", "elementwise", "memcpy", "optimizer", "GEMM",
+                                    "optimizer", "other"]
+    a = torch.randn(256, 256)
+    table = step_probe.profile_step(lambda: a @ a, torch.device("cpu"))
+    assert table["categories"]["GEMM"] > 0 and "aten::mm" in [r["name"] for r in table["top"]]
+    assert "aten::mm" in table["text"] and table["time"] == "self CPU time (ops)"
+    assert step_probe.probe("x", lambda: 1 / 0) == {"error": "ZeroDivisionError: division by zero"}
