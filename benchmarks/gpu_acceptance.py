@@ -671,11 +671,13 @@ def bench_row(b: dict) -> dict:
             "muon_stacked_effective": b["muon_stacked"], "knobs_in_code": b["knobs_in_code"], "profile": b["profile"]}
 
 
-def check_loss(row: dict, rows: list[dict]) -> None:
-    """The first step's loss against the first row of this call at the same shape (it does not depend on the
-    optimizer: it is computed before any update)."""
-    same = [r for r in rows if r["status"] == "ok" and (r["micro_batch_size"], r["grad_accum"]) ==
-            (row["micro_batch_size"], row["grad_accum"])]
+def check_loss(row: dict, rows: list[dict], earlier: list[dict]) -> None:
+    """The first step's loss against the first row of this call at the same shape, else the latest of an earlier
+    call's (it does not depend on the optimizer: it is computed before any update)."""
+    def same(among: list[dict]) -> list[dict]:
+        return [r for r in among if r["status"] == "ok" and (r["micro_batch_size"], r["grad_accum"]) ==
+                (row["micro_batch_size"], row["grad_accum"])]
+    same = same(rows) or same(earlier)[-1:]
     loss = row["first_loss"]
     if loss is None or loss != loss:
         row.update(loss_agrees=False, loss_note="the first step's loss is not finite")
@@ -727,7 +729,7 @@ def run_sweep(ctx: Ctx, timeout: float, variants: list[Variant],
             else:
                 if proc.returncode == 0 and json_path.exists():
                     row.update(status="ok", **bench_row(json.loads(json_path.read_text())))
-                    check_loss(row, rows)
+                    check_loss(row, rows, earlier)
                 else:
                     unknown = re.search(r"^error: KNOB_UNKNOWN", proc.stdout, re.M) is not None
                     row.update(status="skipped" if unknown else "fail", exit_code=proc.returncode,

@@ -430,10 +430,12 @@ def test_the_sweep_runs_by_priority_and_a_crash_costs_one_row(tmp_path, monkeypa
     assert figures["profile_best"] == {"variant": "muon_64x8", "time": "t", "text": "muon_64x8 profile table"}
     assert all("profile" not in r for r in figures["rows"]) and "profile" in rows[0]
 
-    # A later call with --sweep_variants: "best" falls back on the earlier call's rows in the same sweep.jsonl
-    behaviour["adamw_16x2_full"] = (450e3, 10.9, "ok")
-    _, rows, given = stand_in_sweep(tmp_path, monkeypatch, [warm[3], sweep["adamw_64x8"]], behaviour | {
-        "adamw_64x8": (500e3, 10.9, "ok")})
+    # Later calls with --sweep_variants: the full logits again, now agreeing with the earlier calls' rows; then the
+    # users' shape alone, whose "best" loss comes from the rows of the calls before, the latest of each variant
+    behaviour |= {"adamw_16x2_full": (450e3, 10.9, "ok"), "adamw_64x8": (500e3, 10.9, "ok")}
+    _, rows, _ = stand_in_sweep(tmp_path, monkeypatch, [warm[3]], behaviour)
+    assert rows[-1]["loss_agrees"] is True and rows[-1]["loss_reference"] == "muon_64x8"
+    _, rows, given = stand_in_sweep(tmp_path, monkeypatch, [sweep["adamw_64x8"]], behaviour)
     assert len(rows) == 11 and given["adamw_64x8"][0][-2:] == ["--loss_chunk_rows", "0"]
 
 
