@@ -237,6 +237,29 @@ def test_a_lease_call_goes_on_from_the_last_one(monkeypatch, tmp_path):
     assert stages["a"]["figures"] == {"x": 1}  # the first call's figures, kept
 
 
+def test_a_lease_call_short_of_the_sweeps_budget_runs_what_fits_of_it(monkeypatch, tmp_path):
+    """The sweep's variants each end in a row: with 200 s of a call left it starts (its 120 s minimum fit) and gets
+    what is left, where a stage of 400 s without a minimum waits for the next call."""
+    ran = {}
+
+    def stage(name: str, lease_min_s: float | None) -> gpu_acceptance.Stage:
+        def run(ctx, timeout: float) -> dict:
+            ran[name] = timeout
+            return {}
+        return gpu_acceptance.Stage(name, name, 999, 400, 999, run, lease_min_s=lease_min_s)
+
+    sweep = next(s for s in gpu_acceptance.STAGES if s.name == "sweep")
+    assert sweep.lease_min_s == gpu_acceptance.SWEEP_COLD_S + gpu_acceptance.SWEEP_WARM_S == 120
+    monkeypatch.setattr(gpu_acceptance, "STAGES", [stage("whole", None), stage("parts", sweep.lease_min_s)])
+    monkeypatch.setattr(gpu_acceptance, "LEASE_ORDER", ("whole", "parts"))
+    monkeypatch.setattr(sys, "argv", ["gpu_acceptance.py", "--lease", "--out", str(tmp_path / "acc"), "--budget",
+                                      "200"])
+    assert gpu_acceptance.main() == 1
+    stages = json.loads((tmp_path / "acc" / "acceptance.json").read_text())["stages"]
+    assert stages["whole"]["status"] == "not run" and "its 400 s do not fit" in stages["whole"]["error"]
+    assert list(ran) == ["parts"] and 190 < ran["parts"] <= 200
+
+
 def test_version_mismatches_name_the_stages_they_affect():
     assert gpu_acceptance.version_mismatches({"torch": "2.11.0+cu130", "transformers": "5.17.0",
                                               "accelerate": "1.15.0"}) == []
