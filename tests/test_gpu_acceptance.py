@@ -13,10 +13,12 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import REPO_ROOT
 
 import benchmarks.gpu_acceptance as gpu_acceptance
 import benchmarks.prepare_lease as prepare_lease
+from benchmarks import step_probe
 
 STAGES = ["env", "sweep", "tests", "step_compile", "train_resume", "fsdp", "zero3", "tensor_parallel", "muon_fsdp",
           "hellaswag", "step_eager", "memory_plan"]
@@ -477,11 +479,8 @@ def test_the_sweep_fails_when_its_baseline_does_not_run(tmp_path, monkeypatch):
 
 def test_the_step_probes_count_syncs_by_phase_and_sort_ops_into_categories():
     """benchmarks/step_probe.py on a CPU: a deliberate .item() inside and outside a wrapped optimizer step is counted
-    where it ran, the wrapped calls are timed, and an extra step's failure is its figure's only."""
-    import torch
-
-    from benchmarks import step_probe
-
+    where it ran, the wrapped calls are timed, and an extra step's failure is its figure's only. (profile_step: the
+    smoke run's rows; the profiler's first start takes seconds.)"""
     class Opt:
         def step(self):
             torch.ones(2).sum().item()
@@ -510,8 +509,4 @@ def test_the_step_probes_count_syncs_by_phase_and_sort_ops_into_categories():
         "void multi_tensor_apply_kernel<FusedAdamMathFunctor>", "aten::mm", "Optimizer.step#Muon.step",
         "aten::empty_strided")] == ["GEMM", "attention", "triton", "elementwise", "memcpy", "optimizer", "GEMM",
                                     "optimizer", "other"]
-    a = torch.randn(256, 256)
-    table = step_probe.profile_step(lambda: a @ a, torch.device("cpu"))
-    assert table["categories"]["GEMM"] > 0 and "aten::mm" in [r["name"] for r in table["top"]]
-    assert "aten::mm" in table["text"] and table["time"] == "self CPU time (ops)"
     assert step_probe.probe("x", lambda: 1 / 0) == {"error": "ZeroDivisionError: division by zero"}
