@@ -12,6 +12,13 @@ Side (b) is the plain loop: autocast when bf16, loss / accum, backward, torch's 
 AdamW step. Both start from the same weights and read the same pre-generated random batches.
 Warmup steps run first and are not timed; then the sides alternate in trials (order flipped every
 trial) so that a machine busy with other jobs slows both alike.
+
+The GPU window's sweep (benchmarks/gpu_acceptance.py, stage `sweep`) runs side (a) alone (`--accelerate_only`) once
+per variant: the loss path (`--loss_chunk_rows`, set on the model) and Muon's layout (`--muon_stacked`,
+`--muon_per_matrix`, set on the optimizer), trials sized by time (`--time_budget`), the optimizer step's and the
+clip's time (`--phases`), then one step's host syncs (`--sync_count`) and one step under torch.profiler
+(`--profile`); benchmarks/step_probe.py says how each is measured. `--require_knobs` refuses a knob this code does not
+have, before any step, rather than measure the default under another name.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ import argparse
 import copy
 import itertools
 import json
+import math
 import os
 import resource
 import statistics
@@ -27,7 +35,9 @@ from typing import Callable
 
 import torch
 from accelerate import Accelerator
+from torch._dynamo.utils import counters as dynamo_counters
 
+from benchmarks.step_probe import Phases, count_syncs, probe, profile_step
 from common.errors import UserError, run_cli
 from configs import ModelConfig, OptimConfig, TrainingConfig
 from model import GPT, GPTConfig
@@ -79,9 +89,29 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="torch.compile (inductor) on both sides")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--json", help="also write the figures to this JSON file (benchmarks/gpu_acceptance.py reads it)")
+    p.add_argument("--loss_chunk_rows", type=int,
+                   help="the model's loss path: 0 = the full logits and F.cross_entropy, N = chunks of N rows "
+                   "(default: the model's)")
+    muon = p.add_mutually_exclusive_group()
+    muon.add_argument("--muon_stacked", dest="muon_stacked", action="store_const", const=True,
+                      help="Muon orthogonalises same-shape matrices together (default: the optimizer's)")
+    muon.add_argument("--muon_per_matrix", dest="muon_stacked", action="store_const", const=False,
+                      help="Muon orthogonalises one matrix at a time")
+    p.add_argument("--require_knobs", action="store_true",
+                   help="refuse --loss_chunk_rows / --muon_* where the model or Muon has no such attribute")
+    p.add_argument("--accelerate_only", action="store_true", help="time train.py's step alone, no bare loop")
+    p.add_argument("--time_budget", type=float,
+                   help="seconds of timed steps per side instead of --steps: --trials trials of equal steps, sized "
+                   "by the last warmup step's time")
+    p.add_argument("--phases", action="store_true",
+                   help="time the optimizer step and the clip inside train.py's step (benchmarks/step_probe.py)")
+    p.add_argument("--sync_count", action="store_true", help="then count the host syncs of one train.py step")
+    p.add_argument("--profile", action="store_true", help="then profile one train.py step (torch.profiler)")
     args = p.parse_args()
     if min(args.micro_batch_size, args.grad_accum, args.steps, args.trials) < 1 or args.warmup < 0:
         raise UserError("--micro_batch_size, --grad_accum, --steps and --trials must be >= 1, --warmup >= 0")
+    if args.time_budget is not None and (args.time_budget <= 0 or args.warmup < 1):
+        raise UserError("--time_budget needs a positive number of seconds and --warmup >= 1 (the step it sizes from)")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda but no CUDA device is visible; use --device cpu or auto")
     return args
@@ -108,16 +138,39 @@ def main() -> None:
 
     torch.manual_seed(1337)
     acc_model = GPT(config)
-    bare_model = copy.deepcopy(acc_model).to(device)
+    knobs = {"loss_chunk_rows": hasattr(acc_model, "loss_chunk_rows")}  # which of the sweep's knobs this code has
+    if args.loss_chunk_rows is not None:  # set before the copy: both sides run the same loss
+        acc_model.loss_chunk_rows = args.loss_chunk_rows
+    sides = ("accelerate",) if args.accelerate_only else ("accelerate", "bare")
+    bare_model = None if args.accelerate_only else copy.deepcopy(acc_model).to(device)
     flops_per_token = acc_model.flops_per_token()
     n_params = acc_model.num_params()
     acc_opts = build_optimizer(acc_model, plan, device.type)  # [AdamW] or [AdamW, Muon], as in train.py
-    bare_opts = build_optimizer(bare_model, plan, device.type)
+    bare_opts = [] if bare_model is None else build_optimizer(bare_model, plan, device.type)
+    muons = [o for o in acc_opts + bare_opts if any(c.__name__ == "Muon" for c in type(o).__mro__)]
+    knobs["muon_stacked"] = bool(muons) and all(hasattr(o, "stacked") for o in muons)
+    if args.muon_stacked is not None:
+        if not muons:
+            raise UserError("--muon_stacked / --muon_per_matrix need Muon (--optimizer muon)")
+        for o in muons:
+            o.stacked = args.muon_stacked
+    if args.require_knobs:
+        asked = {"loss_chunk_rows": args.loss_chunk_rows is not None, "muon_stacked": args.muon_stacked is not None}
+        unknown = [k for k, v in asked.items() if v and not knobs[k]]
+        if unknown:
+            raise UserError(f"KNOB_UNKNOWN {','.join(unknown)}: this code has no such attribute (issue 53's item 1 "
+                            "or 2 not in yet); the variant would measure the default")
     acc_model, *acc_opts = accelerator.prepare(acc_model, *acc_opts)
-    bare_fwd = torch.compile(bare_model) if args.compile else bare_model
+    bare_fwd = bare_model if bare_model is None or not args.compile else torch.compile(bare_model)
     acc_model.train()
-    bare_model.train()
+    if bare_model is not None:
+        bare_model.train()
     preempted = PreemptionFlag()
+    phases = Phases(device)
+    if args.phases or args.sync_count:  # train_step calls these on the instances it is given
+        for opt in acc_opts:
+            phases.wrap(opt, "step", "optimizer")
+        phases.wrap(accelerator, "clip_grad_norm_", "clip")
 
     # Random token blocks, made once; both sides walk through them in the same order.
     B, T, A = args.micro_batch_size, config.block_size, args.grad_accum
@@ -132,21 +185,26 @@ def main() -> None:
     steps = {"accelerate": 0, "bare": 0}
     streams = {"accelerate": stream(), "bare": stream()}
     last_loss: dict[str, float] = {}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def step_once(side: str) -> torch.Tensor:
+        """One optimizer step of one side (train.py's: the step, then its preemption check); the summed losses."""
+        lrs = plan.lrs_at(schedule.factor(steps[side]))
+        if side == "accelerate":
+            loss_sum, _ = train_step(accelerator, acc_model, acc_opts, streams[side], A, lrs, GRAD_CLIP)
+            if preempted.any_rank(accelerator):  # train.py checks this after every step
+                raise SystemExit("signal received: benchmark stopped")
+        else:
+            loss_sum = bare_step(bare_fwd, bare_opts, streams[side], A, lrs, GRAD_CLIP, device, bf16)
+        steps[side] += 1
+        return loss_sum
 
     def run(side: str, n: int) -> float:
         """Run `n` optimizer steps of one side; returns the seconds they took."""
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         sync()
         t0 = time.perf_counter()
         for _ in range(n):
-            lrs = plan.lrs_at(schedule.factor(steps[side]))
-            if side == "accelerate":
-                loss_sum, _ = train_step(accelerator, acc_model, acc_opts, streams[side], A, lrs, GRAD_CLIP)
-                if preempted.any_rank(accelerator):  # train.py checks this after every step
-                    raise SystemExit("signal received: benchmark stopped")
-            else:
-                loss_sum = bare_step(bare_fwd, bare_opts, streams[side], A, lrs, GRAD_CLIP, device, bf16)
-            steps[side] += 1
+            loss_sum = step_once(side)
         sync()
         seconds = time.perf_counter() - t0
         if n:
@@ -157,40 +215,63 @@ def main() -> None:
           f"{A} x {B} x {T} = {A * B * T:,} tokens/step | {args.mixed_precision} | compile={args.compile} | "
           f"{device} ({torch.get_num_threads()} threads)")
     t0 = time.perf_counter()
-    for side in ("accelerate", "bare"):
-        run(side, args.warmup)
+    first_s, first_loss, warm_step_s = {}, {}, {}
+    for side in sides:  # the first step (the compile, if any), the untimed ones, the last of them timed alone
+        first_s[side] = run(side, min(1, args.warmup))
+        first_loss[side] = last_loss.get(side)
+        run(side, max(0, args.warmup - 2))
+        warm_step_s[side] = run(side, 1) if args.warmup > 1 else first_s[side]
     warmup_s = time.perf_counter() - t0
-    print(f"warmup: {args.warmup} step(s) per side, {warmup_s:.1f} s")
+    print(f"warmup: {args.warmup} step(s) per side, {warmup_s:.1f} s (first step: "
+          + ", ".join(f"{s} {first_s[s]:.2f} s" for s in sides) + ")")
+    graph_breaks = sum(dynamo_counters["graph_break"].values())
 
-    trials = min(args.trials, args.steps)
-    per_trial = [args.steps // trials + (i < args.steps % trials) for i in range(trials)]
-    seconds = {"accelerate": [], "bare": []}
-    peak_mem = {"accelerate": 0, "bare": 0}
+    if args.time_budget is not None:  # trials of equal steps, each about time_budget / trials seconds
+        per_step = max(max(warm_step_s.values()), 1e-6)
+        per_trial = [max(1, math.ceil(args.time_budget / args.trials / per_step))] * args.trials
+    else:
+        trials = min(args.trials, args.steps)
+        per_trial = [args.steps // trials + (i < args.steps % trials) for i in range(trials)]
+    timed_steps = sum(per_trial)
+    seconds = {side: [] for side in sides}
+    peak_mem = {side: 0 for side in sides}
+    phases.reset()
     for i, n in enumerate(per_trial):
-        for side in (("accelerate", "bare") if i % 2 == 0 else ("bare", "accelerate")):
+        for side in (sides if i % 2 == 0 else sides[::-1]):
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             seconds[side].append(run(side, n))
             if device.type == "cuda":
                 peak_mem[side] = max(peak_mem[side], torch.cuda.max_memory_allocated())
-        print(f"trial {i + 1}/{trials}: {n} steps | accelerate {seconds['accelerate'][-1]:.2f} s | "
-              f"bare {seconds['bare'][-1]:.2f} s")
+        print(f"trial {i + 1}/{len(per_trial)}: {n} steps | "
+              + " | ".join(f"{side} {seconds[side][-1]:.2f} s" for side in sides))
+    phase_ms = {p: ms / timed_steps for p, ms in phases.total_ms().items()} if args.phases else {}
+    if phase_ms:
+        print("train.py's step, per step: " + " | ".join(f"{p} {ms:.2f} ms" for p, ms in phase_ms.items()))
 
     peak = peak_flops(device)
-    tok_s = {side: A * B * T * args.steps / sum(s) for side, s in seconds.items()}
+    tok_s = {side: A * B * T * timed_steps / sum(s) for side, s in seconds.items()}
     # The best trial is the one least disturbed by other jobs on a shared machine.
     best = {side: A * B * T * max(n / t for n, t in zip(per_trial, s)) for side, s in seconds.items()}
     print(f"\n{'side':<11} {'tokens/s':>12} {'best trial':>12} {'MFU':>8} {'last loss':>10}")
     mfus = {}
-    for side in ("accelerate", "bare"):
+    for side in sides:
         mfu = mfus[side] = estimate_mfu(flops_per_token, tok_s[side], 1, peak)
         print(f"{side:<11} {tok_s[side]:>12,.0f} {best[side]:>12,.0f} {'None' if mfu is None else f'{mfu:.1%}':>8} "
               f"{last_loss[side]:>10.4f}")
-    paired = [b / a for a, b in zip(seconds["accelerate"], seconds["bare"])]
-    ratio = tok_s["accelerate"] / tok_s["bare"]
-    print(f"accelerate / bare tokens/s: {ratio:.3f} overall, {best['accelerate'] / best['bare']:.3f} best trials, "
-          f"{statistics.median(paired):.3f} median of paired trials (range {min(paired):.3f}-{max(paired):.3f}); "
-          f"overhead {1 - ratio:+.1%} (target <= 3%)")
+    ratio = paired = None
+    if "bare" in sides:
+        paired = [b / a for a, b in zip(seconds["accelerate"], seconds["bare"])]
+        ratio = tok_s["accelerate"] / tok_s["bare"]
+        print(f"accelerate / bare tokens/s: {ratio:.3f} overall, {best['accelerate'] / best['bare']:.3f} best "
+              f"trials, {statistics.median(paired):.3f} median of paired trials (range {min(paired):.3f}-"
+              f"{max(paired):.3f}); overhead {1 - ratio:+.1%} (target <= 3%)")
+    # After the timing, so that neither touches a figure above; an error in either (an OOM in the profiled step)
+    # is its figure's, not the run's. The sync count last: dynamo runs a frame it has not compiled eagerly under a
+    # dispatch mode.
+    profile = probe("profile", lambda: profile_step(lambda: step_once("accelerate"), device)) if args.profile else None
+    syncs = probe("host syncs", lambda: count_syncs(lambda: step_once("accelerate"), phases, device)) \
+        if args.sync_count else None
     if device.type == "cuda":  # both models and optimizers stay resident, so the difference is what counts
         print("peak memory allocated: " + " | ".join(f"{s} {m / 2**30:.2f} GiB" for s, m in peak_mem.items()))
     else:  # ru_maxrss is in KiB on Linux and covers the whole process (both sides)
@@ -204,17 +285,25 @@ def main() -> None:
             "block_size": T, "micro_batch_size": B, "grad_accum": A, "tokens_per_step": A * B * T,
             "mixed_precision": args.mixed_precision, "compile": args.compile, "device": str(device),
             "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "steps": args.steps, "warmup_steps": args.warmup, "warmup_s": warmup_s,
+            "torch": torch.__version__, "steps": timed_steps, "steps_per_trial": per_trial,
+            "warmup_steps": args.warmup, "warmup_s": warmup_s,
             # What the CUDA code paths turned on: fused AdamW (training/optimizers/plan.py) and TF32 matmuls.
             "optimizer": plan.kind,
             "optimizer_fused": bool(getattr(acc_opts[0], "optimizer", acc_opts[0]).defaults.get("fused")),
             "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-            "ratio_overall": ratio, "ratio_median_paired": statistics.median(paired),
+            "ratio_overall": ratio, "ratio_median_paired": None if paired is None else statistics.median(paired),
             "peak_flops": peak, "max_rss_gib": max_rss_gib, "load_average": os.getloadavg()[0],
+            # The sweep's figures (benchmarks/gpu_acceptance.py, stage sweep): the knobs as set and whether this code
+            # has them, the compile, the step's phases, host syncs and profile (None where not asked for).
+            "loss_chunk_rows": getattr(accelerator.unwrap_model(acc_model), "loss_chunk_rows", None),
+            "muon_stacked": getattr(muons[0], "stacked", False) if muons else None, "knobs_in_code": knobs,
+            "graph_breaks": graph_breaks, "graph_break_reasons": sorted(dynamo_counters["graph_break"])[:5],
+            "phase_ms": phase_ms, "host_syncs": syncs, "profile": profile,
         }
-        for side in ("accelerate", "bare"):
+        for side in sides:
             figures[side] = {"tokens_per_s": tok_s[side], "best_trial_tokens_per_s": best[side], "mfu": mfus[side],
-                             "last_loss": last_loss[side],
+                             "last_loss": last_loss[side], "first_loss": first_loss[side],
+                             "first_step_s": first_s[side], "step_s": warm_step_s[side],
                              "peak_mem_gib": peak_mem[side] / 2**30 if device.type == "cuda" else None}
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)

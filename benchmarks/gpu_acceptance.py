@@ -1,9 +1,10 @@
 """The GPU acceptance run: what a session with a GPU runs first, and CI runs small (`--smoke`).
 
-    python benchmarks/gpu_acceptance.py --lease --out DIR          # a GPU window: one call, at most 7 minutes
+    python benchmarks/gpu_acceptance.py --lease --out DIR          # a GPU window's call, at most 7 minutes
     python benchmarks/gpu_acceptance.py --out DIR                  # one H100: at most 20 minutes (--budget)
-    python benchmarks/gpu_acceptance.py --smoke --out DIR          # CPU, tiny model: 1-2 minutes (CI)
+    python benchmarks/gpu_acceptance.py --smoke --out DIR          # CPU, tiny model: 2-3 minutes (CI)
     python benchmarks/gpu_acceptance.py --out DIR --stages hellaswag,step_eager   # some stages only
+    python benchmarks/gpu_acceptance.py --lease --out DIR --stages sweep --sweep_variants adamw_64x8,muon_64x1
 
 It leaves DIR/acceptance.json (every stage: status, figures, what it proves, the tail of its output)
 and DIR/acceptance.md (the same as a table), both rewritten after every stage, so a run cut short keeps
@@ -15,13 +16,28 @@ costs that stage only; a stage past its limit is ended and reported as `timeout`
 project's own entry points: pytest, `benchmarks.bench_train` (train.py's step against a bare PyTorch loop),
 `accelerate launch ... train.py` (through tests/fault_train.py for the kill), `benchmarks.bench_hellaswag`.
 
-The lease (`--lease`): what a short GPU window runs, one call. The stages run by priority (LEASE_ORDER: versions and
-device, the compiled step, a real single-GPU run killed and resumed, FSDP2, HellaSwag, then what time is left), each
-under its lease budget (`Stage.lease_budget_s`); a stage whose budget no longer fits in what is left of the call
-(LEASE_BUDGET_S, a minute short of the 8-minute call LEASE_CALL_S) is not started and waits for the next call. A
-later call with the same --out continues: the stages that passed are kept, and the ones never tried come before the
-ones that failed, so one broken stage does not take every window. benchmarks/prepare_lease.py fills the folder that
-travels (the HellaSwag file, DeepSpeed's wheel) and prints the command.
+The lease (`--lease`): what a short GPU window runs, the same command once per call. The stages run by priority
+(LEASE_ORDER: versions and device, the sweep, the compiled step, a real single-GPU run killed and resumed, FSDP2,
+HellaSwag, then what time is left), each under its lease budget (`Stage.lease_budget_s`); a stage whose budget no
+longer fits in what is left of the call (LEASE_BUDGET_S, a minute short of the 8-minute call LEASE_CALL_S, or
+--budget) is not started and waits for the next call. A later call with the same --out continues: the stages that
+passed are kept, and the ones never tried come before the ones that failed, so one broken stage does not take every
+window. The sweep's 400 s fill a window's first call (LEASE_CALLS); its second goes on with the acceptance stages,
+with --budget set to the device time left. benchmarks/prepare_lease.py fills the folder that travels (the HellaSwag
+file, DeepSpeed's wheel) and prints the command.
+
+The sweep (stage `sweep`, issue 53): every variant of train.py's step (SWEEP, in priority order: the baseline Muon
+16 x 2, AdamW 16 x 2, the loss in 16,384-row chunks and as full logits, the fastest loss at micro-batch 64 x 1,
+Muon stacked and per matrix, Muon and AdamW at the users' shape 64 x 8, Muon at llm.c's 64 x 1), each
+`benchmarks.bench_train --accelerate_only` in its own process with the shared compile cache, so that an OOM or a
+crash costs its row only. Each takes ~30-80 s on an H100: the compile, 4 untimed steps, 3 timed trials of ~2 s (sized
+by time), then one step under torch.profiler and one under a host-sync counter (benchmarks/step_probe.py). One JSON
+line per variant is appended to DIR/sweep.jsonl as it ends (tokens/s, MFU, the optimizer step's and the clip's ms,
+peak memory, compile seconds, graph breaks, host syncs per step, the first step's loss and whether it agrees, to
+1e-3, with the first variant's at the same shape); a variant whose estimate (SWEEP_COLD_S, SWEEP_WARM_S) no longer
+fits in the stage is `not run`, one whose knob this code lacks (`GPT.loss_chunk_rows`, `Muon.stacked`: issue 53's
+items 1 and 2) is `skipped` before its compile, and a later call runs named ones (--sweep_variants). acceptance.md
+shows the rows and the profile tables (self device time by kernel and category) of the baseline and the fastest.
 
 Compile once: every stage runs with inductor's caches (FX graph, AOT autograd, Triton kernels) in one folder of
 the call (`work/compile_cache`), so the second compiled stage finds the first one's kernels; each stage's report
@@ -58,7 +74,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -84,22 +100,28 @@ GPU_RUN_BUDGET_S = 1200.0
 LEASE_CALL_S = 480.0
 LEASE_SPARE_S = 60.0
 LEASE_BUDGET_S = LEASE_CALL_S - LEASE_SPARE_S
-# What matters most comes first; after hellaswag, whatever the time left allows.
-LEASE_ORDER = ("env", "step_compile", "train_resume", "fsdp", "hellaswag",
+# What matters most comes first: the sweep of the step's variants, then the acceptance stages; after hellaswag,
+# whatever the time left allows.
+LEASE_ORDER = ("env", "sweep", "step_compile", "train_resume", "fsdp", "hellaswag",
                "zero3", "step_eager", "tensor_parallel", "muon_fsdp", "memory_plan", "tests")
-LEASE_FIRST = LEASE_ORDER[:5]  # the stages a lease call must always have time for
+# A window's calls of the same command, and what each must always have time for: the sweep fills the first; the
+# second goes on with the acceptance stages (fsdp, after train_resume, waits for a third unless --budget allows).
+LEASE_CALLS = (("env", "sweep"), ("env", "step_compile", "train_resume", "hellaswag"))
 # The versions the device image holds, which the lease's budgets were sized on, and the stages a different version
 # puts in question (the figures would be another version's; a stage may also break).
 DEVICE_VERSIONS = {"torch": "2.11", "transformers": "5.17", "accelerate": "1.15"}
 VERSION_AFFECTS = {
     "torch": ("step_compile", "train_resume", "fsdp", "hellaswag", "zero3", "step_eager", "tensor_parallel",
-              "muon_fsdp", "memory_plan", "tests"),
+              "muon_fsdp", "memory_plan", "tests", "sweep"),
     "transformers": ("tests", "train_resume", "fsdp", "zero3", "tensor_parallel", "muon_fsdp"),  # HF parity, export
-    "accelerate": ("step_compile", "train_resume", "fsdp", "zero3", "tensor_parallel", "muon_fsdp", "memory_plan"),
+    "accelerate": ("step_compile", "train_resume", "fsdp", "zero3", "tensor_parallel", "muon_fsdp", "memory_plan",
+                   "sweep"),
 }
 
 # Targets of issue 11 (one H100); judged only in the full (non-smoke) run.
 TARGET_TOK_S = 550_000
+# Issue 53's, at the users' shape (64 x 1024 x 8; llm.c: 468k per H100), with the same accelerate / bare bound.
+TARGET_USERS_TOK_S = 500_000
 TARGET_OVERHEAD = 0.03
 TARGET_HELLASWAG_S = 20.0
 
@@ -115,6 +137,8 @@ class Ctx:
     work: Path
     hellaswag_data: str | None
     lease: bool = False
+    sweep_variants: tuple[str, ...] | None = None  # --sweep_variants: the sweep runs these only
+    started: str = ""  # the call's start, in each sweep row
     log_tail: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -161,6 +185,9 @@ class Stage:
     smoke_budget_s: float  # --smoke's, not asserted: its limit is SMOKE_HANG_FACTOR times this (a hang)
     run: Callable[[Ctx, float], dict]
     headline: tuple[str, ...] = ()  # the figures shown in acceptance.md (the JSON has them all)
+    # --lease: a stage of parts that each end in a figure (the sweep's variants) starts with this much of the call
+    # left, under its budget, and takes what is left up to it; None: only with its whole budget left
+    lease_min_s: float | None = None
 
 
 # ---- the stages -----------------------------------------------------------------------------------------
@@ -228,40 +255,69 @@ def stage_tests(ctx: Ctx, timeout: float) -> dict:
     return figures
 
 
-def bench_train_args(ctx: Ctx) -> list[str]:
+def bench_train_args(ctx: Ctx, users_shape: bool = False) -> list[str]:
+    """bench_train's flags: today's 16 x 1024 x 2 (the 2026-11-26 figures), or the users' shape, 64 x 1024 x 8 =
+    524,288 tokens per optimizer step (the GPT-2 presets): fewer, 16 times longer steps."""
     if ctx.smoke:  # tiny model, bf16 autocast on the CPU; no inductor (its CPU compile alone takes ~45 s here)
-        return ["--model", "tiny", "--micro_batch_size", "2", "--grad_accum", "2", "--steps", "2", "--warmup", "1",
-                "--trials", "2", "--device", "cpu", "--mixed_precision", "bf16"]
-    trials = "4" if ctx.lease else "8"
-    return ["--model", "gpt2", "--block_size", "1024", "--micro_batch_size", "16", "--grad_accum", "2",
-            "--steps", "16", "--warmup", "2", "--trials", trials, "--device", "cuda", "--mixed_precision", "bf16"]
+        shape = (["--micro_batch_size", "4", "--grad_accum", "4", "--steps", "1", "--warmup", "1", "--trials", "1"]
+                 if users_shape else ["--micro_batch_size", "2", "--grad_accum", "2", "--steps", "2", "--warmup", "1",
+                                      "--trials", "2"])
+        return ["--model", "tiny", *shape, "--device", "cpu", "--mixed_precision", "bf16"]
+    if users_shape:
+        steps = "2" if ctx.lease else "4"
+        shape = ["--micro_batch_size", "64", "--grad_accum", "8", "--steps", steps, "--warmup", "2", "--trials", steps]
+    else:
+        trials = "4" if ctx.lease else "8"
+        shape = ["--micro_batch_size", "16", "--grad_accum", "2", "--steps", "16", "--warmup", "2", "--trials", trials]
+    return ["--model", "gpt2", "--block_size", "1024", *shape, "--device", "cuda", "--mixed_precision", "bf16"]
 
 
-def step_stage(name: str, compile_: bool) -> Callable[[Ctx, float], dict]:
+def step_figures(ctx: Ctx, name: str, compile_: bool, users_shape: bool, timeout: float) -> dict:
+    """One bench_train run (train.py's step against the bare loop) and its figures."""
+    path = ctx.work / f"{name}{'_users' if users_shape else ''}.json"
+    flags = ["--compile"] if compile_ and not ctx.smoke else []
+    proc = ctx.sh(name, [PY, "-m", "benchmarks.bench_train", *bench_train_args(ctx, users_shape), *flags, "--json",
+                         str(path)], timeout, check=False)
+    if not path.exists():
+        raise StageError(f"bench_train wrote no figures (exit code {proc.returncode})")
+    b = json.loads(path.read_text())
+    figures = {"model": b["model"], "n_params": b["n_params"], "tokens_per_step": b["tokens_per_step"],
+               "mixed_precision": b["mixed_precision"], "compile": b["compile"], "device": b["device_name"],
+               "optimizer_fused": b["optimizer_fused"], "tf32_matmul": b["tf32_matmul"],
+               "warmup_s": b["warmup_s"], "accelerate_over_bare": b["ratio_overall"],
+               "accelerate_over_bare_median_paired": b["ratio_median_paired"]}
+    for side in ("accelerate", "bare"):
+        for key in ("tokens_per_s", "mfu", "peak_mem_gib", "last_loss"):
+            figures[f"{side}_{key}"] = b[side][key]
+    if compile_ and not ctx.smoke:
+        target = TARGET_USERS_TOK_S if users_shape else TARGET_TOK_S
+        figures["target_met"] = (b["accelerate"]["tokens_per_s"] >= target
+                                 and b["ratio_overall"] >= 1 - TARGET_OVERHEAD)
+    if b["accelerate"]["last_loss"] != b["accelerate"]["last_loss"]:  # NaN
+        raise StageError("the loss is NaN", figures)
+    if not ctx.smoke and not (b["optimizer_fused"] and b["tf32_matmul"]):
+        raise StageError("fused AdamW or TF32 is off on CUDA", figures)
+    return figures
+
+
+def step_stage(name: str, compile_: bool, users_shape: bool = False) -> Callable[[Ctx, float], dict]:
+    """train.py's step against the bare loop at today's 16 x 2; with `users_shape`, first at the users' shape too
+    (its figures prefixed `users_`)."""
     def run(ctx: Ctx, timeout: float) -> dict:
-        path = ctx.work / f"{name}.json"
-        flags = ["--compile"] if compile_ and not ctx.smoke else []
-        proc = ctx.sh(name, [PY, "-m", "benchmarks.bench_train", *bench_train_args(ctx), *flags, "--json", str(path)],
-                      timeout, check=False)
-        if not path.exists():
-            raise StageError(f"bench_train wrote no figures (exit code {proc.returncode})")
-        b = json.loads(path.read_text())
-        figures = {"model": b["model"], "n_params": b["n_params"], "tokens_per_step": b["tokens_per_step"],
-                   "mixed_precision": b["mixed_precision"], "compile": b["compile"], "device": b["device_name"],
-                   "optimizer_fused": b["optimizer_fused"], "tf32_matmul": b["tf32_matmul"],
-                   "warmup_s": b["warmup_s"], "accelerate_over_bare": b["ratio_overall"],
-                   "accelerate_over_bare_median_paired": b["ratio_median_paired"]}
-        for side in ("accelerate", "bare"):
-            for key in ("tokens_per_s", "mfu", "peak_mem_gib", "last_loss"):
-                figures[f"{side}_{key}"] = b[side][key]
-        if compile_ and not ctx.smoke:
-            figures["target_met"] = (b["accelerate"]["tokens_per_s"] >= TARGET_TOK_S
-                                     and b["ratio_overall"] >= 1 - TARGET_OVERHEAD)
-        if b["accelerate"]["last_loss"] != b["accelerate"]["last_loss"]:  # NaN
-            raise StageError("the loss is NaN", figures)
-        if not ctx.smoke and not (b["optimizer_fused"] and b["tf32_matmul"]):
-            raise StageError("fused AdamW or TF32 is off on CUDA", figures)
-        return figures
+        deadline = time.monotonic() + timeout
+        figures = {}
+        if users_shape:
+            try:
+                users = step_figures(ctx, name, compile_, True, timeout)
+            except StageError as err:
+                raise StageError(f"users' shape: {err.args[0]}",
+                                 {f"users_{k}": x for k, x in (err.args[1] if len(err.args) > 1 else {}).items()}
+                                 ) from None
+            figures = {f"users_{k}": x for k, x in users.items()}
+        try:
+            return {**step_figures(ctx, name, compile_, False, deadline - time.monotonic()), **figures}
+        except StageError as err:
+            raise StageError(err.args[0], {**(err.args[1] if len(err.args) > 1 else {}), **figures}) from None
     return run
 
 
@@ -495,6 +551,266 @@ def stage_memory_plan(ctx: Ctx, timeout: float) -> dict:
     return figures
 
 
+# ---- the sweep (issue 53, item 4): every variant of train.py's step, each in its own process ------------------
+
+@dataclass(frozen=True)
+class Variant:
+    """One row of the sweep: `benchmarks.bench_train --accelerate_only` with these settings. `loss_chunk_rows` None
+    and `muon_stacked` None leave the code's default; "best" takes the fastest of the rows before (`best_setting`)."""
+    name: str
+    measures: str
+    optimizer: str
+    micro_batch: int
+    grad_accum: int
+    loss_chunk_rows: int | str | None = None
+    muon_stacked: bool | str | None = None
+    cold: bool = True  # it compiles graphs that no variant before it compiled: the lease's estimate of its time
+
+
+SWEEP = (
+    Variant("muon_16x2", "the baseline: train.py's step as the 2026-11-26 window measured it, Muon, micro-batch 16 x "
+            "1024 x 2 accumulation (32,768 tokens per optimizer step)", "muon", 16, 2),
+    Variant("adamw_16x2", "fused AdamW alone at the baseline's shape: what Muon costs", "adamw", 16, 2, cold=False),
+    Variant("adamw_16x2_chunk16384", "the loss in 16,384-row chunks (one per micro-batch): the 512-row walk's "
+            "accumulation into the fp32 weight gradient gone", "adamw", 16, 2, loss_chunk_rows=16384),
+    Variant("adamw_16x2_full", "the full bf16 logits and F.cross_entropy inside the compiled model", "adamw", 16, 2,
+            loss_chunk_rows=0),
+    Variant("adamw_64x1", "the fastest loss of the three rows above at micro-batch 64, a step per micro-batch: "
+            "llm.c's shape (-b 64 -t 1024 per GPU) with its optimizer", "adamw", 64, 1, loss_chunk_rows="best"),
+    Variant("muon_16x2_stacked", "Muon with same-shape matrices stacked: one batched, compiled Newton-Schulz",
+            "muon", 16, 2, muon_stacked=True, cold=False),
+    Variant("muon_16x2_per_matrix", "Muon one matrix at a time (torch.optim.Muon's loop)", "muon", 16, 2,
+            muon_stacked=False, cold=False),
+    Variant("muon_64x8", "the users' shape: micro-batch 64 x 1024 x 8 = 524,288 tokens per optimizer step (the "
+            "GPT-2 presets), the fastest loss and Muon layout above", "muon", 64, 8, "best", "best", cold=False),
+    Variant("adamw_64x8", "the users' shape with AdamW and the fastest loss", "adamw", 64, 8, "best", cold=False),
+    Variant("muon_64x1", "llm.c's shape (a step per 65,536 tokens) with Muon: its fixed cost at 8 times the steps of "
+            "the users' shape", "muon", 64, 1, "best", "best", cold=False),
+)
+# --smoke: these, on the tiny model, micro-batch 16 -> 2 and 64 -> 4, accumulation 8 -> 2: the baseline, a loss knob
+# (which resolves "best"), the best loss at another shape.
+SMOKE_SWEEP = ("muon_16x2", "adamw_16x2_full", "adamw_64x1")
+SMOKE_SHAPE = {16: 2, 64: 4, 8: 2}
+LOSS_CANDIDATES = ("adamw_16x2", "adamw_16x2_chunk16384", "adamw_16x2_full")
+MUON_CANDIDATES = ("muon_16x2", "muon_16x2_stacked", "muon_16x2_per_matrix")
+SWEEP_FILE = "sweep.jsonl"
+# On an H100 (the lease's gate): a variant that compiles new graphs (the cold compile of GPT-2 124M's step was ~60 s
+# of step_compile's 72 s warm-up on 2026-11-26), one whose graphs the shared cache holds; each also starts a process
+# (~10 s), runs 4 untimed steps, 3 trials of 2 s, a profiled step and a counted one. A variant past its limit is ended.
+SWEEP_COLD_S = 80.0
+SWEEP_WARM_S = 40.0
+SWEEP_VARIANT_LIMIT_S = 180.0
+SWEEP_LOSS_RTOL = 1e-3  # the first step's loss of every variant of one shape (same weights, same batches)
+SWEEP_SHARED = ["--accelerate_only", "--phases", "--sync_count", "--profile"]
+SWEEP_GPU = ["--model", "gpt2", "--block_size", "1024", "--device", "cuda", "--mixed_precision", "bf16", "--compile",
+             "--warmup", "4", "--trials", "3", "--time_budget", "6", "--require_knobs"]
+SWEEP_SMOKE = ["--model", "tiny", "--device", "cpu", "--mixed_precision", "bf16", "--warmup", "2", "--trials", "2",
+               "--time_budget", "0.2"]
+
+
+def sweep_variants(ctx: Ctx) -> list[Variant]:
+    """The variants this call runs, in priority order: --smoke's few at a tiny scale, or SWEEP (--sweep_variants:
+    some of them)."""
+    by_name = {v.name: v for v in SWEEP}
+    if ctx.smoke:
+        return [replace(by_name[n], micro_batch=SMOKE_SHAPE[by_name[n].micro_batch],
+                        grad_accum=SMOKE_SHAPE.get(by_name[n].grad_accum, by_name[n].grad_accum)) for n in SMOKE_SWEEP]
+    return [v for v in SWEEP if ctx.sweep_variants is None or v.name in ctx.sweep_variants]
+
+
+def read_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def best_setting(rows: list[dict], candidates: tuple[str, ...], key: str):
+    """The `key` setting (as asked: None = the code's default) of the fastest candidate row that ran and whose loss
+    agrees; the latest row of each candidate counts. None (the default) when none ran."""
+    latest = {r["variant"]: r for r in rows if r["variant"] in candidates}
+    ran = [r for r in latest.values() if r["status"] == "ok" and r.get("loss_agrees") is not False]
+    return max(ran, key=lambda r: r["tokens_per_s"])[key] if ran else None
+
+
+def variant_flags(v: Variant) -> list[str]:
+    flags = ["--optimizer", v.optimizer, "--micro_batch_size", str(v.micro_batch), "--grad_accum", str(v.grad_accum)]
+    if v.loss_chunk_rows is not None:
+        flags += ["--loss_chunk_rows", str(v.loss_chunk_rows)]
+    if v.muon_stacked is not None:
+        flags.append("--muon_stacked" if v.muon_stacked else "--muon_per_matrix")
+    return flags
+
+
+def sweep_command(ctx: Ctx, v: Variant, json_path: Path) -> list[str]:
+    return [PY, "-m", "benchmarks.bench_train", *(SWEEP_SMOKE if ctx.smoke else SWEEP_GPU), *SWEEP_SHARED,
+            *variant_flags(v), "--json", str(json_path)]
+
+
+def error_line(log: str) -> str:
+    """The line that says why a variant's process failed: the last one naming an error, else the last one."""
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip() and not ln.startswith("$ ")]
+    named = [ln for ln in lines if re.search(r"Error|error:|Exception|Killed|out of memory", ln)]
+    return (named or lines or ["no output"])[-1][:300]
+
+
+def bench_row(b: dict) -> dict:
+    """A row's figures from bench_train's JSON (--accelerate_only, the sweep's flags)."""
+    a, syncs, phases = b["accelerate"], b.get("host_syncs") or {}, b.get("phase_ms") or {}
+    errors = {k: b[k]["error"] for k in ("host_syncs", "profile") if "error" in (b.get(k) or {})}
+    return {**({"probe_errors": errors} if errors else {}),
+            "device": b["device_name"], "torch": b["torch"], "compile": b["compile"],
+            "micro_batch_size": b["micro_batch_size"], "grad_accum": b["grad_accum"],
+            "tokens_per_step": b["tokens_per_step"], "tokens_per_s": a["tokens_per_s"],
+            "best_trial_tokens_per_s": a["best_trial_tokens_per_s"], "mfu": a["mfu"],
+            "step_ms": 1e3 * b["tokens_per_step"] / a["tokens_per_s"], "optimizer_ms": phases.get("optimizer"),
+            "clip_ms": phases.get("clip"), "peak_mem_gib": a["peak_mem_gib"], "max_rss_gib": b["max_rss_gib"],
+            "first_step_s": a["first_step_s"], "compile_s": max(0.0, a["first_step_s"] - a["step_s"]),
+            "graph_breaks": b["graph_breaks"], "graph_break_reasons": b["graph_break_reasons"],
+            "host_syncs_per_step": syncs.get("host_syncs"),
+            "host_syncs_in_optimizer": syncs.get("host_syncs_in_optimizer"),
+            "host_syncs_by_op": syncs.get("host_syncs_by_op"), "cuda_sync_warnings": syncs.get("cuda_sync_warnings"),
+            "first_loss": a["first_loss"], "last_loss": a["last_loss"], "steps": b["steps"],
+            "steps_per_trial": b["steps_per_trial"], "loss_chunk_rows_effective": b["loss_chunk_rows"],
+            "muon_stacked_effective": b["muon_stacked"], "knobs_in_code": b["knobs_in_code"], "profile": b["profile"]}
+
+
+def check_loss(row: dict, rows: list[dict], earlier: list[dict]) -> None:
+    """The first step's loss against the first row of this call at the same shape, else the latest of an earlier
+    call's (it does not depend on the optimizer: it is computed before any update)."""
+    def same(among: list[dict]) -> list[dict]:
+        return [r for r in among if r["status"] == "ok" and (r["micro_batch_size"], r["grad_accum"]) ==
+                (row["micro_batch_size"], row["grad_accum"])]
+    same = same(rows) or same(earlier)[-1:]
+    loss = row["first_loss"]
+    if loss is None or loss != loss:
+        row.update(loss_agrees=False, loss_note="the first step's loss is not finite")
+    elif same:
+        ref = same[0]
+        row.update(loss_reference=ref["variant"], loss_difference=loss - ref["first_loss"],
+                   loss_agrees=abs(loss - ref["first_loss"]) <= SWEEP_LOSS_RTOL * abs(ref["first_loss"]))
+
+
+def run_sweep(ctx: Ctx, timeout: float, variants: list[Variant],
+              command: Callable[[Ctx, Variant, Path], list[str]]) -> dict:
+    """Run `variants` in order, each `command` its own process (a crash, a hang or an OOM costs its row), under
+    what is left of `timeout`; append one JSON line per variant to DIR/sweep.jsonl as it ends. A variant whose
+    estimate (GPU runs) no longer fits is not started: its row says `not run`."""
+    deadline = time.monotonic() + timeout
+    path = ctx.out / SWEEP_FILE
+    earlier = read_rows(path)  # an earlier call's rows: "best" falls back on them
+    rows: list[dict] = []
+    baseline = SWEEP[0].name
+    for i, v in enumerate(variants, 1):
+        history = earlier + rows
+        if v.loss_chunk_rows == "best":
+            v = replace(v, loss_chunk_rows=best_setting(history, LOSS_CANDIDATES, "loss_chunk_rows"))
+        if v.muon_stacked == "best":
+            v = replace(v, muon_stacked=best_setting(history, MUON_CANDIDATES, "muon_stacked"))
+        row = {"variant": v.name, "priority": i, "call": ctx.started, "measures": v.measures,
+               "optimizer": v.optimizer, "loss_chunk_rows": v.loss_chunk_rows, "muon_stacked": v.muon_stacked,
+               "flags": variant_flags(v), "status": "not run", "seconds": 0.0}
+        base = next((r for r in reversed(history) if r["variant"] == baseline and r["status"] == "ok"), None)
+        left = deadline - time.monotonic()
+        estimate = 0.0 if ctx.smoke else (SWEEP_COLD_S if v.cold else SWEEP_WARM_S)
+        if (v.name != baseline and v.muon_stacked is not None and base is not None
+                and base["knobs_in_code"].get("muon_stacked") and base["muon_stacked_effective"] == v.muon_stacked):
+            row.update(status="same as baseline", error=f"{baseline} already ran Muon with stacked={v.muon_stacked}")
+        elif left < max(estimate, 5.0):
+            row["error"] = (f"its ~{estimate:.0f} s do not fit in the {max(left, 0):.0f} s left of the stage; "
+                            f"--stages sweep --sweep_variants {v.name} in a later call runs it")
+        else:
+            json_path = ctx.work / f"sweep_{v.name}.json"
+            json_path.unlink(missing_ok=True)
+            (ctx.work / f"sweep_{v.name}.log").unlink(missing_ok=True)  # its own output only (--keep_work keeps logs)
+            limit = min(left, SWEEP_VARIANT_LIMIT_S) if not ctx.smoke else left
+            print(f"[gpu_acceptance] sweep {i}/{len(variants)} {v.name} (at most {limit:.0f} s) ...", flush=True)
+            t0 = time.monotonic()
+            try:
+                proc = ctx.sh(f"sweep_{v.name}", command(ctx, v, json_path), limit, check=False)
+            except subprocess.TimeoutExpired:
+                row.update(status="timeout", error=f"over its {limit:.0f} s limit")
+            else:
+                if proc.returncode == 0 and json_path.exists():
+                    row.update(status="ok", **bench_row(json.loads(json_path.read_text())))
+                    check_loss(row, rows, earlier)
+                else:
+                    unknown = re.search(r"^error: KNOB_UNKNOWN", proc.stdout, re.M) is not None
+                    row.update(status="skipped" if unknown else "fail", exit_code=proc.returncode,
+                               error=error_line(proc.stdout))
+            row["seconds"] = time.monotonic() - t0
+            print(f"[gpu_acceptance] sweep {v.name}: {row['status']}" + (
+                f", {row['tokens_per_s']:,.0f} tokens/s" if row["status"] == "ok" else f" ({row.get('error')})"),
+                flush=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        rows.append(row)
+    return sweep_figures(rows, variants, path)
+
+
+def sweep_figures(rows: list[dict], variants: list[Variant], path: Path) -> dict:
+    """The stage's figures: every row (less its profile), the baseline, the best, and the two profile tables."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    figures = {"rows_file": path.name, "variants": len(rows), "ok": len(ok),
+               "failed": [r["variant"] for r in rows if r["status"] in ("fail", "timeout")],
+               "not_run": [r["variant"] for r in rows if r["status"] == "not run"],
+               "skipped": [r["variant"] for r in rows if r["status"] in ("skipped", "same as baseline")],
+               "loss_disagreements": [r["variant"] for r in ok if r.get("loss_agrees") is False],
+               "rows": [{k: x for k, x in r.items() if k != "profile"} for r in rows]}
+    baseline = next((r for r in ok if r["variant"] == SWEEP[0].name), None)
+    good = [r for r in ok if r.get("loss_agrees") is not False]
+    best = max(good, key=lambda r: r["tokens_per_s"]) if good else None
+    for label, r in (("baseline", baseline), ("best", best)):
+        if r is not None:
+            figures.update({label: r["variant"], f"{label}_tokens_per_s": r["tokens_per_s"], f"{label}_mfu": r["mfu"],
+                            f"profile_{label}": {"variant": r["variant"], **(r.get("profile") or {})}})
+    if baseline and best:
+        figures["best_over_baseline"] = best["tokens_per_s"] / baseline["tokens_per_s"]
+    if variants and variants[0].name == SWEEP[0].name and baseline is None:
+        raise StageError(f"the baseline {SWEEP[0].name} did not run: "
+                         f"{rows[0].get('error') if rows else 'no row'}", figures)
+    if not ok:
+        raise StageError("no variant ran", figures)
+    return figures
+
+
+def stage_sweep(ctx: Ctx, timeout: float) -> dict:
+    return run_sweep(ctx, timeout, sweep_variants(ctx), sweep_command)
+
+
+def sweep_markdown(figures: dict) -> list[str]:
+    """acceptance.md's section for the sweep: a table of the rows, the baseline's and the best's profile."""
+    def num(x, spec=",.0f"):
+        return "-" if x is None else format(x, spec)
+    lines = ["", f"## The sweep ({figures['rows_file']}: one JSON line per variant)", "",
+             "| # | variant | status | tokens/s | MFU | step ms | optimizer ms | clip ms | peak GiB | compile s | "
+             "graph breaks | host syncs / step (in optimizer) | first loss (agrees) | flags |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in figures["rows"]:
+        status = r["status"] + (f": {r['error']}" if r.get("error") else "")
+        if r["status"] != "ok":
+            lines.append(f"| {r['priority']} | {r['variant']} | {status} | | | | | | | | | | | "
+                         f"`{' '.join(r['flags'])}` |")
+            continue
+        mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
+        peak = r["peak_mem_gib"] if r["peak_mem_gib"] is not None else r["max_rss_gib"]
+        agrees = {True: "yes", False: "**no**", None: "ref"}[r.get("loss_agrees")]
+        lines.append(f"| {r['priority']} | {r['variant']} | ok | {num(r['tokens_per_s'])} | {mfu} | "
+                     f"{num(r['step_ms'], '.1f')} | {num(r['optimizer_ms'], '.1f')} | {num(r['clip_ms'], '.1f')} | "
+                     f"{num(peak, '.2f')} | {num(r['compile_s'], '.1f')} | {r['graph_breaks']} | "
+                     f"{num(r['host_syncs_per_step'], 'd')} ({num(r['host_syncs_in_optimizer'], 'd')}) | "
+                     f"{num(r['first_loss'], '.4f')} ({agrees}) | `{' '.join(r['flags'])}` |")
+    for label in ("baseline", "best"):
+        profile = figures.get(f"profile_{label}")
+        if profile and profile.get("text"):
+            lines += ["", f"### Where the time goes: {profile['variant']} (the {label})", "", "```",
+                      profile["text"], "```"]
+    return lines
+
+
+SWEEP_FIGURES = ("baseline", "baseline_tokens_per_s", "best", "best_tokens_per_s", "best_mfu", "best_over_baseline",
+                 "ok", "failed", "not_run", "skipped", "loss_disagreements")
+USERS_STEP_FIGURES = ("users_accelerate_tokens_per_s", "users_accelerate_mfu", "users_accelerate_over_bare",
+                      "users_accelerate_peak_mem_gib", "users_target_met")
 STEP_FIGURES = ("accelerate_tokens_per_s", "bare_tokens_per_s", "accelerate_over_bare", "accelerate_mfu", "bare_mfu",
                 "accelerate_peak_mem_gib", "bare_peak_mem_gib", "optimizer_fused", "tf32_matmul", "warmup_s",
                 "target_met")
@@ -503,12 +819,20 @@ TRAIN_FIGURES = ("distributed", "precision", "compiled", "checkpoint_at_kill", "
 STAGES = [
     Stage("env", "versions, device, date (what the figures were measured with)", 120, 20, 60, stage_env,
           ("date", "device_name", "torch", "cuda", "accelerate", "transformers", "deepspeed", "version_mismatches")),
+    Stage("sweep", "every variant of train.py's step (GPT-2 124M, T=1024, bf16, torch.compile), each its own "
+          "process, in priority order: Muon and AdamW, the loss paths, Muon stacked or per matrix, micro-batch 16 and "
+          "64, the users' shape (64 x 8) and llm.c's (64 x 1); per variant tokens/s, the optimizer step and the clip "
+          "in ms, peak memory, compile, graph breaks, host syncs, the first loss; profile tables of the baseline and "
+          "the best (sweep.jsonl, acceptance.md). --smoke: 3 variants, tiny model, no compile",
+          600, 400, 60, stage_sweep, SWEEP_FIGURES, lease_min_s=SWEEP_COLD_S + SWEEP_WARM_S),
     Stage("tests", "pytest selection (HF parity, fp32 head under bf16 autocast, optimizer groups, accumulation, "
           "MFU): on this machine's torch, but on CPU tensors even with a GPU (the tests pin the CPU)",
           150, 45, 120, stage_tests, ("passed", "failed", "skipped", "errors")),
     Stage("step_compile", "train.py's train_step vs a bare PyTorch loop: GPT-2 124M, T=1024, bf16, torch.compile, "
-          "fused AdamW, TF32 (tokens/s, MFU, peak memory). --smoke: tiny model, bf16, no compile",
-          420, 115, 90, step_stage("step_compile", compile_=True), STEP_FIGURES),
+          "fused AdamW, TF32 (tokens/s, MFU, peak memory), at the users' shape (64 x 1024 x 8, `users_` figures) "
+          "and today's 16 x 1024 x 2. --smoke: tiny model, bf16, no compile",
+          600, 200, 120, step_stage("step_compile", compile_=True, users_shape=True),
+          (*USERS_STEP_FIGURES, *STEP_FIGURES)),
     Stage("train_resume", "accelerate launch single_gpu.yaml train.py (bf16, inductor): train, SIGKILL after a "
           "checkpoint, --resume latest, export. --smoke: --cpu, no dynamo",
           360, 145, 150, train_stage("train_resume"), TRAIN_FIGURES),
@@ -548,7 +872,7 @@ def fmt(value) -> str:
     if isinstance(value, float):
         return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
     if isinstance(value, list):
-        return ", ".join(map(str, value)) if len(value) <= 6 else f"{len(value)} files"
+        return "none" if not value else ", ".join(map(str, value)) if len(value) <= 6 else f"{len(value)} items"
     return str(value)
 
 
@@ -571,6 +895,9 @@ def write_report(out: Path, report: dict) -> None:
     tok_e = e.get("figures", {}).get("accelerate_tokens_per_s")
     if tok_c and tok_e and c["figures"].get("compile"):  # in --smoke both sides run eager
         lines += ["", f"compile / eager tokens/s (train.py's step): {tok_c / tok_e:.2f}"]
+    sweep = report["stages"].get("sweep", {}).get("figures", {})
+    if sweep.get("rows"):
+        lines += sweep_markdown(sweep)
     (out / "acceptance.md").write_text("\n".join(lines) + "\n")
 
 
@@ -617,19 +944,28 @@ def main() -> int:
                    "stage gets the smaller of its own limit and what is left, and a stage with under 30 s left is not "
                    "started (--lease: one whose budget does not fit in what is left)")
     p.add_argument("--keep_work", action="store_true", help="keep the runs' folders and logs (in DIR/work)")
+    p.add_argument("--sweep_variants",
+                   help="the sweep runs these only (comma-separated, run in priority order): "
+                   + ",".join(v.name for v in SWEEP))
     args = p.parse_args()
     chosen = args.stages.split(",")
     unknown = set(chosen) - {s.name for s in STAGES}
     if unknown:
         p.error(f"unknown stage(s) {sorted(unknown)}; known: {[s.name for s in STAGES]}")
+    sweep_chosen = tuple(args.sweep_variants.split(",")) if args.sweep_variants else None
+    if sweep_chosen and set(sweep_chosen) - {v.name for v in SWEEP}:
+        p.error(f"unknown sweep variant(s) {sorted(set(sweep_chosen) - {v.name for v in SWEEP})}; known: "
+                f"{[v.name for v in SWEEP]}")
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     # Checkpoints of 124M models (GBs) stay out of DIR unless asked for: DIR is what gets copied back.
     work = out / "work" if args.keep_work else Path(tempfile.mkdtemp(prefix="gpu_acceptance_"))
     work.mkdir(exist_ok=True)
-    ctx = Ctx(smoke=args.smoke, out=out, work=work, hellaswag_data=args.hellaswag_data, lease=args.lease)
-    report = {"smoke": args.smoke, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    ctx = Ctx(smoke=args.smoke, out=out, work=work, hellaswag_data=args.hellaswag_data, lease=args.lease,
+              sweep_variants=sweep_chosen, started=started)
+    report = {"smoke": args.smoke, "started": started,
               "command": " ".join(["python benchmarks/gpu_acceptance.py", *sys.argv[1:]]), "stages": {}}
     previous = out / "acceptance.json"
     if previous.exists():  # an earlier call's stages (same mode) are kept; the ones run now replace theirs
@@ -644,8 +980,9 @@ def main() -> int:
     for stage in call_order(chosen, report["stages"], args.lease):
         nominal, limit, why = stage_limit(stage, args.smoke, args.lease)
         left = float("inf") if whole_call is None else whole_call - (time.monotonic() - t_all)
-        if left < 30 or (args.lease and nominal > left):
-            reason = (f"its {nominal:.0f} s do not fit in the {left:.0f} s left of the call; the next call runs it"
+        need = nominal if stage.lease_min_s is None else min(nominal, stage.lease_min_s)
+        if left < 30 or (args.lease and need > left):
+            reason = (f"its {need:.0f} s do not fit in the {left:.0f} s left of the call; the next call runs it"
                       if args.lease else f"under 30 s of --budget {whole_call:.0f} s left")
             report["stages"][stage.name] = {"proves": stage.proves, "status": "not run", "error": reason,
                                             "seconds": 0}

@@ -13,8 +13,8 @@ device and the device image lacks, and print the one call to make there.
     reports accuracies with evaluate; at the versions installed here (both are core requirements of the project).
   No other stage needs a wheel: Tiny Shakespeare ships in data/, bench_hellaswag times the same forward passes
   without the accuracy metric, and train.py imports wandb only when asked to log there.
-- acc/: the report. Copy the acceptance.json a window brought back into it, and the next window's call goes on
-  with the stages not yet passed. This script never deletes it.
+- acc/: the report (acceptance.json, .md, and the sweep's rows, sweep.jsonl). Copy what a call brought back into it,
+  and the next call goes on with the stages not yet passed. This script never deletes it.
 
 The device takes at most 64 MiB of checkout (tracked files, untracked ones git does not ignore, and `.lease`): the
 script adds them up and refuses a folder over that.
@@ -120,7 +120,7 @@ def device_command(folder: str, with_wheels: bool) -> str:
         install = (f"python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "
                    f"{DEVICE_SITE} {folder}/wheels/*.whl && export PYTHONPATH={DEVICE_SITE} || exit; ")
     return (f"{install}PYTHONUNBUFFERED=1 python3 benchmarks/gpu_acceptance.py --lease --out {folder}/acc "
-            f"--hellaswag_data {folder}/{HELLASWAG_NAME}; cp {folder}/acc/acceptance.* $OUT/")
+            f"--hellaswag_data {folder}/{HELLASWAG_NAME}; cp {folder}/acc/* $OUT/")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  command:   {device_command(rel, bool(wheels))}")
     print(f'  carry:     ["{rel}"]')
     print(f"  timeout_s: {LEASE_CALL_S:.0f} (the stages end a minute before it)")
-    print(f"Then copy the returned acceptance.json into {rel}/acc/: the next window's call goes on from it.")
+    print(f"Then copy the returned acceptance.json and sweep.jsonl into {rel}/acc/: the same command again goes on "
+          "from them (a window's first call runs the sweep, its second the acceptance stages; add --budget S to the "
+          "second for the device time left).")
     return 0
 
 

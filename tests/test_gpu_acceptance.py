@@ -1,8 +1,9 @@
-"""benchmarks/gpu_acceptance.py --smoke --lease: the GPU window's one call runs its every stage, in the lease's order,
+"""benchmarks/gpu_acceptance.py --smoke --lease: the GPU window's calls run their every stage, in the lease's order,
 on the CPU, so it never rots; and a slow or busy machine does not fail it: --smoke's budgets are not asserted, its
 limits only end a hang (the module docstring, "Time limits"), while the GPU run keeps its real budgets. The lease's
-budgets fit one call of 8 minutes, and a later call goes on from the last; benchmarks/prepare_lease.py fills the
-folder that travels."""
+budgets fit calls of 8 minutes (the sweep the first, the acceptance stages the second), and a later call goes on from
+the last; benchmarks/prepare_lease.py fills the folder that travels. The sweep (issue 53): its rows from the smoke
+run, and its order, `not run`, crash and loss checks with stand-in processes."""
 from __future__ import annotations
 
 import json
@@ -12,19 +13,26 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import REPO_ROOT
 
 import benchmarks.gpu_acceptance as gpu_acceptance
 import benchmarks.prepare_lease as prepare_lease
+from benchmarks import step_probe
 
-STAGES = ["env", "tests", "step_compile", "train_resume", "fsdp", "zero3", "tensor_parallel", "muon_fsdp", "hellaswag",
-          "step_eager", "memory_plan"]
-# The lease's order (issue 42): versions, the compiled step, a real run killed and resumed, FSDP2, HellaSwag, the rest.
-LEASE_ORDER = ["env", "step_compile", "train_resume", "fsdp", "hellaswag", "zero3", "step_eager", "tensor_parallel",
-               "muon_fsdp", "memory_plan", "tests"]
+STAGES = ["env", "sweep", "tests", "step_compile", "train_resume", "fsdp", "zero3", "tensor_parallel", "muon_fsdp",
+          "hellaswag", "step_eager", "memory_plan"]
+# The lease's order (issues 42, 53): versions, the sweep, the compiled step, a real run killed and resumed, FSDP2,
+# HellaSwag, the rest.
+LEASE_ORDER = ["env", "sweep", "step_compile", "train_resume", "fsdp", "hellaswag", "zero3", "step_eager",
+               "tensor_parallel", "muon_fsdp", "memory_plan", "tests"]
 STEP_FIGURES = ["accelerate_tokens_per_s", "bare_tokens_per_s", "accelerate_over_bare", "accelerate_mfu",
                 "accelerate_peak_mem_gib", "bare_peak_mem_gib", "optimizer_fused", "tf32_matmul",
                 "accelerate_last_loss"]
+# What every sweep row that ran carries (issue 53, item 4).
+SWEEP_ROW = ["variant", "priority", "status", "flags", "tokens_per_s", "mfu", "step_ms", "optimizer_ms", "clip_ms",
+             "peak_mem_gib", "max_rss_gib", "compile_s", "graph_breaks", "host_syncs_per_step",
+             "host_syncs_in_optimizer", "first_loss", "knobs_in_code", "profile", "seconds"]
 
 
 def acceptance(out: Path, *args: str, module: bool = False) -> subprocess.CompletedProcess:
@@ -69,6 +77,10 @@ def test_smoke_run_reports_every_stage_with_its_figures(smoke):
         assert figures["accelerate_tokens_per_s"] > 0 and figures["bare_tokens_per_s"] > 0
         assert figures["mixed_precision"] == "bf16" and figures["model"] == "tiny"
         assert figures["accelerate_last_loss"] == pytest.approx(figures["bare_last_loss"], rel=1e-3)
+    users = stages["step_compile"]["figures"]  # the users' shape too, scaled down: 4 x 4 micro-batches
+    assert users["users_tokens_per_step"] == 4 * 4 * 64 and users["users_accelerate_tokens_per_s"] > 0
+    assert users["users_accelerate_last_loss"] == pytest.approx(users["users_bare_last_loss"], rel=1e-3)
+    assert "users_accelerate_tokens_per_s" not in stages["step_eager"]["figures"]
     train = stages["train_resume"]["figures"]
     assert train["killed_exit_code"] != 0 and train["checkpoint_at_kill"] == "step_000002"
     assert train["resumed"] is True and train["precision"] == "bf16" and train["distributed"] == "NO"
@@ -80,6 +92,33 @@ def test_smoke_run_reports_every_stage_with_its_figures(smoke):
     for name in STAGES:
         assert f"| {name} | {stages[name]['status']}" in table
     assert not (out / "work").exists()  # the runs' folders went to a temporary folder, now removed
+
+    # The sweep: a row per variant, in priority order, each its own process, appended to sweep.jsonl as it ended
+    rows = [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
+    assert [r["variant"] for r in rows] == list(gpu_acceptance.SMOKE_SWEEP) == ["muon_16x2", "adamw_16x2_full",
+                                                                             "adamw_64x1"]
+    assert [r["priority"] for r in rows] == [1, 2, 3] and all(r["status"] == "ok" for r in rows)
+    for r in rows:
+        assert set(SWEEP_ROW) <= set(r), r["variant"]
+        assert r["tokens_per_s"] > 0 and r["mfu"] is None and r["peak_mem_gib"] is None and r["max_rss_gib"] > 0
+        assert r["optimizer_ms"] > 0 and r["clip_ms"] > 0 and r["graph_breaks"] == 0 and r["compile"] is False
+        # float(grad_norm) and the preemption flag's .item(), beside what the CPU optimizers read in their step
+        assert r["host_syncs_per_step"] - r["host_syncs_in_optimizer"] >= 2
+        assert r["steps"] >= 2 and r["profile"]["time"] == "self CPU time (ops)"
+        assert r["profile"]["total_ms"] > 0 and 0 < len(r["profile"]["top"]) <= 25
+        assert r["profile"]["categories"]["GEMM"] > 0 and "aten::mm" in r["profile"]["text"]
+    baseline, full, best_at_64 = rows
+    assert (baseline["micro_batch_size"], baseline["grad_accum"], baseline["optimizer"]) == (2, 2, "muon")
+    assert full["loss_chunk_rows"] == 0 and "--loss_chunk_rows 0" in " ".join(full["flags"])
+    assert full["loss_reference"] == "muon_16x2" and full["loss_agrees"] is True  # the loss is optimizer-free
+    # "best": the fastest loss of the candidates that ran (here the one candidate), at micro-batch 64 -> 4 x 1
+    assert best_at_64["loss_chunk_rows"] == 0 and (best_at_64["micro_batch_size"], best_at_64["grad_accum"]) == (4, 1)
+    sweep = stages["sweep"]["figures"]
+    assert sweep["baseline"] == "muon_16x2" and sweep["best"] in gpu_acceptance.SMOKE_SWEEP
+    assert [r["variant"] for r in sweep["rows"]] == [r["variant"] for r in rows]
+    assert "profile" not in sweep["rows"][0] and sweep["profile_baseline"]["variant"] == "muon_16x2"
+    assert "## The sweep" in table and "### Where the time goes: muon_16x2 (the baseline)" in table
+    assert "| 3 | adamw_64x1 | ok |" in table
 
 
 @pytest.mark.slow
@@ -144,14 +183,18 @@ def test_the_gpu_run_keeps_its_real_budgets(monkeypatch, tmp_path):
     assert (code, stage["status"], stage.get("error"), stage["budget_s"]) == (1, "timeout", "over its 2 s limit", 2)
 
 
-def test_the_lease_fits_one_call_of_8_minutes():
-    """The first five stages always get their whole budget, and the call ends a minute before 8 minutes."""
+def test_the_lease_fits_calls_of_8_minutes():
+    """A window's first call runs the sweep, its second the acceptance stages, each with its whole budget; each call
+    ends a minute before 8 minutes."""
     assert gpu_acceptance.LEASE_CALL_S <= 8 * 60 and gpu_acceptance.LEASE_SPARE_S >= 60
     assert gpu_acceptance.LEASE_BUDGET_S + gpu_acceptance.LEASE_SPARE_S <= gpu_acceptance.LEASE_CALL_S
     budgets = {s.name: s.lease_budget_s for s in gpu_acceptance.STAGES}
     assert list(gpu_acceptance.LEASE_ORDER) == LEASE_ORDER and sorted(LEASE_ORDER) == sorted(budgets)
-    assert gpu_acceptance.LEASE_FIRST == ("env", "step_compile", "train_resume", "fsdp", "hellaswag")
-    assert sum(budgets[n] for n in gpu_acceptance.LEASE_FIRST) <= gpu_acceptance.LEASE_BUDGET_S
+    assert gpu_acceptance.LEASE_CALLS == (("env", "sweep"), ("env", "step_compile", "train_resume", "hellaswag"))
+    for call in gpu_acceptance.LEASE_CALLS:
+        assert sum(budgets[n] for n in call) <= gpu_acceptance.LEASE_BUDGET_S
+    # the first call is the sweep's: nothing after it fits there, so the same command's next call begins the rest
+    assert budgets["env"] + budgets["sweep"] + min(budgets[n] for n in LEASE_ORDER[2:]) > gpu_acceptance.LEASE_BUDGET_S
     assert all(budgets[n] <= gpu_acceptance.LEASE_BUDGET_S for n in LEASE_ORDER)  # each can run in some call
 
 
@@ -196,6 +239,29 @@ def test_a_lease_call_goes_on_from_the_last_one(monkeypatch, tmp_path):
     assert stages["a"]["figures"] == {"x": 1}  # the first call's figures, kept
 
 
+def test_a_lease_call_short_of_the_sweeps_budget_runs_what_fits_of_it(monkeypatch, tmp_path):
+    """The sweep's variants each end in a row: with 200 s of a call left it starts (its 120 s minimum fit) and gets
+    what is left, where a stage of 400 s without a minimum waits for the next call."""
+    ran = {}
+
+    def stage(name: str, lease_min_s: float | None) -> gpu_acceptance.Stage:
+        def run(ctx, timeout: float) -> dict:
+            ran[name] = timeout
+            return {}
+        return gpu_acceptance.Stage(name, name, 999, 400, 999, run, lease_min_s=lease_min_s)
+
+    sweep = next(s for s in gpu_acceptance.STAGES if s.name == "sweep")
+    assert sweep.lease_min_s == gpu_acceptance.SWEEP_COLD_S + gpu_acceptance.SWEEP_WARM_S == 120
+    monkeypatch.setattr(gpu_acceptance, "STAGES", [stage("whole", None), stage("parts", sweep.lease_min_s)])
+    monkeypatch.setattr(gpu_acceptance, "LEASE_ORDER", ("whole", "parts"))
+    monkeypatch.setattr(sys, "argv", ["gpu_acceptance.py", "--lease", "--out", str(tmp_path / "acc"), "--budget",
+                                      "200"])
+    assert gpu_acceptance.main() == 1
+    stages = json.loads((tmp_path / "acc" / "acceptance.json").read_text())["stages"]
+    assert stages["whole"]["status"] == "not run" and "its 400 s do not fit" in stages["whole"]["error"]
+    assert list(ran) == ["parts"] and 190 < ran["parts"] <= 200
+
+
 def test_version_mismatches_name_the_stages_they_affect():
     assert gpu_acceptance.version_mismatches({"torch": "2.11.0+cu130", "transformers": "5.17.0",
                                               "accelerate": "1.15.0"}) == []
@@ -222,8 +288,7 @@ def test_prepare_lease_fills_the_folder_and_prints_the_call(tmp_path, capsys):
     assert (folder / "acc" / "acceptance.json").read_text() == "{}" and not (folder / "wheels").exists()
     command = prepare_lease.device_command(str(folder), with_wheels=False)
     assert f"  command:   {command}" in out and "pip install" not in command
-    assert "gpu_acceptance.py --lease --out" in command and command.endswith("cp " + str(folder) +
-                                                                             "/acc/acceptance.* $OUT/")
+    assert "gpu_acceptance.py --lease --out" in command and command.endswith("cp " + str(folder) + "/acc/* $OUT/")
     assert f'  carry:     ["{folder}"]' in out and "  timeout_s: 480 " in out
     assert len(prepare_lease.device_command(".lease", with_wheels=True)) < 2000  # the device tool's limit
     assert "--target /tmp/site .lease/wheels/*.whl" in prepare_lease.device_command(".lease", with_wheels=True)
@@ -295,3 +360,153 @@ def test_the_muon_fsdp_stage_runs_on_2_gpus_and_says_why_not_on_fewer(monkeypatc
     header["muon_gathered"] = False  # each rank orthogonalising its own shard would not say so
     with pytest.raises(gpu_acceptance.StageError, match="gathers each matrix whole"):
         gpu_acceptance.stage_muon_fsdp(ctx, 300)
+
+
+def fake_bench(name: str, tokens_per_s: float, first_loss: float) -> dict:
+    """What `benchmarks.bench_train --accelerate_only` with the sweep's flags writes, in the fields the sweep reads."""
+    accelerate = {"tokens_per_s": tokens_per_s, "best_trial_tokens_per_s": tokens_per_s, "mfu": 0.3, "last_loss": 9.0,
+                  "first_loss": first_loss, "first_step_s": 40.0, "step_s": 0.1, "peak_mem_gib": 12.0}
+    return {"device_name": "stand-in", "torch": "2.11", "compile": True, "micro_batch_size": 16, "grad_accum": 2,
+            "tokens_per_step": 32768, "max_rss_gib": 3.0, "graph_breaks": 0, "graph_break_reasons": [],
+            "host_syncs": {"host_syncs": 3, "host_syncs_in_optimizer": 0}, "phase_ms": {"optimizer": 25.0, "clip": 2.0},
+            "steps": 6, "steps_per_trial": [2, 2, 2], "loss_chunk_rows": None, "muon_stacked": False,
+            "knobs_in_code": {"loss_chunk_rows": True, "muon_stacked": True},
+            "profile": {"time": "t", "text": name + " profile table"}, "accelerate": accelerate}
+
+
+def stand_in_sweep(tmp_path, monkeypatch, variants, behaviour, timeout=600.0):
+    """run_sweep over `variants` (cold ones estimated at a million seconds: never started) with `Ctx.sh` standing in
+    for each variant's process: behaviour[name] = (tokens/s, first loss, "ok" / "oom" / "knob" / "hang"). Returns the
+    figures (or the StageError), the rows of sweep.jsonl and each process's flags and time limit."""
+    import subprocess as sp
+
+    monkeypatch.setattr(gpu_acceptance, "SWEEP_COLD_S", 1e6)
+    given = {}
+
+    def sh(self, stage, cmd, timeout, env=None, check=True):
+        name = stage.removeprefix("sweep_")
+        given[name] = (cmd[cmd.index("--optimizer"):cmd.index("--json")], timeout)
+        assert cmd[:3] == [gpu_acceptance.PY, "-m", "benchmarks.bench_train"] and "--accelerate_only" in cmd
+        tokens_per_s, first_loss, how = behaviour[name]
+        if how == "hang":
+            raise sp.TimeoutExpired(cmd, timeout)
+        if how == "oom":
+            log = ("$ python -m benchmarks.bench_train ...\nTraceback (most recent call last):\n"
+                   "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 6.14 GiB\nsome cleanup line\n")
+            return sp.CompletedProcess(cmd, 1, stdout=log)
+        if how == "knob":
+            log = "error: KNOB_UNKNOWN muon_stacked: this code has no such attribute\n"
+            return sp.CompletedProcess(cmd, 2, stdout=log)
+        Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(fake_bench(name, tokens_per_s, first_loss)))
+        return sp.CompletedProcess(cmd, 0, stdout="")
+
+    monkeypatch.setattr(gpu_acceptance.Ctx, "sh", sh)
+    ctx = gpu_acceptance.Ctx(smoke=False, out=tmp_path, work=tmp_path, hellaswag_data=None, lease=True,
+                             started="call 1")
+    try:
+        result = gpu_acceptance.run_sweep(ctx, timeout, variants, gpu_acceptance.sweep_command)
+    except gpu_acceptance.StageError as err:
+        result = err
+    rows = [json.loads(line) for line in (tmp_path / "sweep.jsonl").read_text().splitlines()]
+    return result, rows, given
+
+
+def test_the_sweep_runs_by_priority_and_a_crash_costs_one_row(tmp_path, monkeypatch):
+    """Each variant its own process, in order; an OOM, a knob this code lacks, a variant that no longer fits, a
+    stacked Muon the baseline already ran: each is its row's status, and the next variant runs. "best" takes the
+    fastest loss whose first loss agrees with the baseline's."""
+    sweep = {v.name: v for v in gpu_acceptance.SWEEP}
+    warm = [gpu_acceptance.replace(sweep[n], cold=False) for n in ("muon_16x2", "adamw_16x2", "adamw_16x2_chunk16384",
+                                                                  "adamw_16x2_full")]
+    variants = [*warm, sweep["adamw_64x1"], sweep["muon_16x2_stacked"], sweep["muon_16x2_per_matrix"],
+                sweep["muon_64x8"], sweep["adamw_64x8"]]
+    behaviour = {"muon_16x2": (300e3, 10.9, "ok"), "adamw_16x2": (380e3, 10.9001, "ok"),
+                 "adamw_16x2_chunk16384": (0, 0, "oom"),
+                 "adamw_16x2_full": (450e3, 10.95, "ok"),  # the fastest, but its loss is off by 5e-3 relative
+                 "muon_16x2_stacked": (0, 0, "knob"), "muon_64x8": (480e3, 10.9, "ok"), "adamw_64x8": (0, 0, "hang")}
+    figures, rows, given = stand_in_sweep(tmp_path, monkeypatch, variants, behaviour)
+    assert [r["variant"] for r in rows] == [v.name for v in variants] and [r["priority"] for r in rows] == [
+        1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert [r["status"] for r in rows] == ["ok", "ok", "fail", "ok", "not run", "skipped", "same as baseline", "ok",
+                                           "timeout"]
+    assert all(r["call"] == "call 1" for r in rows)
+    oom = rows[2]
+    assert oom["exit_code"] == 1 and oom["error"].startswith("torch.OutOfMemoryError: CUDA out of memory")
+    assert "do not fit" in rows[4]["error"] and "--sweep_variants adamw_64x1" in rows[4]["error"]
+    assert "KNOB_UNKNOWN" in rows[5]["error"]
+    assert rows[6]["error"] == "muon_16x2 already ran Muon with stacked=False"
+    assert rows[8]["error"] == f"over its {gpu_acceptance.SWEEP_VARIANT_LIMIT_S:.0f} s limit"
+    assert list(given) == ["muon_16x2", "adamw_16x2", "adamw_16x2_chunk16384", "adamw_16x2_full",
+                           "muon_16x2_stacked", "muon_64x8", "adamw_64x8"]  # no process for the others
+    assert all(limit == gpu_acceptance.SWEEP_VARIANT_LIMIT_S for _, limit in given.values())
+    assert rows[1]["loss_agrees"] is True and rows[1]["loss_reference"] == "muon_16x2"
+    assert rows[3]["loss_agrees"] is False and rows[3]["loss_difference"] == pytest.approx(0.05)
+    # muon_64x8's "best" loss: adamw_16x2's default (the full logits disagree, the 16k chunks crashed)
+    assert given["muon_64x8"][0] == ["--optimizer", "muon", "--micro_batch_size", "64", "--grad_accum", "8"]
+    assert rows[0]["optimizer_ms"] == 25.0 and rows[0]["compile_s"] == pytest.approx(39.9)
+    assert rows[0]["step_ms"] == pytest.approx(1e3 * 32768 / 300e3)
+
+    assert figures["ok"] == 4 and figures["failed"] == ["adamw_16x2_chunk16384", "adamw_64x8"]
+    assert figures["not_run"] == ["adamw_64x1"] and figures["skipped"] == ["muon_16x2_stacked",
+                                                                          "muon_16x2_per_matrix"]
+    assert figures["loss_disagreements"] == ["adamw_16x2_full"]
+    assert (figures["baseline"], figures["best"]) == ("muon_16x2", "muon_64x8")  # not the disagreeing full logits
+    assert figures["best_over_baseline"] == pytest.approx(1.6)
+    assert figures["profile_best"] == {"variant": "muon_64x8", "time": "t", "text": "muon_64x8 profile table"}
+    assert all("profile" not in r for r in figures["rows"]) and "profile" in rows[0]
+
+    # Later calls with --sweep_variants: the full logits again, now agreeing with the earlier calls' rows; then the
+    # users' shape alone, whose "best" loss comes from the rows of the calls before, the latest of each variant
+    behaviour |= {"adamw_16x2_full": (450e3, 10.9, "ok"), "adamw_64x8": (500e3, 10.9, "ok")}
+    _, rows, _ = stand_in_sweep(tmp_path, monkeypatch, [warm[3]], behaviour)
+    assert rows[-1]["loss_agrees"] is True and rows[-1]["loss_reference"] == "muon_64x8"
+    _, rows, given = stand_in_sweep(tmp_path, monkeypatch, [sweep["adamw_64x8"]], behaviour)
+    assert len(rows) == 11 and given["adamw_64x8"][0][-2:] == ["--loss_chunk_rows", "0"]
+
+
+def test_the_sweep_fails_when_its_baseline_does_not_run(tmp_path, monkeypatch):
+    sweep = [gpu_acceptance.replace(v, cold=False) for v in gpu_acceptance.SWEEP[:2]]
+    err, rows, _ = stand_in_sweep(tmp_path, monkeypatch, sweep, {"muon_16x2": (0, 0, "oom"),
+                                                                 "adamw_16x2": (380e3, 10.9, "ok")})
+    assert isinstance(err, gpu_acceptance.StageError) and "the baseline muon_16x2 did not run" in err.args[0]
+    assert [r["status"] for r in rows] == ["fail", "ok"] and err.args[1]["best"] == "adamw_16x2"
+    # a stage with under 5 s left starts nothing: every row says so
+    (tmp_path / "b").mkdir()
+    err, rows, given = stand_in_sweep(tmp_path / "b", monkeypatch, sweep, {}, timeout=3.0)
+    assert [r["status"] for r in rows] == ["not run", "not run"] and not given
+    assert "the baseline muon_16x2 did not run: its ~40 s do not fit" in err.args[0]
+
+
+def test_the_step_probes_count_syncs_by_phase_and_sort_ops_into_categories():
+    """benchmarks/step_probe.py on a CPU: a deliberate .item() inside and outside a wrapped optimizer step is counted
+    where it ran, the wrapped calls are timed, and an extra step's failure is its figure's only. (profile_step: the
+    smoke run's rows; the profiler's first start takes seconds.)"""
+    class Opt:
+        def step(self):
+            torch.ones(2).sum().item()
+
+    opt, phases = Opt(), step_probe.Phases(torch.device("cpu"))
+    phases.wrap(opt, "step", "optimizer")
+
+    def step():
+        x = torch.arange(4.0)
+        float(x.sum())  # _local_scalar_dense
+        torch.nonzero(x)
+        opt.step()
+
+    syncs = step_probe.count_syncs(step, phases, torch.device("cpu"))
+    assert syncs == {"host_syncs": 3, "host_syncs_in_optimizer": 1,
+                     "host_syncs_by_op": {"_local_scalar_dense": 2, "nonzero": 1}}
+    assert phases.counter is None and step_probe.count_syncs(lambda: None, phases, torch.device("cpu"))[
+        "host_syncs"] == 0
+    phases.reset()
+    opt.step()
+    assert phases.total_ms()["optimizer"] > 0
+
+    assert [step_probe.category(n) for n in (
+        "sm90_xmma_gemm_bf16bf16_bf16f32", "flash_fwd_kernel", "triton_per_fused_add_native_layer_norm_0",
+        "void at::native::vectorized_elementwise_kernel<4>", "Memcpy HtoD (Pageable -> Device)",
+        "void multi_tensor_apply_kernel<FusedAdamMathFunctor>", "aten::mm", "Optimizer.step#Muon.step",
+        "aten::empty_strided")] == ["GEMM", "attention", "triton", "elementwise", "memcpy", "optimizer", "GEMM",
+                                    "optimizer", "other"]
+    assert step_probe.probe("x", lambda: 1 / 0) == {"error": "ZeroDivisionError: division by zero"}

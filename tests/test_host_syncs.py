@@ -8,56 +8,34 @@ fused CUDA kernel keeps on the device.
 """
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
-import torch
 from conftest import TINY, train_in_process
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import train
-
-aten = torch.ops.aten
-SYNCS = {aten._local_scalar_dense, aten.equal, aten.is_nonzero, aten.nonzero, aten.masked_select}
-
-
-class SyncCounter(TorchDispatchMode):
-    """Counts the operators that read the device on the host, per optimizer step (a step's count runs from the
-    start of its `train_step` to the start of the next: its update, its log line, evaluations and checkpoint)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.step, self.paused, self.counts = 0, False, Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.step and not self.paused and func.overloadpacket in SYNCS:
-            self.counts[self.step] += 1
-        return func(*args, **(kwargs or {}))
+from benchmarks.step_probe import SyncCounter
 
 
 @pytest.fixture
 def counted(monkeypatch):
-    """A counter around the run's steps: train.py's `train_step` starts each count; the optimizers' own steps are
-    paused."""
-    counter = SyncCounter()
+    """The sweep's counter (benchmarks/step_probe.py) around a whole run, read at the start of each of train.py's
+    steps: `counts[k]` is what step k read, from the start of its `train_step` to the next one's (its update, its
+    log line, its evaluations and checkpoint). The optimizers' own steps are counted apart."""
+    counter, totals = SyncCounter(), [0]
     original = train.train_step
 
+    def outside_optimizers() -> int:
+        return sum(n for (section, _), n in counter.counts.items() if section != "optimizer")
+
     def counting_step(*args, **kwargs):
-        counter.step += 1
+        totals.append(outside_optimizers())
         return original(*args, **kwargs)
 
-    def pause(*_):
-        counter.paused = True
-
-    def resume(*_):
-        counter.paused = False
-
     monkeypatch.setattr(train, "train_step", counting_step)
-    handles = [register_optimizer_step_pre_hook(pause),
-               register_optimizer_step_post_hook(resume)]
+    handles = [register_optimizer_step_pre_hook(lambda *_: setattr(counter, "section", "optimizer")),
+               register_optimizer_step_post_hook(lambda *_: setattr(counter, "section", "step"))]
     with counter:
-        yield counter
+        yield lambda: [b - a for a, b in zip(totals[1:], totals[2:] + [outside_optimizers()])]
     for handle in handles:
         handle.remove()
 
@@ -70,10 +48,10 @@ RUN = TINY + ["--max_steps", "6", "--micro_batch_size", "2", "--total_batch_size
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_a_step_that_shows_nothing_reads_nothing_from_the_device(counted, tmp_path, optimizer):
     train_in_process(RUN + ["--optimizer", optimizer, "--out_dir", str(tmp_path / "run")])
-    assert counted.step == 6
-    quiet = [1, 2, 4, 5]  # steps 3 and 6 log; 6 also evaluates and saves
-    assert {step: counted.counts[step] for step in quiet} == dict.fromkeys(quiet, 0)
-    assert counted.counts[3] > 0  # a logged step reads its loss and norm: the counter sees a read
+    reads = counted()
+    assert len(reads) == 6
+    assert [reads[k - 1] for k in (1, 2, 4, 5)] == [0, 0, 0, 0]  # steps 3 and 6 log; 6 also evaluates and saves
+    assert reads[2] > 0  # a logged step reads its loss and norm: the counter sees a read
 
 
 @pytest.mark.slow
@@ -89,4 +67,4 @@ def test_a_deliberate_read_in_the_step_is_counted(counted, tmp_path, monkeypatch
 
     monkeypatch.setattr(training.step, "to_device", reading)
     train_in_process(RUN + ["--max_steps", "2", "--out_dir", str(tmp_path / "run")])
-    assert counted.counts[1] > 0
+    assert counted()[0] > 0
