@@ -9,7 +9,7 @@ from accelerate.utils import DistributedType
 
 from common.engine_names import DDP, DEEPSPEED, FSDP
 from common.errors import UserError
-from planner import Launch
+from planner import Launch, Shards
 from training.distributed.engines import Engine
 from training.distributed.layout import Layout
 from training.distributed.machine import Machine
@@ -88,7 +88,9 @@ def test_running_takes_the_zero_stage_deepspeed_runs():
     assert Layout(2, "deepspeed").running(accelerator) == Layout(2, "deepspeed", 3)
 
 
-def test_the_planner_reads_the_same_layout():
-    launch = Launch(4, processes=8, fsdp=True, tensor_parallel=2)
-    assert launch.layout == Layout(8, "fsdp", 0, 2) and launch.data_parallel == 4
-    assert Launch(4, processes=8, zero_stage=3).layout.engine == Engine("deepspeed", 3)
+def test_the_planner_holds_the_run_layout():
+    """The planner's `Launch` holds the run's `Layout`; what it shards over how many ranks is the layout's say."""
+    layout = Layout(8, FSDP, tensor_parallel=2)
+    launch = Launch(4, layout)
+    assert launch.layout is layout and launch.shards == Shards(4, 4, 4)  # FSDP2 over the 4 data-parallel ranks
+    assert Launch(4, Layout(8, DEEPSPEED, 1)).shards == Shards(1, 1, 8)
