@@ -19,8 +19,8 @@ def resized(config: GPTConfig, launch: Launch, micro_batch_size: int, processes:
     layout = launch.layout if processes is None else replace(launch.layout, world_size=processes)
     if launch.total_batch_size is None:
         return replace(launch, micro_batch_size=micro_batch_size, layout=layout)
-    data_parallel = layout.world_size // layout.tensor_parallel
-    if layout.world_size % layout.tensor_parallel or not BatchGeometry.divides(
+    data_parallel = layout.data_parallel_size  # the ranks reading other batches: a TP group or a pipeline reads one
+    if layout.world_size % layout.model_parallel or not BatchGeometry.divides(
             launch.total_batch_size, micro_batch_size, config.block_size, data_parallel):
         return None
     geometry = BatchGeometry.for_total(launch.total_batch_size, micro_batch_size, config.block_size, data_parallel)

@@ -196,6 +196,20 @@ def test_the_plan_of_a_pipeline_is_its_fuller_stage_with_the_bubble():
     assert "1 pipeline(s) of 4 stages (1F1B)" in text and "= 27% of each step idle" in text
 
 
+def test_the_advice_resizes_a_pipeline_by_its_pipelines():
+    """A pipeline reads one stream of batches: a micro-batch the advice tries gets the accumulation the run gives it
+    over the pipelines (the data-parallel ranks), not over every process (which held fewer micro-batches in flight)."""
+    from planner import Launch, resized
+    from training.distributed.processes import BatchGeometry
+
+    config = GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024)
+    layout = Layout(8, pipeline_parallel=4)  # 2 pipelines of 4 stages
+    for micro_batch_size in (8, 4):
+        run = BatchGeometry.for_total(2**19, micro_batch_size, 1024, layout.data_parallel_size)
+        launch = Launch(16, layout, total_batch_size=2**19)
+        assert resized(config, launch, micro_batch_size).accumulation == run.accumulation == 256 // micro_batch_size
+
+
 def test_the_planner_refuses_a_pipeline_as_the_run_does():
     from planner import Launch
 
