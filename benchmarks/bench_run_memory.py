@@ -26,6 +26,7 @@ from pathlib import Path
 from common.cli import CliParser
 from common.errors import UserError, run_cli
 from planner import GiB, Launch, RunPhases, RunPlan, model_config, plan_run
+from training.distributed.layout import Layout
 
 REPO = Path(__file__).resolve().parent.parent
 TOLERANCE = 0.15
@@ -60,7 +61,7 @@ class Shape:
 
     def plan(self, device: str = "cpu") -> RunPlan:
         """The planner's plan of this run: fp32 on the CPU, bf16 autocast on CUDA (as train.py runs each)."""
-        launch = Launch(self.micro_batch_size, processes=self.processes, dtype="bf16" if device == "cuda" else "fp32",
+        launch = Launch(self.micro_batch_size, Layout(self.processes), dtype="bf16" if device == "cuda" else "fp32",
                         device=device, activation_checkpointing=self.activation_checkpointing)
         run = RunPhases(eval_batch_size=self.micro_batch_size,
                         evaluations=("validation", "hellaswag") if self.hellaswag_items else ("validation",))

@@ -47,6 +47,7 @@ from planner import (
     render,
     run_advice,
 )
+from training.distributed.layout import Layout
 
 # glibc returns a freed block to the system only when it was mmapped, and raises its mmap threshold (up to 32 MB)
 # each time it frees one: from the second step on, most tensors live on the heap, whose freed pages stay in the
@@ -166,17 +167,17 @@ def table(device_gb: float) -> None:
           "FSDP2 and DeepSpeed: bf16 parameters), "
           "AdamW, eager, gradients held between micro-steps; computed by benchmarks.memory_plan (1 GiB + 10% kept "
           "free), not measured")
-    # the support table's column names (training.distributed.support), each engine as the planner's Launch takes it
-    engines = {column(DDP): {}, column(FSDP): {"fsdp": True},
-               **{column(DEEPSPEED, stage): {"zero_stage": stage} for stage in (1, 2, 3)}}
+    # the support table's column names (training.distributed.support), each engine's layout over 8 processes
+    engines = {column(DDP): Layout(8), column(FSDP): Layout(8, FSDP),
+               **{column(DEEPSPEED, stage): Layout(8, DEEPSPEED, stage) for stage in (1, 2, 3)}}
     print("| model | " + " | ".join(f"{e} | {e} + AC" for e in engines) + " |")
     print("| --- " * (1 + 2 * len(engines)) + "|")
     for name in TABLE_MODELS:
         config = model_config(name, 1024)
         cells = []
-        for engine in engines.values():
+        for layout in engines.values():
             for checkpointing in (False, True):
-                launch = Launch(1, processes=8, activation_checkpointing=checkpointing, accumulation=2, **engine)
+                launch = Launch(1, layout, activation_checkpointing=checkpointing, accumulation=2)
                 mb = largest_micro_batch(config, launch, device, TABLE_CAP)
                 cells.append("does not fit" if not mb else f"{mb}+" if mb == TABLE_CAP else str(mb))
         params = plan_memory(config, Launch(1)).params.total
@@ -233,10 +234,10 @@ def main() -> int:
     if args.model not in SIZES:
         raise UserError(f"--model {args.model!r} is not a size the planner knows; choose one of {', '.join(SIZES)}")
     config = model_config(args.model, args.block_size)
-    launch = Launch(args.micro_batch_size, processes=args.processes, fsdp=args.fsdp, zero_stage=args.zero,
-                    activation_checkpointing=args.activation_checkpointing, optimizer=args.optimizer,
-                    dtype=args.dtype, accumulation=args.accumulation, device=args.device,
-                    tensor_parallel=args.tensor_parallel)
+    engine = DEEPSPEED if args.zero else FSDP if args.fsdp else DDP
+    layout = Layout(args.processes, engine, args.zero, tensor_parallel=args.tensor_parallel)
+    launch = Launch(args.micro_batch_size, layout, activation_checkpointing=args.activation_checkpointing,
+                    optimizer=args.optimizer, dtype=args.dtype, accumulation=args.accumulation, device=args.device)
     if args.check:
         result = measure_in_subprocess(args.model, args.micro_batch_size, config.block_size, args.device,
                                        args.activation_checkpointing)

@@ -16,10 +16,15 @@ FAMILY_NAMES = {DDP: "DDP", FSDP: "FSDP", DEEPSPEED: "DeepSpeed"}
 
 
 def engine_name(kind: str, zero_stage: int = 0, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> str:
-    """"DDP", "FSDP2", "DeepSpeed ZeRO-2" ("DeepSpeed" while the stage is not known), with " x tensor parallel N"
-    when the blocks are split over N ranks, " x pipeline N" when they are N stages."""
+    """"DDP", "FSDP2", "DeepSpeed ZeRO-2" ("DeepSpeed" while the stage is not known), with its `degrees`."""
     name = ENGINE_NAMES[kind].format(stage=zero_stage) if zero_stage or kind != DEEPSPEED else FAMILY_NAMES[kind]
-    return name + (f" x tensor parallel {tensor_parallel}" if tensor_parallel > 1 else "") + \
+    return name + degrees(tensor_parallel, pipeline_parallel)
+
+
+def degrees(tensor_parallel: int = 1, pipeline_parallel: int = 1) -> str:
+    """" x tensor parallel N" when the blocks are split over N ranks, " x pipeline N" when they are N stages: how
+    every name of a launch (the engine's, the run header's, the plan's) ends."""
+    return (f" x tensor parallel {tensor_parallel}" if tensor_parallel > 1 else "") + \
         (f" x pipeline {pipeline_parallel}" if pipeline_parallel > 1 else "")
 
 

@@ -5,24 +5,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from common.engine_names import FSDP
 from model.config import GPTConfig
 from planner.launch import GB, Launch
 from planner.memory import RunPhases, format_gib, plan_memory, plan_run
+from training.distributed.layout import Layout
 from training.distributed.processes import BatchGeometry
 
 
 def resized(config: GPTConfig, launch: Launch, micro_batch_size: int, processes: int | None = None) -> Launch | None:
     """`launch` at another micro-batch (and number of processes). With a fixed total batch only a micro-batch the
     run accepts (`BatchGeometry`'s rule), at the accumulation it gives; None for one the run would refuse."""
-    processes = launch.processes if processes is None else processes
+    layout = launch.layout if processes is None else replace(launch.layout, world_size=processes)
     if launch.total_batch_size is None:
-        return replace(launch, micro_batch_size=micro_batch_size, processes=processes)
-    data_parallel = processes // launch.tensor_parallel
-    if processes % launch.tensor_parallel or not BatchGeometry.divides(launch.total_batch_size, micro_batch_size,
-                                                                        config.block_size, data_parallel):
+        return replace(launch, micro_batch_size=micro_batch_size, layout=layout)
+    data_parallel = layout.data_parallel_size  # the ranks reading other batches: a TP group or a pipeline reads one
+    if layout.world_size % layout.model_parallel or not BatchGeometry.divides(
+            launch.total_batch_size, micro_batch_size, config.block_size, data_parallel):
         return None
     geometry = BatchGeometry.for_total(launch.total_batch_size, micro_batch_size, config.block_size, data_parallel)
-    return replace(launch, micro_batch_size=micro_batch_size, processes=processes, accumulation=geometry.accumulation)
+    return replace(launch, micro_batch_size=micro_batch_size, layout=layout, accumulation=geometry.accumulation)
 
 
 
@@ -47,6 +49,11 @@ class Spelling:
     checkpointing: str = "--activation_checkpointing"
     processes: str = "--processes"
 
+    def engine(self, layout: Layout) -> str:
+        """How the advice names the engine of `layout` (a sharded one): FSDP2 by the setting that launches it
+        (`fsdp`), DeepSpeed by its name (the launch keeps its own config)."""
+        return self.fsdp if layout.kind == FSDP else layout.describe()
+
 
 
 def advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: Spelling = Spelling()) -> str | None:
@@ -64,37 +71,37 @@ def advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: Spell
         if (mb := largest_micro_batch(config, checkpointed, device_bytes, B)) > 0:
             return f"micro-batch {B} {where}; add {spelling.checkpointing}" + \
                    (f" (it fits then at micro-batch {B})" if mb == B else f" and lower {spelling.micro_batch} to {mb}")
-    if launch.replicas and launch.optimizer_shards:
+    layout = launch.layout
+    if layout.full_replicas and launch.optimizer_shards:
         for checkpointing in (launch.activation_checkpointing, True):
-            sharded = replace(launch, fsdp=True, activation_checkpointing=checkpointing)
+            sharded = replace(launch, layout=layout.sharded(), activation_checkpointing=checkpointing)
             if (mb := largest_micro_batch(config, sharded, device_bytes, B)) > 0:
                 extra = "" if checkpointing == launch.activation_checkpointing else f" and {spelling.checkpointing}"
                 return f"micro-batch {B} {where}; shard it with {spelling.fsdp}{extra}" + \
                        ("" if mb == B else f", at {spelling.micro_batch} {mb}")
-    if not launch.optimizer_shards and launch.processes > 1:
+    if not launch.optimizer_shards and layout.world_size > 1:
         return f"micro-batch {B} {where}, even at micro-batch 1; use --optimizer adamw with {spelling.fsdp} " \
                f"({launch.optimizer_spec.display} is refused under FSDP)"
-    if launch.pipeline_parallel > 1:  # more stages: each holds fewer blocks
-        more = 2 * launch.pipeline_parallel
-        fits = more <= config.n_layer and (candidate := resized(config, replace(launch, processes=launch.processes * 2,
-                                                                             pipeline_parallel=more), B)) is not None \
+    if layout.pipelined:  # more stages: each holds fewer blocks
+        more, doubled = 2 * layout.pipeline_parallel, 2 * layout.world_size
+        fits = more <= config.n_layer and (candidate := resized(config, replace(
+            launch, layout=replace(layout, world_size=doubled, pipeline_parallel=more)), B)) is not None \
             and plan_memory(config, candidate).fits(device_bytes)
         return f"micro-batch {B} {where}, even at micro-batch 1" + (
-            f"; split it into {more} stages (--pipeline_parallel {more}, {launch.processes * 2} processes)"
+            f"; split it into {more} stages (--pipeline_parallel {more}, {doubled} processes)"
             if fits else "; use a larger device")
     # More devices under the launch's own sharding engine (FSDP2 for DDP and one process).
-    sharded = replace(launch, fsdp=not launch.zero_stage, activation_checkpointing=True)
-    engine = f"{spelling.fsdp}" if not launch.zero_stage else launch.engine
+    sharded = replace(launch, layout=layout.sharded(), activation_checkpointing=True)
 
     def fits_on(processes: int) -> bool:
         candidate = resized(config, sharded, 1, processes)
         return candidate is not None and plan_memory(config, candidate).fits(device_bytes)
 
-    devices = next((n for n in (2**k for k in range(1, 11)) if n > launch.processes and fits_on(n)), None)
+    devices = next((n for n in (2**k for k in range(1, 11)) if n > layout.world_size and fits_on(n)), None)
     return f"micro-batch {B} {where}, even at micro-batch 1 with {spelling.checkpointing}" + \
-           (f" and {launch.engine}" if launch.fsdp or launch.zero_stage else "") + \
-           (f"; shard it with {engine} over {devices} devices ({spelling.processes} {devices})"
-            if devices and launch.optimizer_shards else "; use a larger device")
+           (f" and {layout.describe()}" if layout.sharded() == layout else "") + \
+           (f"; shard it with {spelling.engine(sharded.layout)} over {devices} devices ({spelling.processes} "
+            f"{devices})" if devices and launch.optimizer_shards else "; use a larger device")
 
 
 
@@ -122,5 +129,5 @@ def run_advice(config: GPTConfig, launch: Launch, run: RunPhases, device_bytes: 
     if step_line is not None:  # what the step's advice changes (sharding, more devices) lowers what is kept too
         return f"{where}, and the step does not fit either: {step_line}"
     return f"{where} (the weights and optimizer state every rank keeps)" + \
-        (f"; shard them with {spelling.fsdp}" if launch.replicas else
+        (f"; shard them with {spelling.fsdp}" if launch.layout.full_replicas else
          "; use a larger device")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 
-from common.engine_names import FSDP
 from common.errors import UserError
 from model.config import SIZES, GPTConfig
 from planner.advice import Spelling
@@ -93,15 +92,12 @@ def exit_after_plan(cfg):
                               n_layer=config.n_layer)
     geometry = BatchGeometry.for_total(cfg.training.total_batch_size, cfg.training.micro_batch_size,
                                        config.block_size, layout.data_parallel_size)  # the run's rule
-    launch = Launch(micro_batch_size=geometry.micro_batch_size, processes=layout.world_size,
-                    tensor_parallel=layout.tensor_parallel, pipeline_parallel=layout.pipeline_parallel,
-                    fsdp=layout.kind == FSDP, zero_stage=layout.zero_stage,
-                    activation_checkpointing=cfg.training.activation_checkpointing,
+    launch = Launch(geometry.micro_batch_size, layout, activation_checkpointing=cfg.training.activation_checkpointing,
                     optimizer=plan_optimizers(cfg.optim, model, cfg.added).kind,  # auto resolved as a run does
                     dtype=str(env["dtype"]), accumulation=geometry.accumulation, device=str(env["device"]),
                     total_batch_size=cfg.training.total_batch_size)  # so that advised micro-batches divide it
     if int(os.environ.get("RANK", "0")) == 0:
-        device_bytes, which = device_here(launch.device, int(os.environ.get("LOCAL_WORLD_SIZE", launch.processes)))
+        device_bytes, which = device_here(launch.device, int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size)))
         run = RunPhases.of_flags(cfg.eval, hub_staging=cfg.hub.push_to_hub and cfg.hub.hub_push_every > 0)
         print(render(plan_memory(config, launch), device_bytes,
                      Spelling(fsdp="accelerate_configs/fsdp_8gpu.yaml (FSDP2)", processes="--num_processes"), run))

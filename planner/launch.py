@@ -1,13 +1,13 @@
-"""What a training process does with the model, as the planner sees it: its batch, its share of the model (the
-engine's sharding: `Shards`), its precision; its layout is the run's (`training.distributed.layout.Layout`), and a
-feature an
-engine does not run is refused from `training.distributed.support`'s table, as the run refuses it.
+"""What a training process does with the model, as the planner sees it: its batch, its precision, and its layout,
+the run's (`training.distributed.layout.Layout`): its share of the model (`Shards`) is what the layout's engine
+shards, and a launch the run refuses (the layout's checks, `training.distributed.support`'s table) is refused here in
+the run's words.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.engine_names import DDP, DEEPSPEED, FSDP, engine_name
+from common.engine_names import FSDP
 from common.errors import UserError
 from training.distributed.layout import Layout
 from training.distributed.support import refusal
@@ -25,13 +25,19 @@ DEVICES = ("cuda", "cpu")
 @dataclass(frozen=True)
 class Shards:
     """Over how many processes the parameters, their gradients and the optimizer state are split (each process holds
-    1/n of the term). One process and DDP: 1, 1, 1 (every rank holds everything); FSDP2: N, N, N. An engine that
-    splits them otherwise (DeepSpeed's ZeRO-1 shards the optimizer state only, ZeRO-2 the gradients too, ZeRO-3 all
-    three) is one more case of `Launch.shards`: every phase of the plan takes these terms from here."""
+    1/n of the term): the data-parallel ranks for a term the engine shards (`Layout.shards_parameters`, ...), else 1.
+    One process and DDP: 1, 1, 1; FSDP2: N, N, N; ZeRO-1: 1, 1, N; ZeRO-2: 1, N, N; ZeRO-3: N, N, N. Every phase of
+    the plan takes these terms from here."""
 
     parameters: int = 1
     gradients: int = 1
     optimizer_state: int = 1
+
+    @classmethod
+    def of(cls, layout: Layout) -> Shards:
+        n = layout.data_parallel_size
+        return cls(*(n if sharded else 1 for sharded in (layout.shards_parameters, layout.shards_gradients,
+                                                          layout.shards_optimizer_state)))
 
     def note(self, n: int) -> str:
         return f", sharded over {n}" if n > 1 else ""
@@ -40,12 +46,11 @@ class Shards:
 
 @dataclass(frozen=True)
 class Launch:
-    """What a training process does with the model: its batch, its share of the model, its precision."""
+    """What a training process does with the model: its batch, its layout (the processes, the engine, the degrees:
+    `Launch(4, Layout(8, FSDP, tensor_parallel=2))`), its precision."""
 
     micro_batch_size: int
-    processes: int = 1
-    fsdp: bool = False
-    zero_stage: int = 0  # DeepSpeed ZeRO-1, 2 or 3; 0: not DeepSpeed
+    layout: Layout = Layout()
     activation_checkpointing: bool = False
     optimizer: str = "adamw"  # a registered optimizer's name ("adamw", "muon": training.optimizers)
     dtype: str = "bf16"  # "bf16": accelerate's autocast (fp32 master weights), "fp32": no autocast
@@ -54,51 +59,17 @@ class Launch:
     # The tokens of one optimizer step when the run fixes them (train.py --plan): the advice then names only the
     # micro-batches the run accepts, with the accumulation each gives (`resized`). None: any micro-batch.
     total_batch_size: int | None = None
-    # --tensor_parallel: the blocks' matrices split over groups of this many processes, FSDP2 over the
-    # processes / tensor_parallel groups (`training.distributed.tensor_parallel`); 1: none.
-    tensor_parallel: int = 1
-    # --pipeline_parallel: the blocks in this many stages, one per process of a pipeline
-    # (`training.distributed.pipeline`), the
-    # processes / pipeline_parallel pipelines averaging their gradients; 1: none.
-    pipeline_parallel: int = 1
-
-    @property
-    def layout(self) -> Layout:
-        """The launch's layout as a run holds it (`training.distributed.layout`)."""
-        return Layout(self.processes, self.kind, self.zero_stage, self.tensor_parallel, self.pipeline_parallel)
 
     @property
     def bubble(self) -> float:
         """The share of a pipelined step its stages wait (1F1B): (stages - 1) / (micro-batches + stages - 1)."""
-        n = self.pipeline_parallel
+        n = self.layout.pipeline_parallel
         return (n - 1) / (self.accumulation + n - 1)
-
-    @property
-    def data_parallel(self) -> int:
-        """The processes that read different batches (and over which FSDP2 shards): all, or one per TP group."""
-        return self.layout.data_parallel_size
 
     @property
     def shards(self) -> Shards:
         """Over how many processes each per-process term is split: the engine's say (see `Shards`)."""
-        n = self.data_parallel
-        if self.zero_stage:
-            return Shards(parameters=n if self.zero_stage >= 3 else 1, gradients=n if self.zero_stage >= 2 else 1,
-                          optimizer_state=n)
-        return Shards(parameters=n, gradients=n, optimizer_state=n) if self.fsdp else Shards()
-
-    @property
-    def kind(self) -> str:
-        """The engine, as `training.distributed.support` keys it."""
-        return DEEPSPEED if self.zero_stage else FSDP if self.fsdp else DDP
-
-    @property
-    def engine(self) -> str:
-        if self.tensor_parallel > 1:
-            return f"{engine_name(FSDP)} over {self.data_parallel} x tensor parallel {self.tensor_parallel}"
-        if self.pipeline_parallel > 1:
-            return f"{self.data_parallel} pipeline(s) of {self.pipeline_parallel} stages (1F1B)"
-        return engine_name(self.kind, self.zero_stage) if self.processes > 1 or self.kind != DDP else "one process"
+        return Shards.of(self.layout)
 
     @property
     def optimizer_spec(self) -> OptimizerSpec:
@@ -111,25 +82,22 @@ class Launch:
         return refusal(f"--optimizer {self.optimizer}", FSDP) is None
 
     @property
-    def replicas(self) -> bool:
-        """Every process a full replica that all-reduces whole gradients in DDP's buckets (DDP, several processes)."""
-        return self.processes > 1 and not self.fsdp and not self.zero_stage and self.pipeline_parallel == 1
-
-    @property
-    def gathers_parameters(self) -> bool:
-        """Parameters sharded and gathered per unit for each forward and backward (FSDP2, ZeRO-3)."""
-        return self.fsdp or self.zero_stage >= 3
-
-    @property
     def bf16_parameters(self) -> bool:
-        """The module's parameters themselves in bf16 (FSDP2's mixed precision, DeepSpeed's bf16), rather than
-        autocast's bf16 copies of fp32 parameters."""
-        return self.dtype == "bf16" and (self.fsdp or self.zero_stage > 0)
+        """The forward computes with bf16 parameters (bf16, and an engine that holds them so: `Layout.bf16_parameters`)
+        rather than with autocast's bf16 copies of fp32 parameters."""
+        return self.dtype == "bf16" and self.layout.bf16_parameters
+
+    @property
+    def fp32_master(self) -> bool:
+        """The module's parameters and gradients stored in bf16 beside an fp32 master copy (bf16, and an engine that
+        keeps one: `Layout.fp32_master`)."""
+        return self.dtype == "bf16" and self.layout.fp32_master
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "processes", "accumulation"):
-            if getattr(self, name) < 1:
-                raise UserError(f"--{name} must be positive, got {getattr(self, name)}; pass a value of at least 1")
+        for name, value in (("micro_batch_size", self.micro_batch_size), ("processes", self.layout.world_size),
+                            ("accumulation", self.accumulation)):
+            if value < 1:
+                raise UserError(f"--{name} must be positive, got {value}; pass a value of at least 1")
         if self.optimizer not in REGISTERED:
             raise UserError(f"optimizer {self.optimizer!r} is not one the planner knows; use one of "
                             f"{', '.join(REGISTERED)}")
@@ -137,17 +105,6 @@ class Launch:
             raise UserError(f"precision {self.dtype!r} is not one the planner knows; use bf16 or fp32")
         if self.device not in DEVICES:
             raise UserError(f"device {self.device!r} is not one the planner knows; use cuda or cpu")
-        if self.zero_stage not in (0, 1, 2, 3) or (self.zero_stage and self.fsdp):
-            raise UserError(f"ZeRO stage {self.zero_stage} {'with FSDP2 ' if self.fsdp else ''}is not a launch the "
-                            "planner knows; plan ZeRO stage 1, 2 or 3, or FSDP2, one engine at a time")
-        if self.tensor_parallel < 1 or self.processes % self.tensor_parallel or (
-                self.tensor_parallel > 1 and not self.fsdp):
-            raise UserError(f"tensor parallel {self.tensor_parallel} over {self.processes} process(es)"
-                            f"{'' if self.fsdp else ' without FSDP2'} is not a launch train.py runs; plan a degree "
-                            "that divides the processes, with FSDP2")
-        if self.pipeline_parallel > 1:
-            Layout.checked(self.processes, self.kind, self.zero_stage, self.tensor_parallel,
-                                self.pipeline_parallel)  # the run's refusals, in its words
-        if line := refusal(f"--optimizer {self.optimizer}", self.kind, self.zero_stage, self.tensor_parallel,
-                           pipeline_parallel=self.pipeline_parallel):
+        self.layout.check()  # the run's refusals, in its words
+        if line := self.layout.engine.refusal(f"--optimizer {self.optimizer}"):
             raise UserError(line)

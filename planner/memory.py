@@ -170,7 +170,7 @@ def activation_bytes_per_layer(config: GPTConfig, launch: Launch) -> int:
     a = 2 if launch.dtype == "bf16" else 4
     r = _residual_bytes(launch)
     btc = B * T * C
-    tp = launch.tensor_parallel  # splits q, k, v, SDPA's output and the GELU's (12a BTC) and the logsumexp
+    tp = launch.layout.tensor_parallel  # splits q, k, v, SDPA's output and the GELU's (12a BTC) and the logsumexp
     saved = btc * (2 * r + 2 * a) + btc * 12 * a // tp + 4 * (4 * B * T) + 4 * B * H * T // tp
     if config.dropout > 0:
         saved += 2 * btc  # one-byte masks after attention and after the MLP
@@ -197,15 +197,16 @@ def plan_memory(config: GPTConfig, launch: Launch, process_bytes: int = CPU_PROC
     Under pipeline parallelism, the plan of the fuller of the first stage (the embeddings, and under 1F1B the
     activations of as many micro-batches in flight as there are stages) and the last (the loss, the output layer's
     copy); `stage`: that stage's plan."""
-    stages = launch.pipeline_parallel
-    if stages > 1 and stage is None:
+    layout = launch.layout
+    stages = layout.pipeline_parallel
+    if layout.pipelined and stage is None:
         return max((plan_memory(config, launch, process_bytes, s) for s in (0, stages - 1)), key=lambda p: p.peak)
-    if (problem := split_problem(config.n_head, config.n_embd, launch.tensor_parallel)) is not None:
-        raise UserError(f"tensor parallel {launch.tensor_parallel} cannot split this model: {problem}; plan a degree "
+    if (problem := split_problem(config.n_head, config.n_embd, layout.tensor_parallel)) is not None:
+        raise UserError(f"tensor parallel {layout.tensor_parallel} cannot split this model: {problem}; plan a degree "
                         "that divides n_head")
-    counts = ParamCounts.per_rank(config, launch.tensor_parallel) if stage is None else \
+    counts = ParamCounts.per_rank(config, layout.tensor_parallel) if stage is None else \
         ParamCounts.per_stage(config, stages, stage)
-    P, N = counts.total, launch.data_parallel
+    P = counts.total
     shards = launch.shards
     B, T, C, V = launch.micro_batch_size, config.block_size, config.n_embd, config.padded_vocab_size
     L = config.n_layer if stage is None else len(stage_blocks(config.n_layer, stages)[stage])
@@ -217,15 +218,15 @@ def plan_memory(config: GPTConfig, launch: Launch, process_bytes: int = CPU_PROC
 
     params, grads, state = _weights_and_state(counts, launch)
     static = [params, state]
-    if launch.replicas:
+    if layout.full_replicas:
         static.append(Item("DDP gradient buckets", 4 * P, "a flat copy of the gradients for the all-reduce"))
-    if launch.zero_stage in (1, 2) and N > 1:
+    if layout.reduces_in_buckets:
         static.append(Item("DeepSpeed reduce buckets", pc * min(P, DEEPSPEED_BUCKET_ELEMENTS),
                            f"its reduce_bucket_size ({DEEPSPEED_BUCKET_ELEMENTS:.0e} elements by default)"))
     block_params = (counts.block_matrices + counts.block_vectors) // L
     root_params = counts.embeddings + counts.final_norm
-    if launch.gathers_parameters:
-        static.append(Item(f"{'FSDP2' if launch.fsdp else 'ZeRO-3'} unsharded in flight",
+    if layout.shards_parameters:
+        static.append(Item(f"{layout.sharding_name} unsharded in flight",
                            pc * (root_params + 2 * block_params),
                            "embeddings and ln_f (the root) + 2 blocks (this one and the prefetched one)"))
     elif bf16 and not launch.bf16_parameters:
@@ -252,7 +253,7 @@ def plan_memory(config: GPTConfig, launch: Launch, process_bytes: int = CPU_PROC
     autocast_temps = 2 * rows * V + 2 * V * C if bf16 else 0  # bf16 logits and weight-gradient products
     loss_forward = 4 * rows * V + 8 * btc + weight_grad + autocast_temps if last else 0  # the last stage's
     loss_backward = 8 * btc + 2 * weight_grad if last else 0  # its saved gradients and their scaled copies
-    fsdp_grads_in_flight = pc * (root_params + block_params) if launch.gathers_parameters else 0
+    fsdp_grads_in_flight = pc * (root_params + block_params) if layout.shards_parameters else 0
 
     moments: dict[str, list[Item]] = {
         "forward's end": [*static, activations] + ([Item("loss (chunked)", loss_forward,
@@ -262,7 +263,7 @@ def plan_memory(config: GPTConfig, launch: Launch, process_bytes: int = CPU_PROC
                             + ([Item("loss (chunked)", loss_backward, "its two gradients, scaled")] if last else [])
                             + ([Item("unsharded gradients", fsdp_grads_in_flight,
                                      "the root's and one block's, before their reduce-scatter")]
-                               if launch.gathers_parameters else []),
+                               if layout.shards_parameters else []),
         "optimizer step": [params, grads, state] + [i for i in static if i.name in
                                                      ("DDP gradient buckets", "DeepSpeed reduce buckets")]
                           + _whole_matrix(config, launch)
@@ -278,10 +279,10 @@ def plan_memory(config: GPTConfig, launch: Launch, process_bytes: int = CPU_PROC
 
 
 def _whole_matrix(config: GPTConfig, launch: Launch) -> list[Item]:
-    """Muon under FSDP2 or tensor parallelism: the largest matrix (c_fc's 4C x C) gathered whole, its momentum-
-    mixed update and Newton-Schulz's working copies (the iterate, its Gram matrix, the polynomial and the product:
-    4 of its size, fp32 at most), one matrix at a time."""
-    if not launch.optimizer_spec.whole_matrices or not (launch.fsdp or launch.tensor_parallel > 1):
+    """Muon where the matrices are DTensors (FSDP2, tensor parallelism included): the largest matrix (c_fc's 4C x C)
+    gathered whole, its momentum-mixed update and Newton-Schulz's working copies (the iterate, its Gram matrix, the
+    polynomial and the product: 4 of its size, fp32 at most), one matrix at a time."""
+    if not launch.optimizer_spec.whole_matrices or not launch.layout.dtensor_matrices:
         return []
     largest = 4 * config.n_embd * config.n_embd
     return [Item("Muon's whole matrix", 4 * 5 * largest, "the largest matrix gathered for Newton-Schulz, and 4 "
@@ -294,10 +295,11 @@ def _process_item(process_bytes: int) -> Item:
 
 
 def _weights_and_state(counts: ParamCounts, launch: Launch) -> tuple[Item, Item, Item]:
-    """This process's parameters, gradients and optimizer state, each split as `launch.shards` says: fp32, but under
-    DeepSpeed's bf16 the module's parameters and gradients are bf16 and the optimizer keeps an fp32 master copy."""
+    """This process's parameters, gradients and optimizer state, each split as `launch.shards` says: fp32, but with
+    an fp32 master copy (DeepSpeed's bf16) the module's parameters and gradients are bf16 and the optimizer keeps
+    the copy."""
     P, shards = counts.total, launch.shards
-    low = launch.zero_stage > 0 and launch.dtype == "bf16"
+    low = launch.fp32_master
     size, dtype = (2, "bf16") if low else (4, "fp32")
     params = Item("parameters", size * P // shards.parameters,
                   f"{P / 1e6:,.1f}M {dtype}" + shards.note(shards.parameters))
@@ -413,7 +415,7 @@ def plan_run(config: GPTConfig, launch: Launch, run: RunPhases) -> RunPlan:
     counts = step.params
     params, _, state = _weights_and_state(counts, launch)
     kept = [params, state]
-    if launch.replicas:
+    if launch.layout.full_replicas:
         kept.append(Item("DDP gradient buckets", 4 * counts.total, "kept by DDP between steps"))
     if process:
         kept.append(_process_item(process))
@@ -429,7 +431,7 @@ def plan_run(config: GPTConfig, launch: Launch, run: RunPhases) -> RunPlan:
         settings[spec.name] = "--eval_batch_size"
     host = launch.device == "cpu"
     gathered = []
-    if launch.pipeline_parallel > 1:  # the whole model's files, gathered on the main process's host memory
+    if launch.layout.pipelined:  # the whole model's files, gathered on the main process's host memory
         whole = ParamCounts.of(config).total
         state = launch.optimizer_spec.state_bytes_of(whole, ParamCounts.of(config).block_matrices)
         gathered = [Item("gathered whole model", (4 * whole + state)
@@ -437,7 +439,7 @@ def plan_run(config: GPTConfig, launch: Launch, run: RunPhases) -> RunPlan:
                          + ("" if host else " (host memory)"))]
     phases["checkpoint save"] = kept + [evaluation(1, T, "the health check: one window")] + gathered
     settings["checkpoint save"] = "the weights themselves"
-    exported = ParamCounts.of(config) if launch.pipeline_parallel > 1 else counts  # what the main process writes
+    exported = ParamCounts.of(config) if launch.layout.pipelined else counts  # what the main process writes
     transposed = Item("export's transposed matrices", 4 * exported.block_matrices if host else 0,
                       "GPT-2's Conv1D layout in the file" + ("" if host else " (host memory)"))
     phases["export"] = [i for i in kept if i.name != "optimizer state"] + [transposed] + \

@@ -14,20 +14,20 @@ def render(plan: MemoryPlan, device_bytes: int, spelling: Spelling | None = None
     `spelling`: how the entry point names the settings its advice changes (default: `Spelling()`)."""
     spelling = spelling or Spelling()
     c, l_ = plan.config, plan.launch
-    how = l_.engine
-    precision = "fp32" if l_.dtype == "fp32" else ("bf16 parameters" if l_.zero_stage else "bf16 autocast")
+    how = l_.layout.describe()
+    precision = "fp32" if l_.dtype == "fp32" else ("bf16 parameters" if l_.fp32_master else "bf16 autocast")
     lines = [
         f"Memory plan (computed from the shapes, not measured): {c.n_layer} layers x {c.n_embd} wide, {c.n_head} "
         f"heads, vocabulary {c.padded_vocab_size} (padded), {plan.params.total / 1e6:,.1f}M parameters"
         + (" in the stage planned" if plan.stage is not None else ""),
-        f"  micro-batch {l_.micro_batch_size} x {c.block_size} tokens, {l_.processes} process(es), {how}, "
+        f"  micro-batch {l_.micro_batch_size} x {c.block_size} tokens, {l_.layout.world_size} process(es), {how}, "
         f"{precision}, {l_.optimizer}, activation checkpointing "
         f"{'on' if l_.activation_checkpointing else 'off'}, accumulation {l_.accumulation}, device {l_.device}",
         f"  activations per layer: {format_gib(plan.activation_per_layer)} (one Block's saved tensors"
         + (", recomputed: only its input is kept" if l_.activation_checkpointing else "") + ")",
     ]
     if plan.stage is not None:
-        n = l_.pipeline_parallel
+        n = l_.layout.pipeline_parallel
         lines.append(f"  pipeline: planned for stage {plan.stage} of {n} (the fuller of the first and the last); the "
                      f"bubble: {n - 1} / ({l_.accumulation} micro-batches + {n - 1}) = {l_.bubble:.0%} of each step "
                      "idle")

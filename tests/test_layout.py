@@ -7,8 +7,9 @@ from types import SimpleNamespace
 import pytest
 from accelerate.utils import DistributedType
 
+from common.engine_names import DDP, DEEPSPEED, FSDP
 from common.errors import UserError
-from planner import Launch
+from planner import Launch, Shards
 from training.distributed.engines import Engine
 from training.distributed.layout import Layout
 from training.distributed.machine import Machine
@@ -20,6 +21,51 @@ def test_the_degrees_multiply_to_the_world_tensor_parallel_innermost():
     assert [layout.data_parallel_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert layout.engine == Engine("fsdp", 0, 2) and layout.name == "FSDP2 x tensor parallel 2"
     assert Layout(3).data_parallel_size == 3 and Layout(3).name == "DDP"
+
+
+# What each engine answers (`Layout`'s questions), one row per launch: the sharded terms (parameters, gradients,
+# optimizer state), full replicas, DeepSpeed's buckets, bf16 parameters, the fp32 master copy, DTensor matrices,
+# pipelined; then the plan's words and the advised sharded engine.
+ANSWERS = {
+    Layout(1): ((0, 0, 0), 0, 0, 0, 0, 0, 0, "one process", "FSDP2"),
+    Layout(8): ((0, 0, 0), 1, 0, 0, 0, 0, 0, "DDP", "FSDP2"),
+    Layout(8, FSDP): ((1, 1, 1), 0, 0, 1, 0, 1, 0, "FSDP2", "FSDP2"),
+    Layout(8, FSDP, tensor_parallel=2): ((1, 1, 1), 0, 0, 1, 0, 1, 0, "FSDP2 over 4 x tensor parallel 2",
+                                         "FSDP2 x tensor parallel 2"),
+    Layout(8, DEEPSPEED, 1): ((0, 0, 1), 0, 1, 1, 1, 0, 0, "DeepSpeed ZeRO-1", "DeepSpeed ZeRO-1"),
+    Layout(8, DEEPSPEED, 2): ((0, 1, 1), 0, 1, 1, 1, 0, 0, "DeepSpeed ZeRO-2", "DeepSpeed ZeRO-2"),
+    Layout(8, DEEPSPEED, 3): ((1, 1, 1), 0, 0, 1, 1, 0, 0, "DeepSpeed ZeRO-3", "DeepSpeed ZeRO-3"),
+    Layout(1, DEEPSPEED, 2): ((0, 1, 1), 0, 0, 1, 1, 0, 0, "DeepSpeed ZeRO-2", "DeepSpeed ZeRO-2"),
+    Layout(8, pipeline_parallel=4): ((0, 0, 0), 0, 0, 0, 0, 0, 1, "2 pipeline(s) of 4 stages (1F1B)",
+                                     "FSDP2 x pipeline 4"),
+}
+
+
+@pytest.mark.parametrize("layout", list(ANSWERS), ids=lambda layout: layout.name)
+def test_the_layout_answers_for_its_engine(layout):
+    """What the planner and the header ask of an engine, answered by the layout (the engines' facts in one place)."""
+    asked = ((layout.shards_parameters, layout.shards_gradients, layout.shards_optimizer_state), layout.full_replicas,
+             layout.reduces_in_buckets, layout.bf16_parameters, layout.fp32_master, layout.dtensor_matrices,
+             layout.pipelined, layout.describe(), layout.sharded().name)
+    assert asked == ANSWERS[layout]
+
+
+def test_the_engine_words_are_composed_once():
+    """The engine's name, the run header's words and the plan's end the same way (`degrees`)."""
+    assert Engine(DEEPSPEED, 3).header_words("DEEPSPEED") == "DEEPSPEED (ZeRO-3)"
+    assert Engine(FSDP, tensor_parallel=2).header_words("FSDP") == "FSDP x tensor parallel 2"
+    assert Engine(pipeline_parallel=4).header_words("MULTI_GPU", "blocks 0-2 of 12") == \
+        "MULTI_GPU x pipeline 4 (1F1B; this stage: blocks 0-2 of 12)"
+    assert Engine(DDP).header_words("NO") == "NO" and Layout(8, FSDP, tensor_parallel=2).sharding_name == "FSDP2"
+    assert Layout(8, DEEPSPEED, 3).sharding_name == "ZeRO-3"
+
+
+def test_a_layout_no_engine_runs_is_refused_in_one_line():
+    for layout, words in ((Layout(8, FSDP, 3), "ZeRO stage 3 under FSDP"), (Layout(8, DEEPSPEED, 4), "ZeRO stage 4"),
+                          (Layout(8, "megatron"), "engine 'megatron'"),
+                          (Layout(8, FSDP, tensor_parallel=0), "--tensor_parallel must be positive")):
+        with pytest.raises(UserError, match=words):
+            layout.check()
 
 
 def test_of_launch_reads_the_accelerate_environment(monkeypatch):
@@ -42,7 +88,9 @@ def test_running_takes_the_zero_stage_deepspeed_runs():
     assert Layout(2, "deepspeed").running(accelerator) == Layout(2, "deepspeed", 3)
 
 
-def test_the_planner_reads_the_same_layout():
-    launch = Launch(4, processes=8, fsdp=True, tensor_parallel=2)
-    assert launch.layout == Layout(8, "fsdp", 0, 2) and launch.data_parallel == 4
-    assert Launch(4, processes=8, zero_stage=3).layout.engine == Engine("deepspeed", 3)
+def test_the_planner_holds_the_run_layout():
+    """The planner's `Launch` holds the run's `Layout`; what it shards over how many ranks is the layout's say."""
+    layout = Layout(8, FSDP, tensor_parallel=2)
+    launch = Launch(4, layout)
+    assert launch.layout is layout and launch.shards == Shards(4, 4, 4)  # FSDP2 over the 4 data-parallel ranks
+    assert Launch(4, Layout(8, DEEPSPEED, 1)).shards == Shards(1, 1, 8)

@@ -13,6 +13,7 @@ import torch
 from conftest import REPO_ROOT
 
 from benchmarks.memory_plan import measure_in_subprocess
+from common.engine_names import DDP, DEEPSPEED, FSDP
 from common.errors import UserError, run_cli
 from configs import parse_config
 from model import GPT, GPTConfig
@@ -31,6 +32,7 @@ from planner import (
     plan_run,
     run_advice,
 )
+from training.distributed.layout import Layout
 
 PRESETS = ["gpt2_350m_fineweb_edu.yaml", "gpt2_774m_fineweb_edu.yaml", "gpt2_1558m_fineweb_edu.yaml"]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline"}
@@ -56,8 +58,8 @@ def test_hand_computed_gpt2_xl_plan():
     assert P == 1_557_686_400 and ParamCounts.of(config).total == P
     btc = 4 * 1024 * 1600
     per_layer = btc * (2 * 4 + 14 * 2) + 16 * 4 * 1024 + 4 * 4 * 25 * 1024  # residuals fp32, the rest bf16
-    assert activation_bytes_per_layer(config, Launch(4, processes=8)) == per_layer
-    plan = plan_memory(config, Launch(4, processes=8))
+    assert activation_bytes_per_layer(config, Launch(4, Layout(8))) == per_layer
+    plan = plan_memory(config, Launch(4, Layout(8)))
     # the forward's end, every term by hand: states, DDP buckets, bf16 copies, activations, the loss's buffers
     V, C, rows = 50304, 1600, 512
     loss = 4 * rows * V + 8 * btc + 4 * V * C + 2 * rows * V + 2 * V * C
@@ -70,7 +72,7 @@ def test_hand_computed_gpt2_xl_plan():
     assert items["bf16 weight copies"] == 2 * (48 * 12 * 1600**2 + 50304 * 1600)
     assert items["activations"] == 48 * per_layer + 4 * btc + 8 * 4 * 1024
     # FSDP over 8: the states are an eighth, plus the root and two blocks unsharded in bf16
-    sharded = {i.name: i.bytes for i in plan_memory(config, Launch(4, processes=8, fsdp=True)).items}
+    sharded = {i.name: i.bytes for i in plan_memory(config, Launch(4, Layout(8, FSDP))).items}
     assert sharded["parameters"] == 4 * P // 8 and sharded["optimizer state"] == 8 * P // 8
     assert sharded["FSDP2 unsharded in flight"] == 2 * ((50304 + 1024) * 1600 + 2 * 1600 + 2 * (P - (50304 + 1024)
                                                                                              * 1600 - 3200) // 48)
@@ -94,18 +96,19 @@ def test_tensor_parallel_splits_the_blocks_and_their_activations_by_hand():
     assert split.block_matrices == L * 12 * C * C // 4
     assert split.block_vectors == whole.block_vectors - L * 7 * C + L * 7 * C // 4  # c_attn's 3C, c_fc's 4C split
     assert (split.embeddings, split.final_norm) == (whole.embeddings, whole.final_norm)  # replicated
-    launch = Launch(4, processes=8, fsdp=True, tensor_parallel=4)
+    launch = Launch(4, Layout(8, FSDP, tensor_parallel=4))
     btc = 4 * T * C
     assert activation_bytes_per_layer(config, launch) == btc * (2 * 2 + 2 * 2) + btc * 12 * 2 // 4 + 16 * 4 * T \
         + 4 * 4 * 12 * T // 4  # bf16 residual (FSDP2's bf16 parameters), activations bf16
     items = {i.name: i.bytes for i in plan_memory(config, launch).items}
     assert items["parameters"] == 4 * split.total // 2 and launch.shards.parameters == 2
-    assert plan_memory(config, launch).peak < plan_memory(config, Launch(4, processes=8, fsdp=True)).peak
+    assert plan_memory(config, launch).peak < plan_memory(config, Launch(4, Layout(8, FSDP))).peak
     with pytest.raises(UserError, match="n_head 12 is not divisible by 5"):
-        plan_memory(config, Launch(4, processes=10, fsdp=True, tensor_parallel=5))
-    for degree, processes, fsdp in ((3, 8, True), (2, 8, False)):
-        with pytest.raises(UserError, match="is not a launch train.py runs"):
-            Launch(4, processes=processes, fsdp=fsdp, tensor_parallel=degree)
+        plan_memory(config, Launch(4, Layout(10, FSDP, tensor_parallel=5)))
+    for layout, words in ((Layout(8, FSDP, tensor_parallel=3), "--tensor_parallel 3 needs a multiple of 3 processes"),
+                          (Layout(8, DDP, tensor_parallel=2), "--tensor_parallel 2 is not supported under DDP")):
+        with pytest.raises(UserError, match=words):  # as the run refuses them (`Layout.check`)
+            Launch(4, layout)
 
 
 @pytest.mark.parametrize("autocast", [False, True])
@@ -144,11 +147,11 @@ def test_planned_peak_matches_the_measured_cpu_peak():
 
 def test_a_plan_that_does_not_fit_names_the_setting_to_change():
     xl = model_config("gpt2-xl", 1024)
-    line = advice(xl, Launch(32, processes=8), 80 * GB)
+    line = advice(xl, Launch(32, Layout(8)), 80 * GB)
     assert line is not None and "\n" not in line
-    assert f"lower --micro_batch_size to {largest_micro_batch(xl, Launch(1, processes=8), 80 * GB)}" in line
+    assert f"lower --micro_batch_size to {largest_micro_batch(xl, Launch(1, Layout(8)), 80 * GB)}" in line
     # micro-batch 1 does not fit, checkpointing does: name it
-    one = Launch(1, processes=8)
+    one = Launch(1, Layout(8))
     device = (plan_memory(xl, one).peak + plan_memory(xl, replace(one, activation_checkpointing=True)).peak) // 2
     device += plan_memory(xl, one).reserve  # about the reserve of either
     line = advice(xl, one, device)
@@ -159,17 +162,17 @@ def test_a_plan_that_does_not_fit_names_the_setting_to_change():
     # nothing fits on one process: more devices
     line = advice(xl, Launch(1), 24 * GB)
     assert line is not None and "shard it with --fsdp over 2 devices (--processes 2)" in line
-    line = advice(xl, Launch(1, processes=2, fsdp=True, activation_checkpointing=True), 8 * GB)
+    line = advice(xl, Launch(1, Layout(2, FSDP), activation_checkpointing=True), 8 * GB)
     assert line is not None and "shard it with --fsdp over 4 devices (--processes 4)" in line
-    assert plan_memory(xl, Launch(1, processes=4, fsdp=True, activation_checkpointing=True)).fits(8 * GB)
-    assert advice(xl, Launch(4, processes=8), 80 * GB) is None
+    assert plan_memory(xl, Launch(1, Layout(4, FSDP), activation_checkpointing=True)).fits(8 * GB)
+    assert advice(xl, Launch(4, Layout(8)), 80 * GB) is None
 
 
 def test_bad_input_is_one_line():
     with pytest.raises(UserError, match="--micro_batch_size must be positive"):
         Launch(0)
     with pytest.raises(UserError, match="--optimizer muon is not supported under DeepSpeed ZeRO-2"):
-        Launch(1, processes=8, zero_stage=2, optimizer="muon")
+        Launch(1, Layout(8, DEEPSPEED, 2), optimizer="muon")
     with pytest.raises(UserError, match="choose one of"):
         model_config("gpt5")
 
@@ -220,7 +223,7 @@ def test_presets_fit_8_devices_of_80_gb_as_the_planner_says(preset):
     assert config.block_size == 1024 and cfg.training.total_batch_size == 2**19
     per_step = cfg.training.micro_batch_size * 1024 * 8
     assert cfg.training.total_batch_size % per_step == 0
-    launch = Launch(cfg.training.micro_batch_size, processes=8, optimizer=cfg.optim.optimizer,
+    launch = Launch(cfg.training.micro_batch_size, Layout(8), optimizer=cfg.optim.optimizer,
                     activation_checkpointing=cfg.training.activation_checkpointing,
                     accumulation=cfg.training.total_batch_size // per_step)
     assert advice(config, launch, 80 * GB) is None
@@ -284,7 +287,7 @@ def test_train_plan_prints_before_anything_is_built(tmp_path, monkeypatch, capsy
                                    "--micro_batch_size", "64"], monkeypatch, capsys)
     assert proc.returncode == 0 and "fits: NO: micro-batch 64 needs" in proc.stdout
     assert "lower --micro_batch_size to 8" in proc.stdout and not out.exists()  # 64 / 8: it divides the batch
-    assert plan_memory(model_config("gpt2-xl", 1024), Launch(8, processes=8, accumulation=8)).peak < 80 * GiB
+    assert plan_memory(model_config("gpt2-xl", 1024), Launch(8, Layout(8), accumulation=8)).peak < 80 * GiB
 
 
 # ---- the run: every phase, not the step alone (issue 32) ------------------------------------------------------
@@ -304,7 +307,7 @@ def test_a_run_plan_has_every_phase_and_its_peak_is_the_largest():
     assert kept["parameters"] == 4 * P and kept["optimizer state"] == 8 * P and "gradients" not in kept
     export = {i.name: i.bytes for i in plan.by_phase["export"]}  # the optimizer state freed before it
     assert "optimizer state" not in export and export["export's transposed matrices"] == 4 * 12 * 12 * 768 ** 2
-    ddp = plan_run(config, replace(launch, processes=2), RunPhases(8))
+    ddp = plan_run(config, replace(launch, layout=Layout(2)), RunPhases(8))
     assert {i.name for i in ddp.by_phase["validation"]} >= {"DDP gradient buckets"}
     # An evaluation batch tied to the micro-batch stays under the step, with activation checkpointing too.
     for checkpointing in (False, True):
@@ -318,7 +321,7 @@ def test_the_sharded_terms_come_from_the_engine():
     """Every phase takes the parameters, gradients and optimizer state from `Launch.shards` (one place an engine
     such as a ZeRO stage will change): FSDP2 over 8 splits all three in the step and in the evaluations alike."""
     config = model_config("gpt2-xl", 1024)
-    alone, sharded = Launch(4, processes=8), Launch(4, processes=8, fsdp=True)
+    alone, sharded = Launch(4, Layout(8)), Launch(4, Layout(8, FSDP))
     assert (sharded.shards.parameters, sharded.shards.gradients, sharded.shards.optimizer_state) == (8, 8, 8)
     assert (alone.shards.parameters, alone.shards.optimizer_state) == (1, 1)
     for phase in ("validation", "checkpoint save"):
@@ -335,7 +338,7 @@ def test_a_zero_stage_shards_what_it_says_and_plans_by_hand(stage):
     fp32 master copy (3 fp32 tensors per parameter, sharded)."""
     config = model_config("gpt2-xl", 1024)
     P = ParamCounts.of(config).total
-    launch = Launch(4, processes=8, zero_stage=stage, dtype="fp32")
+    launch = Launch(4, Layout(8, DEEPSPEED, stage), dtype="fp32")
     assert (launch.shards.parameters, launch.shards.gradients, launch.shards.optimizer_state) == \
         (8 if stage == 3 else 1, 8 if stage >= 2 else 1, 8)
     step = {i.name: i.bytes for i in plan_memory(config, launch).by_moment["optimizer step"]}
@@ -351,9 +354,10 @@ def test_a_zero_stage_shards_what_it_says_and_plans_by_hand(stage):
 
 
 def test_zero_with_muon_or_fsdp_is_refused_and_train_plan_reads_the_zero_stage(monkeypatch, capsys):
-    for kwargs in ({"zero_stage": 2, "optimizer": "muon"}, {"zero_stage": 3, "fsdp": True}, {"zero_stage": 4}):
+    for layout, optimizer in ((Layout(8, DEEPSPEED, 2), "muon"), (Layout(8, FSDP, 3), "adamw"),
+                              (Layout(8, DEEPSPEED, 4), "adamw")):
         with pytest.raises(UserError):
-            Launch(4, processes=8, **kwargs)
+            Launch(4, layout, optimizer=optimizer)
     from planner import exit_after_plan
 
     for name, value in {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "WORLD_SIZE": "8",
@@ -380,7 +384,7 @@ def test_the_advice_names_the_setting_of_the_phase_that_decides_the_peak():
     assert line.startswith("the validation needs") and smaller < 64
     assert plan_run(config, launch, replace(run, eval_batch_size=smaller)).fits(device)
     assert not plan_run(config, launch, replace(run, eval_batch_size=smaller + 1)).fits(device)
-    step_decides = Launch(32, processes=8, optimizer="adamw")
+    step_decides = Launch(32, Layout(8), optimizer="adamw")
     assert run_advice(model_config("gpt2-xl", 1024), step_decides, RunPhases(1), 80 * GB) == \
         advice(model_config("gpt2-xl", 1024), step_decides, 80 * GB)
     xl, cpu = model_config("gpt2-xl", 1024), Launch(1, dtype="fp32", device="cpu", activation_checkpointing=True)
@@ -483,11 +487,11 @@ def test_muon_under_sharding_plans_its_whole_matrix():
     """Muon under FSDP2 (or tensor parallelism) gathers each matrix whole for Newton-Schulz: the optimizer step holds
     the largest one (c_fc's 4C x C) and 4 working copies, in fp32; with replicas (DDP) the matrix is there already."""
     config = model_config("gpt2", 1024)
-    fsdp = plan_memory(config, Launch(4, processes=8, fsdp=True, optimizer="muon"))
+    fsdp = plan_memory(config, Launch(4, Layout(8, FSDP), optimizer="muon"))
     assert {i.name: i.bytes for i in fsdp.by_moment["optimizer step"]}["Muon's whole matrix"] == 20 * 4 * 768 ** 2
     # The README's figures: 45 MiB for GPT-2 124M, 195 MiB for gpt2-xl.
     assert round(20 * 4 * 768 ** 2 / 2 ** 20) == 45
-    xl = plan_memory(model_config("gpt2-xl", 1024), Launch(4, processes=8, fsdp=True, optimizer="muon"))
+    xl = plan_memory(model_config("gpt2-xl", 1024), Launch(4, Layout(8, FSDP), optimizer="muon"))
     assert round({i.name: i.bytes for i in xl.by_moment["optimizer step"]}["Muon's whole matrix"] / 2 ** 20) == 195
-    for launch in (Launch(4, processes=8, optimizer="muon"), Launch(4, processes=8, fsdp=True)):
+    for launch in (Launch(4, Layout(8), optimizer="muon"), Launch(4, Layout(8, FSDP))):
         assert "Muon's whole matrix" not in {i.name for i in plan_memory(config, launch).by_moment["optimizer step"]}

@@ -22,6 +22,7 @@ from conftest import (
     shared_once,
 )
 
+from common.engine_names import FSDP
 from common.errors import UserError
 from model import GPT, GPTConfig
 from model.pipeline import GPTStage, stage_blocks
@@ -184,7 +185,7 @@ def test_the_plan_of_a_pipeline_is_its_fuller_stage_with_the_bubble():
     whole = ParamCounts.of(config)
     assert sum(s.total for s in stages) == whole.total + config.padded_vocab_size * 768  # + the output layer's copy
     assert stages[0].embeddings == whole.embeddings and stages[3].final_norm == whole.final_norm
-    launch = Launch(8, processes=4, pipeline_parallel=4, accumulation=8)
+    launch = Launch(8, Layout(4, pipeline_parallel=4), accumulation=8)
     assert launch.bubble == pytest.approx(3 / 11)
     plan = plan_memory(config, launch)
     assert plan.stage in (0, 3) and plan.peak == max(plan_memory(config, launch, stage=s).peak for s in (0, 3))
@@ -195,10 +196,24 @@ def test_the_plan_of_a_pipeline_is_its_fuller_stage_with_the_bubble():
     assert "1 pipeline(s) of 4 stages (1F1B)" in text and "= 27% of each step idle" in text
 
 
+def test_the_advice_resizes_a_pipeline_by_its_pipelines():
+    """A pipeline reads one stream of batches: a micro-batch the advice tries gets the accumulation the run gives it
+    over the pipelines (the data-parallel ranks), not over every process (which held fewer micro-batches in flight)."""
+    from planner import Launch, resized
+    from training.distributed.processes import BatchGeometry
+
+    config = GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024)
+    layout = Layout(8, pipeline_parallel=4)  # 2 pipelines of 4 stages
+    for micro_batch_size in (8, 4):
+        run = BatchGeometry.for_total(2**19, micro_batch_size, 1024, layout.data_parallel_size)
+        launch = Launch(16, layout, total_batch_size=2**19)
+        assert resized(config, launch, micro_batch_size).accumulation == run.accumulation == 256 // micro_batch_size
+
+
 def test_the_planner_refuses_a_pipeline_as_the_run_does():
     from planner import Launch
 
     with pytest.raises(UserError, match="--pipeline_parallel 2 is not supported under FSDP2"):
-        Launch(1, processes=4, fsdp=True, pipeline_parallel=2)
+        Launch(1, Layout(4, FSDP, pipeline_parallel=2))
     with pytest.raises(UserError, match="needs a multiple of 2 processes"):
-        Launch(1, processes=3, pipeline_parallel=2)
+        Launch(1, Layout(3, pipeline_parallel=2))

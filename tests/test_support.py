@@ -10,7 +10,7 @@ import pytest
 from accelerate.utils import DistributedType
 from conftest import REPO_ROOT
 
-from common.engine_names import COLUMNS, column, engine_name
+from common.engine_names import COLUMNS, DEEPSPEED, FSDP, column, engine_name
 from common.errors import UserError
 from planner import Launch
 from training.distributed.engines import Engine, refuse_unsupported
@@ -72,17 +72,16 @@ def test_the_run_refuses_exactly_what_the_table_says(feature):
 
 
 def test_the_planner_refuses_muon_where_the_table_does():
-    launches = {"DDP": Launch(1, processes=8), "FSDP2": Launch(1, processes=8, fsdp=True),
-                **{f"ZeRO-{s}": Launch(1, processes=8, zero_stage=s) for s in (1, 2, 3)},
-                "FSDP2 x TP": Launch(1, processes=8, fsdp=True, tensor_parallel=2)}
+    launches = {"DDP": Launch(1, Layout(8)), "FSDP2": Launch(1, Layout(8, FSDP)),
+                **{f"ZeRO-{s}": Launch(1, Layout(8, DEEPSPEED, s)) for s in (1, 2, 3)},
+                "FSDP2 x TP": Launch(1, Layout(8, FSDP, tensor_parallel=2))}
     for name, launch in launches.items():
-        kwargs = {k: getattr(launch, k) for k in ("processes", "fsdp", "zero_stage", "tensor_parallel")}
         refused = "--optimizer muon" in SUPPORT and name in SUPPORT["--optimizer muon"]
         if refused:
             with pytest.raises(UserError, match="--optimizer muon is not supported"):
-                Launch(1, optimizer="muon", **kwargs)
+                Launch(1, launch.layout, optimizer="muon")
         else:
-            Launch(1, optimizer="muon", **kwargs)
+            Launch(1, launch.layout, optimizer="muon")
 
 
 def test_the_readme_shows_the_table():

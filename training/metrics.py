@@ -21,12 +21,12 @@ from typing import Any, Callable, Iterator
 import torch
 from accelerate import Accelerator
 
-from common.engine_names import DEEPSPEED
 from common.errors import UserError
 from common.run_dir import RunDir
 from configs import LogConfig
 from model.unwrap import unwrapped
 from training.distributed.engines import Engine, precision
+from training.distributed.pipeline import stage_line
 from training.distributed.processes import BatchGeometry
 from training.mfu import estimate_mfu, peak_flops
 from training.optimizers.plan import OptimizerPlan, describe_optimizers
@@ -196,11 +196,6 @@ def _clock(seconds: float) -> str:
     return str(timedelta(seconds=round(seconds)))
 
 
-def _stage_line(model: torch.nn.Module) -> str:
-    blocks = model.stage.blocks
-    return f"blocks {blocks.start}-{blocks.stop - 1} of {model.config.n_layer}"
-
-
 def run_header(accelerator: Accelerator, engine: Engine, model: torch.nn.Module, n_params: int,
                geometry: BatchGeometry, plan: OptimizerPlan, lora: str | None, data: str,
                restart: str | None = None, here: str | None = None) -> str:
@@ -225,14 +220,11 @@ def run_header(accelerator: Accelerator, engine: Engine, model: torch.nn.Module,
         params = list(model.parameters())
         trainable = sum(p.numel() for p in params if p.requires_grad)
         adapters = f" ({lora}: {trainable:,} trainable, {trainable / sum(p.numel() for p in params):.2%} of all)"
-    zero = f" (ZeRO-{engine.zero_stage})" if engine.kind == DEEPSPEED else ""
-    zero += f" x tensor parallel {engine.tensor_parallel}" if engine.tensor_parallel > 1 else ""
-    zero += f" x pipeline {engine.pipeline_parallel} (1F1B; this stage: {_stage_line(model)})" \
-        if engine.pipeline_parallel > 1 else ""
+    distributed = engine.header_words(accelerator.distributed_type.value, stage_line(model))
     g = geometry
-    ranks = "data-parallel rank(s)" if engine.tensor_parallel * engine.pipeline_parallel > 1 else "process(es)"
+    ranks = "data-parallel rank(s)" if engine.model_parallel > 1 else "process(es)"
     return (f"GPT {n_params / 1e6:.2f}M params{adapters} | {g.world_size} {ranks} x {g.accumulation} "
             f"accumulation x {g.micro_batch_size} x {g.block_size} = {g.tokens_per_step:,} tokens per step | "
-            f"distributed: {accelerator.distributed_type.value}{zero} | precision: {precision(accelerator)} | "
+            f"distributed: {distributed} | precision: {precision(accelerator)} | "
             f"{compiled} | {accelerator.device}{f' | {restart}' if restart else ''}\n"
             + (f"{here}\n" if here else "") + f"{describe_optimizers(network, plan)}\n{data}")

@@ -24,7 +24,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from common.engine_names import DDP, DEEPSPEED, FAMILY_NAMES, FSDP, engine_name
+from common.engine_names import DDP, DEEPSPEED, FAMILY_NAMES, FSDP, degrees, engine_name
 from common.errors import UserError
 from model.unwrap import unwrapped
 from training.distributed.support import refusal
@@ -52,15 +52,24 @@ class Engine:
     def name(self) -> str:
         return engine_name(self.kind, self.zero_stage, self.tensor_parallel, self.pipeline_parallel)
 
+    @property
+    def model_parallel(self) -> int:
+        """The consecutive ranks that hold one copy of the model between them (a TP group, a pipeline, or 1)."""
+        return self.tensor_parallel * self.pipeline_parallel
+
+    def header_words(self, distributed_type: str, stage: str | None = None) -> str:
+        """The engine as the run header names it after "distributed: ": accelerate's distributed type, DeepSpeed's
+        ZeRO stage, the `degrees`, and a pipeline's schedule with `stage`, the blocks this process holds:
+        "MULTI_GPU", "DEEPSPEED (ZeRO-3)", "FSDP x tensor parallel 2", "MULTI_GPU x pipeline 4 (1F1B; this stage:
+        blocks 0-2 of 12)". benchmarks/gpu_acceptance.py reads it back."""
+        zero = f" (ZeRO-{self.zero_stage})" if self.kind == DEEPSPEED else ""
+        schedule = f" (1F1B; this stage: {stage})" if self.pipeline_parallel > 1 else ""
+        return f"{distributed_type}{zero}{degrees(self.tensor_parallel, self.pipeline_parallel)}{schedule}"
+
     def refusal(self, feature: str) -> str | None:
         """`training.distributed.support`'s refusal of `feature` under this engine, or None where it runs."""
         return refusal(feature, self.kind, self.zero_stage, self.tensor_parallel,
                        pipeline_parallel=self.pipeline_parallel)
-
-    @property
-    def shards_parameters(self) -> bool:
-        """Whether no rank holds the whole model between forwards (every rank must then run every forward)."""
-        return self.kind == FSDP or (self.kind == DEEPSPEED and self.zero_stage == 3)
 
     @classmethod
     def of(cls, accelerator: Accelerator, tensor_parallel: int = 1) -> Engine:

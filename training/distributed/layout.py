@@ -7,6 +7,10 @@ exists; once the Accelerator runs, `running` confirms it against what accelerate
 refusals, the run header, the checkpoint record (`Layout.engine`), the tensor-parallel split and the memory planner
 all read it; nothing else derives a degree or a world size from the flags or the environment.
 
+What the rest of the code needs to know about an engine it asks here, not by the engine's name: which terms it
+shards, whether its processes are full replicas, in which dtype it holds the parameters, whether it is pipelined,
+and the words that name it. A new engine answers these questions once, in this class.
+
 The degrees multiply to the world: world_size = data_parallel_size x tensor_parallel x pipeline_parallel (one of the
 last two is 1: they are not combined yet). The model-parallel dimension is innermost: ranks r and r + 1 of a
 degree-2 launch are one tensor-parallel group or one pipeline, and rank r's data-parallel rank is r // degree.
@@ -17,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from accelerate import Accelerator
 
-from common.engine_names import DDP, FSDP
+from common.engine_names import DDP, DEEPSPEED, ENGINE_NAMES, FAMILY_NAMES, FSDP, column, degrees, engine_name
 from common.errors import UserError
 from model.tensor_parallel import split_problem
 from training.distributed.engines import Engine, launch_engine
@@ -59,7 +63,83 @@ class Layout:
     @property
     def model_parallel(self) -> int:
         """The consecutive ranks that hold one copy of the model between them (a TP group, a pipeline, or 1)."""
-        return self.tensor_parallel * self.pipeline_parallel
+        return self.engine.model_parallel
+
+    # ---- what the engine does, asked here rather than of its name ----------------------------------------------
+
+    @property
+    def shards_parameters(self) -> bool:
+        """The parameters are split over the data-parallel ranks, and each unit (the root, a block) is gathered
+        whole for its forward and its backward: FSDP2 and ZeRO-3."""
+        return self.kind == FSDP or self._zero_from(3)
+
+    @property
+    def shards_gradients(self) -> bool:
+        """Each data-parallel rank keeps its share of the gradients only: FSDP2, ZeRO-2 and ZeRO-3."""
+        return self.kind == FSDP or self._zero_from(2)
+
+    @property
+    def shards_optimizer_state(self) -> bool:
+        """Each data-parallel rank keeps its share of the optimizer state only: FSDP2 and ZeRO-1, 2 and 3."""
+        return self.kind == FSDP or self._zero_from(1)
+
+    def _zero_from(self, stage: int) -> bool:
+        return self.kind == DEEPSPEED and self.zero_stage >= stage
+
+    @property
+    def full_replicas(self) -> bool:
+        """Every process holds the whole model and all-reduces whole gradients through DDP's buckets: DDP with
+        several processes and no pipeline (one process reduces with no one; stages average stage by stage)."""
+        return self.kind == DDP and self.world_size > 1 and not self.pipelined
+
+    @property
+    def reduces_in_buckets(self) -> bool:
+        """The gradients are reduced through DeepSpeed's buckets (its reduce_bucket_size): ZeRO-1 and ZeRO-2 over
+        several data-parallel ranks (ZeRO-3 reduce-scatters unit by unit, as FSDP2 does)."""
+        return self.kind == DEEPSPEED and self.zero_stage in (1, 2) and self.data_parallel_size > 1
+
+    @property
+    def bf16_parameters(self) -> bool:
+        """Under bf16, the forward computes with bf16 parameters, not with autocast's bf16 copies of fp32 ones:
+        FSDP2 gathers bf16 copies (accelerate's MixedPrecisionPolicy(param_dtype=bf16)), DeepSpeed's bf16 holds the
+        module itself in bf16."""
+        return self.kind in (FSDP, DEEPSPEED)
+
+    @property
+    def fp32_master(self) -> bool:
+        """Under bf16, the module's parameters and gradients are stored in bf16 and the optimizer keeps an fp32
+        master copy of the parameters: DeepSpeed. The other engines store fp32 parameters."""
+        return self.kind == DEEPSPEED
+
+    @property
+    def dtensor_matrices(self) -> bool:
+        """The blocks' matrices are DTensors, sharded (FSDP2) or split (FSDP2 x tensor parallel): an optimizer that
+        needs a whole matrix (Muon's Newton-Schulz) gathers each one."""
+        return self.kind == FSDP
+
+    @property
+    def pipelined(self) -> bool:
+        """The blocks run in stages, one per process of a pipeline (`training.distributed.pipeline`)."""
+        return self.pipeline_parallel > 1
+
+    def sharded(self) -> Layout:
+        """This launch with its parameters sharded, as the memory planner advises it: a DDP launch (one process
+        too) on FSDP2; FSDP2 and a DeepSpeed launch (at its ZeRO stage) as they are."""
+        return replace(self, kind=FSDP) if self.kind == DDP else self
+
+    @property
+    def sharding_name(self) -> str:
+        """The engine that shards the parameters, as the support table's columns name it: "FSDP2", "ZeRO-3"."""
+        return column(self.kind, self.zero_stage)
+
+    def describe(self) -> str:
+        """The launch in the memory plan's words: "one process", "DDP", "FSDP2", "DeepSpeed ZeRO-2", "FSDP2 over 4
+        x tensor parallel 2", "2 pipeline(s) of 4 stages (1F1B)"."""
+        if self.tensor_parallel > 1:
+            return f"{engine_name(self.kind)} over {self.data_parallel_size}{degrees(self.tensor_parallel)}"
+        if self.pipelined:
+            return f"{self.data_parallel_size} pipeline(s) of {self.pipeline_parallel} stages (1F1B)"
+        return self.name if self.world_size > 1 or self.kind != DDP else "one process"
 
     @classmethod
     def of_launch(cls, tensor_parallel: int, n_head: int | None = None, n_embd: int | None = None,
@@ -80,9 +160,23 @@ class Layout:
     @classmethod
     def checked(cls, world_size: int, kind: str, zero_stage: int = 0, tensor_parallel: int = 1,
                 pipeline_parallel: int = 1, machine: Machine | None = None) -> Layout:
-        """The layout, or a one-line UserError when it is not one train.py runs. `machine`: the one the launch runs
-        on, where known (without a GPU no launch runs tensor parallelism, and the line says so)."""
-        layout = cls(world_size, kind, zero_stage, tensor_parallel, pipeline_parallel)
+        """The layout, or a one-line UserError when it is not one train.py runs (`check`)."""
+        return cls(world_size, kind, zero_stage, tensor_parallel, pipeline_parallel).check(machine)
+
+    def check(self, machine: Machine | None = None) -> Layout:
+        """This layout, or a one-line UserError when it is not one train.py runs: the memory planner's `Launch`
+        refuses the same launches in the same words. `machine`: the one the launch runs on, where known (without a
+        GPU no launch runs tensor parallelism, and the line says so)."""
+        world_size, kind, zero_stage = self.world_size, self.kind, self.zero_stage
+        tensor_parallel, pipeline_parallel = self.tensor_parallel, self.pipeline_parallel
+        if kind not in ENGINE_NAMES:
+            raise UserError(f"engine {kind!r} is not one train.py runs; launch DDP, FSDP2 or DeepSpeed")
+        if zero_stage not in (0, 1, 2, 3) or (zero_stage and kind != DEEPSPEED):
+            raise UserError(f"ZeRO stage {zero_stage} under {FAMILY_NAMES[kind]} is not an engine train.py runs; "
+                            "launch DDP, FSDP2 or DeepSpeed ZeRO-1, 2 or 3, one engine at a time")
+        for flag, degree in (("--tensor_parallel", tensor_parallel), ("--pipeline_parallel", pipeline_parallel)):
+            if degree < 1:
+                raise UserError(f"{flag} must be positive, got {degree}; pass a value of at least 1")
         asked = f"--pipeline_parallel {pipeline_parallel}"
         # Stages run on a DDP launch only (the support table's row), and not with tensor-parallel groups (its
         # column in --tensor_parallel's row: under a DDP launch that flag is the one out of place).
@@ -105,7 +199,7 @@ class Layout:
                             f"has {world_size}; launch "
                             f"{max(pipeline_parallel, world_size // pipeline_parallel * pipeline_parallel)} processes "
                             f"(--num_processes), or pass a --pipeline_parallel that divides {world_size}")
-        return layout
+        return self
 
     def check_model(self, n_head: int, n_embd: int, n_layer: int | None = None) -> None:
         """A model whose heads or MLP width the tensor-parallel degree does not divide, or with fewer blocks than

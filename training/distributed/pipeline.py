@@ -305,6 +305,15 @@ class PipelinedGPT(nn.Module):
                 for p, state in optimizer.state.items()}
 
 
+def stage_line(model: nn.Module) -> str | None:
+    """The blocks this rank's stage holds, as the run header names them ("blocks 4-7 of 12"); None for a model that
+    is not a pipeline's stage."""
+    if not isinstance(model, PipelinedGPT):
+        return None
+    blocks = model.stage.blocks
+    return f"blocks {blocks.start}-{blocks.stop - 1} of {model.config.n_layer}"
+
+
 def whole_groups(config, plan: OptimizerPlan) -> list[list[list[str]]]:
     """For each optimizer of `plan`, its param groups as one process builds them for the whole model: the names of
     their parameters, in order (the numbering of that optimizer's `state_dict`)."""
