@@ -91,14 +91,22 @@ def _newton_schulz_in_float64(g: torch.Tensor) -> torch.Tensor:
     return x.T if g.size(0) > g.size(1) else x
 
 
+def _per_matrix(params, **kwargs) -> Muon:
+    """Our Muon one matrix at a time (`Muon.stacked = False`, the reference the stacked path is held to)."""
+    opt = Muon(params, **kwargs)
+    opt.stacked = False
+    return opt
+
+
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_our_muon_in_bfloat16_is_torchs_muon_bit_for_bit(nesterov):
-    """With torch's dtype, our step is torch's: the same weights and momentum buffers after 3 steps (momentum,
-    Nesterov or not, weight decay, the LR scaled for a tall matrix), and the state dicts load into each other."""
+    """With torch's dtype and one matrix at a time (`stacked = False`), our step is torch's: the same weights and
+    momentum buffers after 3 steps (momentum, Nesterov or not, weight decay, the LR scaled for a tall matrix), and
+    the state dicts load into each other."""
     params, grads = _matrices_and_gradients()
     kwargs = {"lr": 0.02, "momentum": 0.95, "nesterov": nesterov, "weight_decay": 0.1}
     theirs, torch_opt = _train(torch.optim.Muon, params, grads, **kwargs)
-    ours, our_opt = _train(Muon, params, grads, ns_dtype=torch.bfloat16, **kwargs)
+    ours, our_opt = _train(_per_matrix, params, grads, ns_dtype=torch.bfloat16, **kwargs)
     for a, b in zip(theirs, ours):
         assert torch.equal(a, b)
         assert torch.equal(torch_opt.state[a]["momentum_buffer"], our_opt.state[b]["momentum_buffer"])
@@ -113,13 +121,84 @@ def test_float32_newton_schulz_agrees_with_torchs_bfloat16_to_its_rounding():
     params, grads = _matrices_and_gradients(seed=1)
     kwargs = {"lr": 1.0, "momentum": 0.0, "weight_decay": 0.0}
     theirs, _ = _train(torch.optim.Muon, params, grads[:1], **kwargs)
-    ours, _ = _train(Muon, params, grads[:1], ns_dtype=torch.float32, **kwargs)
+    ours, _ = _train(_per_matrix, params, grads[:1], ns_dtype=torch.float32, **kwargs)
     for p, a, b, grad in zip(params, theirs, ours, grads[0]):
         bf16_update, fp32_update = (p - a).detach(), (p - b).detach()
         exact = _newton_schulz_in_float64(grad) * max(1, p.size(0) / p.size(1)) ** 0.5
         size = exact.norm()
         assert (fp32_update - bf16_update).norm() < 3e-2 * size  # bf16's 8-bit mantissa, through 5 iterations
         assert (fp32_update - exact).norm() < 1e-5 * size < (bf16_update - exact).norm()
+
+
+def _gpt_like_matrices_and_gradients(steps: int = 3) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """The blocks' matrices of a 2-layer GPT of width 64 (c_attn 3C x C and c_fc 4C x C tall, attn.c_proj square,
+    mlp.c_proj C x 4C wide: 4 shapes of 2 matrices), and `steps` steps of gradients of unequal sizes (a stack whose
+    matrices were normalised together would show it)."""
+    g = torch.Generator().manual_seed(2)
+    C = 64
+    shapes = [(3 * C, C), (C, C), (4 * C, C), (C, 4 * C)] * 2
+    params = [torch.randn(s, generator=g) * 0.02 for s in shapes]
+    return params, [[torch.randn(s, generator=g) * 4.0 ** i for i, s in enumerate(shapes)] for _ in range(steps)]
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_stacked_muon_is_torchs_muon_to_the_rounding_of_its_products(nesterov, ns_dtype):
+    """Our default step (the matrices of one shape orthogonalised in one batched Newton-Schulz) against
+    torch.optim.Muon, 3 steps on a GPT's shapes (tall, square and wide, 2 of each), momentum, weight decay.
+
+    The momentum is elementwise and the same operations: equal bit for bit. The gradients are given, so each step's
+    orthogonalised update depends on them and the momentum only, and the weights' distance is at most the sum of
+    the steps' update distances (x the LR): a bound on one update's relative distance bounds the weights'. The
+    stacked iteration applies each matrix's own operations (its own Frobenius norm); bmm and mm may only accumulate a
+    product's terms in another order. In bf16 (torch's dtype) each product is accumulated in fp32 and rounded to
+    bf16 once, so another order moves an element by one bf16 ulp (2^-8 relative) where the fp32 sums fall either
+    side of a rounding boundary, and never more: bound 1e-2 (2.5 ulps) of each weight's move (seen 0 here and on
+    these shapes at 2 x 64; 3.5e-3 on GPT-2's c_attn, 2304 x 768). In fp32: within fp32 Newton-Schulz's own rounding
+    (1e-5, the bound `test_float32_newton_schulz_agrees_with_torchs_bfloat16_to_its_rounding` holds to float64; seen
+    9e-7: a tall matrix's mm reads a transposed view, bmm a contiguous stack) of the same iteration one matrix at a
+    time, and within bf16's rounding (3e-2, the same test's) of torch's bf16 one."""
+    params, grads = _gpt_like_matrices_and_gradients()
+    kwargs = {"lr": 0.02, "momentum": 0.95, "nesterov": nesterov, "weight_decay": 0.1}
+    theirs, torch_opt = _train(torch.optim.Muon, params, grads, **kwargs)
+    ours, our_opt = _train(Muon, params, grads, ns_dtype=ns_dtype, **kwargs)
+    assert our_opt.stacked
+    references = [(theirs, 1e-2 if ns_dtype == torch.bfloat16 else 3e-2)]
+    if ns_dtype == torch.float32:
+        references.append((_train(_per_matrix, params, grads, ns_dtype=ns_dtype, **kwargs)[0], 1e-5))
+    for reference, bound in references:
+        for i, (start, a, b) in enumerate(zip(params, reference, ours)):
+            moved, apart = (a - start).norm(), (b - a).norm()
+            assert moved > 0.01 and apart <= bound * moved, f"matrix {i} {tuple(start.shape)}: {apart / moved:.3g}"
+    for a, b in zip(theirs, ours):
+        assert torch.equal(torch_opt.state[a]["momentum_buffer"], our_opt.state[b]["momentum_buffer"])
+    our_opt.load_state_dict(torch_opt.state_dict())  # the checkpoint format is torch's
+    torch_opt.load_state_dict(our_opt.state_dict())
+
+
+def test_the_stacked_newton_schulz_compiles_once_per_shape_without_graph_breaks():
+    """Compiled (`compile_backend`, here a backend that records each graph and runs it as traced), the stacked
+    iteration is one whole graph per stack shape (fullgraph=True: a break fails), not recompiled when the learning
+    rate changes every step, and gives the eager step's weights: the 4 shapes stack as 3 (c_fc's 4C x C and
+    mlp.c_proj's C x 4C both iterate as C x 4C)."""
+    params, grads = _gpt_like_matrices_and_gradients()
+    graphs = []
+
+    def recording(graph_module, example_inputs):
+        graphs.append(tuple(example_inputs[0].shape))
+        return graph_module.forward
+
+    compiled, eager = ([torch.nn.Parameter(p.clone()) for p in params] for _ in range(2))
+    opts = [Muon(compiled, lr=0.02, ns_dtype=torch.bfloat16), Muon(eager, lr=0.02, ns_dtype=torch.bfloat16)]
+    opts[0].compile_backend = recording
+    for step, step_grads in enumerate(grads):
+        for opt, weights in zip(opts, (compiled, eager)):
+            opt.param_groups[0]["lr"] = 0.02 / (step + 1)
+            for p, grad in zip(weights, step_grads):
+                p.grad = grad.clone()
+            opt.step()
+    assert sorted(graphs) == [(2, 64, 64), (2, 64, 192), (2, 64, 256)]
+    assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
 
 
 def test_newton_schulz_dtype_is_bfloat16_where_the_device_multiplies_it_natively(monkeypatch):
