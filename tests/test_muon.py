@@ -20,7 +20,7 @@ from configs import ModelConfig, OptimConfig
 from model import GPT, GPTConfig
 from training.optim import build_optimizer, describe_optimizers, plan_optimizers
 from training.optimizers.muon import Muon, newton_schulz_dtype
-from training.optimizers.spec import BLOCK_MATRICES, claimed_names
+from training.optimizers.spec import BLOCK_MATRICES, StepPlacement, claimed_names
 
 
 def muon_parameter_names(model: torch.nn.Module) -> list[str]:
@@ -212,7 +212,58 @@ def test_newton_schulz_dtype_is_bfloat16_where_the_device_multiplies_it_natively
     if not torch.cpu.get_capabilities().get("avx512_bf16") and not torch.cpu.get_capabilities().get("amx_bf16"):
         model = GPT(SMALL)
         assert build_optimizer(model, MUON, "cpu")[1].ns_dtype == torch.float32
-        assert "Muon (lr 0.02, Newton-Schulz in float32) on the blocks' 2-D weights" in describe_optimizers(model, MUON)
+        assert "Muon (lr 0.02, Newton-Schulz in float32, stacked by shape (4 groups)) on the blocks' 2-D weights" \
+            in describe_optimizers(model, MUON)
+
+
+def test_the_header_says_how_muon_stacks_compiles_and_splits_its_work():
+    """The optimizer line names the shapes stacked, the compile and the ranks the work is split over (`place` sets the
+    same on the optimizer); one matrix at a time (`Muon.stacked = False`, a sweep's baseline) it says nothing more."""
+    from training.optimizers.muon import SPEC
+
+    model = GPT(SMALL)
+    dtype = str(newton_schulz_dtype("cpu")).removeprefix("torch.")
+    assert f"Muon (lr 0.02, Newton-Schulz in {dtype}, stacked by shape (4 groups)) on" in describe_optimizers(model,
+                                                                                                           MUON)
+    group = object()  # a process group, as the optimizer keeps it
+    placement = StepPlacement(group, 8, "inductor")
+    assert f"Newton-Schulz in {dtype}, stacked by shape (4 groups), compiled, split over 8 ranks) on" in \
+        describe_optimizers(model, MUON, placement)
+    muon = build_optimizer(model, MUON, "cpu")[1]
+    assert muon.split_group is None and muon.compile_backend is None  # built: one process, eager
+    SPEC.place(muon, placement)
+    assert muon.split_group is group and muon.compile_backend == "inductor"
+    SPEC.place(muon, StepPlacement(group, 1))  # a group of one rank: nothing to split
+    assert muon.split_group is None and muon.compile_backend is None
+    Muon.stacked = False
+    try:
+        assert f"(lr 0.02, Newton-Schulz in {dtype}) on" in describe_optimizers(model, MUON, placement)
+    finally:
+        Muon.stacked = True
+
+
+def test_the_step_placement_is_the_ranks_that_average_the_gradients():
+    """`training.prepare.step_placement`, read from the prepared model: a pipeline stage's replicas split Muon's
+    work (DDP's group: `test_muon_on_two_processes_matches_one`'s header); one pipeline, one process: no group. The
+    compile backend is accelerate's dynamo backend, where one is set."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DynamoBackend
+
+    from training.pipeline import PipelinedGPT
+    from training.prepare import step_placement
+
+    def accelerator(backend: DynamoBackend):
+        return SimpleNamespace(state=SimpleNamespace(dynamo_plugin=SimpleNamespace(backend=backend)))
+
+    model = GPT(SMALL)
+    assert step_placement(accelerator(DynamoBackend.NO), model) == StepPlacement()
+    assert step_placement(accelerator(DynamoBackend.INDUCTOR), model) == StepPlacement(compile_backend="inductor")
+    stage = PipelinedGPT.__new__(PipelinedGPT)  # the rank's stage, without the pipeline's process groups
+    replicas = object()
+    for group, count, expected in [(replicas, 2, StepPlacement(replicas, 2)), (None, 1, StepPlacement())]:
+        object.__setattr__(stage, "pipeline", SimpleNamespace(replica_group=group, replicas=count))
+        assert step_placement(accelerator(DynamoBackend.NO), stage) == expected
 
 
 def test_muon_with_accumulation_applies_the_big_batch_update():
@@ -273,7 +324,7 @@ def muon_run(tmp_path_factory) -> tuple[Path, str]:
 @pytest.mark.slow
 def test_muon_run_says_what_trains_what_and_saves_both_optimizers(muon_run):
     out, output = muon_run
-    assert "optimizer: Muon (lr 0.02, Newton-Schulz in " in output
+    assert "optimizer: Muon (lr 0.02, Newton-Schulz in " in output and ", stacked by shape (4 groups)) on" in output
     checkpoint = out / "checkpoints" / "step_000004"
     assert (checkpoint / "optimizer.bin").is_file() and (checkpoint / "optimizer_1.bin").is_file()
     manifest = (checkpoint / "manifest.json").read_text()
@@ -330,6 +381,7 @@ def test_muon_on_two_processes_matches_one(muon_run, tmp_path):
     out = tmp_path / "ddp"
     proc = launch(MUON_ARGS + ["--out_dir", str(out)], nproc=2)
     assert "2 process(es) x 2 accumulation" in proc.stdout + proc.stderr
+    assert ", stacked by shape (4 groups), split over 2 ranks) on" in proc.stdout  # DDP's group: each rank half
     assert_updates_agree(reference, out)
 
 
@@ -404,6 +456,7 @@ def test_muon_with_tensor_parallelism_matches_one_process(muon_run, muon_tp_run)
     reference, _ = muon_run
     out, output = muon_tp_run
     assert "x tensor parallel 2" in output and "each matrix gathered whole on every rank" in output
+    assert "stacked" not in output  # one matrix at a time
     assert_updates_agree(reference, out)
 
 

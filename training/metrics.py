@@ -29,6 +29,7 @@ from training.engine_names import DEEPSPEED
 from training.engines import Engine, precision
 from training.mfu import estimate_mfu, peak_flops
 from training.optim import OptimizerPlan, describe_optimizers
+from training.prepare import step_placement
 from training.processes import BatchGeometry
 from training.timing import DATA, SHOW_DATA_ABOVE, RunClock
 
@@ -219,8 +220,9 @@ def run_header(accelerator: Accelerator, engine: Engine, model: torch.nn.Module,
         if engine.pipeline_parallel > 1 else ""
     g = geometry
     ranks = "data-parallel rank(s)" if engine.tensor_parallel * engine.pipeline_parallel > 1 else "process(es)"
+    optimizers = describe_optimizers(network, plan, step_placement(accelerator, model))  # Muon: how it splits
     return (f"GPT {n_params / 1e6:.2f}M params{adapters} | {g.world_size} {ranks} x {g.accumulation} "
             f"accumulation x {g.micro_batch_size} x {g.block_size} = {g.tokens_per_step:,} tokens per step | "
             f"distributed: {accelerator.distributed_type.value}{zero} | precision: {precision(accelerator)} | "
             f"{compiled} | {accelerator.device}{f' | {restart}' if restart else ''}\n"
-            + (f"{here}\n" if here else "") + f"{describe_optimizers(network, plan)}\n{data}")
+            + (f"{here}\n" if here else "") + f"{optimizers}\n{data}")

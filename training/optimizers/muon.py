@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from training.engine_names import DEEPSPEED, FSDP_COLUMN, TP_COLUMN, ZERO_COLUMNS, Refusal, engine_name
-from training.optimizers.spec import BLOCK_MATRICES, OptimizerPlan, OptimizerSpec
+from training.optimizers.spec import BLOCK_MATRICES, OptimizerPlan, OptimizerSpec, StepPlacement
 
 
 def newton_schulz_dtype(device_type: str) -> torch.dtype:
@@ -53,6 +53,10 @@ def orthogonalise(update: torch.Tensor, coefficients: tuple[float, float, float]
         gram = x @ x.T
         x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.T if tall else x
+
+
+# torch 2.13 renames all_gather_into_tensor (a warning each call), the GPU image's 2.11 has only the old name.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def newton_schulz_stacked(x: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
@@ -189,7 +193,7 @@ class Muon(torch.optim.Muon):
         if ranks == 1:
             return out
         gathered = out.new_empty((ranks * share, *out.shape[1:]))
-        dist.all_gather_into_tensor(gathered, out, group=group)
+        _all_gather(gathered, out, group=group)
         return gathered[:len(grads)]
 
     def _newton_schulz(self) -> Callable:
@@ -207,9 +211,24 @@ def build(params: list[torch.nn.Parameter], plan: OptimizerPlan, device_type: st
                 ns_dtype=newton_schulz_dtype(device_type))
 
 
-def describe(plan: OptimizerPlan, device_type: str) -> str:
+def place(optimizer: Muon, placement: StepPlacement) -> None:
+    """The run's data-parallel group splits the orthogonalisations (`Muon.split_group`); its compile backend compiles
+    the stacked iteration (`Muon.compile_backend`)."""
+    optimizer.split_group = placement.group if placement.ranks > 1 else None
+    optimizer.compile_backend = placement.compile_backend
+
+
+def describe(plan: OptimizerPlan, device_type: str, matrices: list[torch.Tensor], placement: StepPlacement) -> str:
+    """"lr 0.02, Newton-Schulz in bfloat16, stacked by shape (4 groups), compiled, split over 8 ranks": how the step
+    orthogonalises (`place` and `Muon.step`). Sharded matrices (DTensors) are one at a time, as the header says
+    (`training.optim.describe_optimizers`)."""
     ns_dtype = str(newton_schulz_dtype(device_type)).removeprefix("torch.")
-    return f"lr {plan.muon_lr:g}, Newton-Schulz in {ns_dtype}"
+    about = f"lr {plan.muon_lr:g}, Newton-Schulz in {ns_dtype}"
+    if not Muon.stacked or any(isinstance(m, DTensor) for m in matrices):
+        return about
+    about += f", stacked by shape ({len({tuple(m.shape) for m in matrices})} groups)"
+    about += ", compiled" if placement.compile_backend else ""
+    return about + (f", split over {placement.ranks} ranks" if placement.ranks > 1 else "")
 
 
 # Where each matrix is sharded or split (`Muon.step`): one all-gather of it a step, Newton-Schulz on every rank.
@@ -219,7 +238,7 @@ _ZERO_WHY = ("ZeRO hands this Muon flat partitions, where no matrix is whole, an
              "orthogonalised update, not the gradient: 18% apart from torch's Muon after 10 steps at --grad_clip 1")
 SPEC = OptimizerSpec(
     name="muon", display="Muon", claims=BLOCK_MATRICES, state_bytes=4,  # one fp32 momentum buffer per matrix
-    build=build, peak_lr=lambda plan: plan.muon_lr, describe=describe,
+    build=build, peak_lr=lambda plan: plan.muon_lr, describe=describe, place=place,
     refused_under={ZERO_COLUMNS[s]: Refusal(_ZERO_WHY, f"use --optimizer adamw with {engine_name(DEEPSPEED, s)}, or "
                                                        "Muon with a DDP or FSDP2 launch config")
                    for s in (1, 2, 3)},
