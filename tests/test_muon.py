@@ -521,9 +521,13 @@ def test_deepspeeds_muon_under_zero_clips_the_update_not_the_gradient():
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_bench_muon_sharded_runs_both_sides():
-    """benchmarks/bench_muon_sharded.py on 2 gloo processes with a tiny model: both sides step and print medians
-    (no figure asserted: the machine is shared)."""
+def test_bench_muon_sharded_runs_every_side_and_muon_split_over_2_ranks_is_one_process_bit_for_bit():
+    """benchmarks/bench_muon_sharded.py on 2 gloo processes with a tiny model: every side steps and prints medians
+    (no figure asserted: the machine is shared), and the bench's own check holds: Muon split over the 2 ranks (3
+    matrices of each shape: each rank's share 2, the second padded) ends one step with the weights of one process's
+    stacked step, bit for bit on both ranks (each matrix's Newton-Schulz runs the same kernels in a stack of 2 as of
+    3), else exit 1."""
+    import re
     import subprocess
     import sys
 
@@ -531,9 +535,11 @@ def test_bench_muon_sharded_runs_both_sides():
 
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         "-m", "benchmarks.bench_muon_sharded", "--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size",
+         "-m", "benchmarks.bench_muon_sharded", "--n_layer", "3", "--n_head", "2", "--n_embd", "32", "--block_size",
          "16", "--micro_batch_size", "2", "--grad_accum", "2", "--warmup", "1", "--trials", "1"],
         cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Muon gathers 4 matrices whole per step under FSDP2" in proc.stdout
-    assert "fsdp2   whole step" in proc.stdout and "ddp     whole step" in proc.stdout
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "split over 2 ranks against one process's: 12 of 12 matrices equal bit for bit" in proc.stdout
+    assert "Muon gathers 12 matrices whole per step under FSDP2" in proc.stdout
+    for side in ("fsdp2", "ddp", "ddp_stacked", "ddp_per_matrix"):
+        assert re.search(rf"^{side} +whole step +[0-9.]+ ms +Muon step +[0-9.]+ ms$", proc.stdout, re.M), side
