@@ -158,17 +158,15 @@ class Muon(torch.optim.Muon):
         shapes: dict[tuple, list[int]] = {}  # one stack per shape (and dtype, device), in the params' order
         for i, g in enumerate(grads):
             shapes.setdefault((tuple(g.shape), g.dtype, g.device), []).append(i)
-        updates: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
-        for indices in shapes.values():
+        for indices in shapes.values():  # each shape's updates applied before the next shape's are computed
             stack = self._orthogonalised([grads[i] for i in indices], [buffers[i] for i in indices], momentum,
                                          group["nesterov"], (group["ns_coefficients"], group["ns_steps"],
                                                              group["eps"], self.ns_dtype))
-            tall = grads[indices[0]].size(0) > grads[indices[0]].size(1)
-            for j, i in enumerate(indices):
-                updates[i] = stack[j].mT if tall else stack[j]
-        torch._foreach_mul_(params, 1 - lr * weight_decay)
-        for p, update in zip(params, updates):
-            p.add_(update, alpha=-lr * math.sqrt(max(1, p.size(0) / p.size(1))))
+            weights = [params[i] for i in indices]
+            rows, cols = weights[0].shape
+            torch._foreach_mul_(weights, 1 - lr * weight_decay)
+            for p, update in zip(weights, stack):
+                p.add_(update.mT if rows > cols else update, alpha=-lr * math.sqrt(max(1, rows / cols)))
 
     def _orthogonalised(self, grads: list[torch.Tensor], buffers: list[torch.Tensor], momentum: float,
                         nesterov: bool, args: tuple) -> torch.Tensor:
@@ -190,6 +188,7 @@ class Muon(torch.optim.Muon):
         if nesterov:  # torch's grad.lerp(buf, momentum), for the matrices this rank orthogonalises
             stack = torch.stack(mine(grads)).lerp_(stack, momentum)
         out = self._newton_schulz()(stack, *args)
+        del stack  # the fp32 share, freed before the gather
         if ranks == 1:
             return out
         gathered = out.new_empty((ranks * share, *out.shape[1:]))
