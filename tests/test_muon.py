@@ -385,6 +385,19 @@ def test_muon_on_two_processes_matches_one(muon_run, tmp_path):
     assert_updates_agree(reference, out)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_muon_in_two_pipelines_splits_over_each_stages_replicas_and_matches_one(muon_run, tmp_path):
+    """4 processes as 2 pipelines of 2 stages: each stage's matrices are averaged over its 2 replicas
+    (`PipelinedGPT`), so Muon splits their orthogonalisation over those 2 ranks (the header says so) and the run ends
+    as one process does (the DDP bound)."""
+    reference, _ = muon_run
+    out = tmp_path / "pp"
+    proc = launch(MUON_ARGS + ["--pipeline_parallel", "2", "--out_dir", str(out)], nproc=4)
+    assert "x pipeline 2" in proc.stdout and ", stacked by shape (4 groups), split over 2 ranks) on" in proc.stdout
+    assert_updates_agree(reference, out)
+
+
 MUON_TP_ARGS = MUON_ARGS + ["--tensor_parallel", "2"]
 
 
