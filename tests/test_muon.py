@@ -176,6 +176,31 @@ def test_stacked_muon_is_torchs_muon_to_the_rounding_of_its_products(nesterov, n
     torch_opt.load_state_dict(our_opt.state_dict())
 
 
+def test_stacked_false_is_one_matrix_at_a_time(monkeypatch):
+    """The sweep's baseline (`Muon.stacked = False`, the class attribute or one optimizer's) takes torch's loop: one
+    Newton-Schulz per matrix, none stacked; the default one stacked iteration per shape."""
+    from training.optimizers import muon as muon_module
+
+    calls = {"per matrix": 0, "stacked": 0}
+
+    def counting(name, function):
+        def counted(*args):
+            calls[name] += 1
+            return function(*args)
+        return counted
+
+    monkeypatch.setattr(muon_module, "orthogonalise", counting("per matrix", muon_module.orthogonalise))
+    monkeypatch.setattr(muon_module, "newton_schulz_stacked", counting("stacked", muon_module.newton_schulz_stacked))
+    params, grads = _gpt_like_matrices_and_gradients(steps=1)
+    _train(Muon, params, grads, lr=0.02, ns_dtype=torch.float32)
+    assert calls == {"per matrix": 0, "stacked": 4}
+    _train(_per_matrix, params, grads, lr=0.02, ns_dtype=torch.float32)
+    assert calls == {"per matrix": 8, "stacked": 4}
+    monkeypatch.setattr(Muon, "stacked", False)
+    _train(Muon, params, grads, lr=0.02, ns_dtype=torch.float32)
+    assert calls == {"per matrix": 16, "stacked": 4}
+
+
 def test_the_stacked_newton_schulz_compiles_once_per_shape_without_graph_breaks():
     """Compiled (`compile_backend`, here a backend that records each graph and runs it as traced), the stacked
     iteration is one whole graph per stack shape (fullgraph=True: a break fails), not recompiled when the learning

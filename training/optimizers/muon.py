@@ -5,7 +5,11 @@ embeddings, the tied output layer, biases and LayerNorms stay with AdamW. `Muon`
 Newton-Schulz orthogonalisation runs in the dtype the device multiplies fast (`newton_schulz_dtype`), not always in
 bfloat16 as torch's does: a CPU without bf16 matrix units multiplies bf16 matrices 10x slower than fp32 ones.
 
-Muon orthogonalises whole matrices: under FSDP2 and tensor parallelism each matrix is gathered whole for it (`Muon`).
+The matrices of one shape are orthogonalised together, one batched Newton-Schulz per shape (`newton_schulz_stacked`,
+compiled where the run compiles), and where several ranks hold the same averaged gradients (DDP, a pipeline stage's
+replicas: `training.prepare.step_placement`) each orthogonalises its share and one all-gather per shape gives it the
+rest (`Muon`). Muon orthogonalises whole matrices: under FSDP2 and tensor parallelism each matrix is gathered whole
+for it, one at a time.
 Under DeepSpeed's ZeRO it is refused (`SPEC.refused_under`): ZeRO hands a client optimizer flat partitions, in which
 no matrix is whole, and the Muon DeepSpeed ships for ZeRO (`MuonWithAuxAdam`, orthogonalising whole matrices while
 it fills the gradient partitions) clips the orthogonalised update by the global norm of updates and gradients
