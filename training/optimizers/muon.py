@@ -91,8 +91,8 @@ class Muon(torch.optim.Muon):
     - Split (`split_group`, set by `place` from the run's engine): where every rank of a process group holds the
       same averaged gradient of the same whole matrices (DDP; the replicas of a pipeline stage), each rank
       orthogonalises its share of each shape's stack (ranks in order, each a contiguous share, the last ones padded
-      with zero matrices so that every share has one size) and one `all_gather_into_tensor` per shape gives every
-      rank all of them: the work per rank falls as 1 / ranks. The momentum stays whole on every rank (an
+      with zero matrices so that every share has one size) and one all-gather into a stacked tensor per shape gives
+      every rank all of them: the work per rank falls as 1 / ranks. The momentum stays whole on every rank (an
       elementwise update, cheap), so the state and the checkpoints are those of one process.
     - A matrix that FSDP2 shards or tensor parallelism splits (a DTensor) is gathered whole for its
       orthogonalisation: its momentum stays sharded like the matrix (the update before it is elementwise), one
@@ -203,7 +203,7 @@ class Muon(torch.optim.Muon):
         """`newton_schulz_stacked`, compiled with `compile_backend` where one is set (each shape compiles once)."""
         if self.compile_backend is None:
             return newton_schulz_stacked
-        if self._compiled is None or self._compiled[0] is not self.compile_backend:
+        if self._compiled is None or self._compiled[0] != self.compile_backend:
             self._compiled = (self.compile_backend, torch.compile(newton_schulz_stacked, backend=self.compile_backend,
                                                                   dynamic=False, fullgraph=True))
         return self._compiled[1]
