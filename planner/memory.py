@@ -266,7 +266,7 @@ def plan_memory(config: GPTConfig, launch: Launch, process_bytes: int = CPU_PROC
                                if layout.shards_parameters else []),
         "optimizer step": [params, grads, state] + [i for i in static if i.name in
                                                      ("DDP gradient buckets", "DeepSpeed reduce buckets")]
-                          + _whole_matrix(config, launch)
+                          + _whole_matrix(config, launch) + _stacked_newton_schulz(config, launch, L)
                           + ([Item("step temporaries", 2 * 4 * V * C // shards.optimizer_state,
                                    "AdamW's for-loop on the CPU: 2 copies of the largest parameter")]
                              if launch.device == "cpu" else []),
@@ -287,6 +287,26 @@ def _whole_matrix(config: GPTConfig, launch: Launch) -> list[Item]:
     largest = 4 * config.n_embd * config.n_embd
     return [Item("Muon's whole matrix", 4 * 5 * largest, "the largest matrix gathered for Newton-Schulz, and 4 "
                  "working copies")]
+
+
+def _stacked_newton_schulz(config: GPTConfig, launch: Launch, layers: int) -> list[Item]:
+    """Muon on whole matrices (one process, DDP, a pipeline stage): the matrices of one shape are orthogonalised
+    together (`training.optimizers.muon.Muon`), one shape at a time, the largest (c_fc's 4C x C, or mlp.c_proj's,
+    one per layer) the peak. Of its `layers` matrices a rank orthogonalises its share (all of them, or split over
+    the data-parallel ranks: ceil(layers / ranks)), then gathers the rest. The larger of the iteration (the share's
+    fp32 update stack, the iterate and its next value in the Newton-Schulz dtype: 2 bytes on a GPU, 4 at most on a
+    CPU, and two C x C products per matrix) and the gather (the share's result and every matrix's)."""
+    if not launch.optimizer_spec.whole_matrices or launch.layout.shards_optimizer_state:
+        return []
+    ranks = launch.layout.data_parallel_size
+    share = -(-layers // ranks)
+    C = config.n_embd
+    matrix, ns = 4 * C * C, 2 if launch.device == "cuda" else 4
+    iteration = share * (matrix * (4 + 2 * ns) + 2 * C * C * ns)
+    gather = (share + ranks * share) * matrix * ns if ranks > 1 else 0
+    split = f", {share} of them on this rank" if ranks > 1 else ""
+    return [Item("Muon's stacked Newton-Schulz", max(iteration, gather),
+                 f"one shape's {layers} matrices at once{split}")]
 
 
 def _process_item(process_bytes: int) -> Item:

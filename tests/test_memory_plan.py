@@ -483,6 +483,26 @@ def test_a_cpu_plan_is_made_against_this_machines_memory(monkeypatch, capsys):
     assert f"({total / 2 / GB:g} GB)" in capsys.readouterr().out  # the device line of the table: this machine's
 
 
+def test_muon_on_whole_matrices_plans_one_stacked_shape_split_over_the_ranks():
+    """Muon on whole matrices (one process, DDP) orthogonalises one shape's matrices at once (training.optimizers.muon):
+    the optimizer step holds the largest shape's stack (c_fc's, one 4C x C matrix per layer): its fp32 updates and
+    two bf16 copies a matrix, two bf16 C x C products; on 8 DDP ranks each rank's share of 2, then every matrix
+    gathered in bf16. GPT-2 124M: 243 MiB on one GPU, 81 MiB a rank on 8."""
+    config = model_config("gpt2", 1024)
+    C, matrix = 768, 4 * 768 ** 2
+
+    def planned(launch: Launch) -> int | None:
+        return {i.name: i.bytes for i in plan_memory(config, launch).by_moment["optimizer step"]}.get(
+            "Muon's stacked Newton-Schulz")
+
+    assert planned(Launch(4, optimizer="muon")) == 12 * (matrix * (4 + 2 * 2) + 2 * C * C * 2)
+    assert round(planned(Launch(4, optimizer="muon")) / 2 ** 20) == 243
+    assert planned(Launch(4, Layout(8), optimizer="muon")) == (2 + 8 * 2) * matrix * 2  # the gather, the larger
+    assert round(planned(Launch(4, Layout(8), optimizer="muon")) / 2 ** 20) == 81
+    for launch in (Launch(4, Layout(8, FSDP), optimizer="muon"), Launch(4, Layout(8))):
+        assert planned(launch) is None  # FSDP2: one whole matrix at a time (below); AdamW: no Newton-Schulz
+
+
 def test_muon_under_sharding_plans_its_whole_matrix():
     """Muon under FSDP2 (or tensor parallelism) gathers each matrix whole for Newton-Schulz: the optimizer step holds
     the largest one (c_fc's 4C x C) and 4 working copies, in fp32; with replicas (DDP) the matrix is there already."""

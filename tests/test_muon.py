@@ -20,7 +20,7 @@ from configs import ModelConfig, OptimConfig
 from model import GPT, GPTConfig
 from training.optimizers.muon import Muon, newton_schulz_dtype
 from training.optimizers.plan import build_optimizer, describe_optimizers, plan_optimizers
-from training.optimizers.spec import BLOCK_MATRICES, claimed_names
+from training.optimizers.spec import BLOCK_MATRICES, StepPlacement, claimed_names
 
 
 def muon_parameter_names(model: torch.nn.Module) -> list[str]:
@@ -91,14 +91,22 @@ def _newton_schulz_in_float64(g: torch.Tensor) -> torch.Tensor:
     return x.T if g.size(0) > g.size(1) else x
 
 
+def _per_matrix(params, **kwargs) -> Muon:
+    """Our Muon one matrix at a time (`Muon.stacked = False`, the reference the stacked path is held to)."""
+    opt = Muon(params, **kwargs)
+    opt.stacked = False
+    return opt
+
+
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_our_muon_in_bfloat16_is_torchs_muon_bit_for_bit(nesterov):
-    """With torch's dtype, our step is torch's: the same weights and momentum buffers after 3 steps (momentum,
-    Nesterov or not, weight decay, the LR scaled for a tall matrix), and the state dicts load into each other."""
+    """With torch's dtype and one matrix at a time (`stacked = False`), our step is torch's: the same weights and
+    momentum buffers after 3 steps (momentum, Nesterov or not, weight decay, the LR scaled for a tall matrix), and
+    the state dicts load into each other."""
     params, grads = _matrices_and_gradients()
     kwargs = {"lr": 0.02, "momentum": 0.95, "nesterov": nesterov, "weight_decay": 0.1}
     theirs, torch_opt = _train(torch.optim.Muon, params, grads, **kwargs)
-    ours, our_opt = _train(Muon, params, grads, ns_dtype=torch.bfloat16, **kwargs)
+    ours, our_opt = _train(_per_matrix, params, grads, ns_dtype=torch.bfloat16, **kwargs)
     for a, b in zip(theirs, ours):
         assert torch.equal(a, b)
         assert torch.equal(torch_opt.state[a]["momentum_buffer"], our_opt.state[b]["momentum_buffer"])
@@ -113,13 +121,109 @@ def test_float32_newton_schulz_agrees_with_torchs_bfloat16_to_its_rounding():
     params, grads = _matrices_and_gradients(seed=1)
     kwargs = {"lr": 1.0, "momentum": 0.0, "weight_decay": 0.0}
     theirs, _ = _train(torch.optim.Muon, params, grads[:1], **kwargs)
-    ours, _ = _train(Muon, params, grads[:1], ns_dtype=torch.float32, **kwargs)
+    ours, _ = _train(_per_matrix, params, grads[:1], ns_dtype=torch.float32, **kwargs)
     for p, a, b, grad in zip(params, theirs, ours, grads[0]):
         bf16_update, fp32_update = (p - a).detach(), (p - b).detach()
         exact = _newton_schulz_in_float64(grad) * max(1, p.size(0) / p.size(1)) ** 0.5
         size = exact.norm()
         assert (fp32_update - bf16_update).norm() < 3e-2 * size  # bf16's 8-bit mantissa, through 5 iterations
         assert (fp32_update - exact).norm() < 1e-5 * size < (bf16_update - exact).norm()
+
+
+def _gpt_like_matrices_and_gradients(steps: int = 3) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """The blocks' matrices of a 2-layer GPT of width 64 (c_attn 3C x C and c_fc 4C x C tall, attn.c_proj square,
+    mlp.c_proj C x 4C wide: 4 shapes of 2 matrices), and `steps` steps of gradients of unequal sizes (a stack whose
+    matrices were normalised together would show it)."""
+    g = torch.Generator().manual_seed(2)
+    C = 64
+    shapes = [(3 * C, C), (C, C), (4 * C, C), (C, 4 * C)] * 2
+    params = [torch.randn(s, generator=g) * 0.02 for s in shapes]
+    return params, [[torch.randn(s, generator=g) * 4.0 ** i for i, s in enumerate(shapes)] for _ in range(steps)]
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_stacked_muon_is_torchs_muon_to_the_rounding_of_its_products(nesterov, ns_dtype):
+    """Our default step (the matrices of one shape orthogonalised in one batched Newton-Schulz) against
+    torch.optim.Muon, 3 steps on a GPT's shapes (tall, square and wide, 2 of each), momentum, weight decay.
+
+    The momentum is elementwise and the same operations: equal bit for bit. The gradients are given, so each step's
+    orthogonalised update depends on them and the momentum only, and the weights' distance is at most the sum of
+    the steps' update distances (x the LR): a bound on one update's relative distance bounds the weights'. The
+    stacked iteration applies each matrix's own operations (its own Frobenius norm); bmm and mm may only accumulate a
+    product's terms in another order. In bf16 (torch's dtype) each product is accumulated in fp32 and rounded to
+    bf16 once, so another order moves an element by one bf16 ulp (2^-8 relative) where the fp32 sums fall either
+    side of a rounding boundary, and never more: bound 1e-2 (2.5 ulps) of each weight's move (seen 0 here and on
+    these shapes at 2 x 64; 3.5e-3 on GPT-2's c_attn, 2304 x 768). In fp32: within fp32 Newton-Schulz's own rounding
+    (1e-5, the bound `test_float32_newton_schulz_agrees_with_torchs_bfloat16_to_its_rounding` holds to float64; seen
+    9e-7: a tall matrix's mm reads a transposed view, bmm a contiguous stack) of the same iteration one matrix at a
+    time, and within bf16's rounding (3e-2, the same test's) of torch's bf16 one."""
+    params, grads = _gpt_like_matrices_and_gradients()
+    kwargs = {"lr": 0.02, "momentum": 0.95, "nesterov": nesterov, "weight_decay": 0.1}
+    theirs, torch_opt = _train(torch.optim.Muon, params, grads, **kwargs)
+    ours, our_opt = _train(Muon, params, grads, ns_dtype=ns_dtype, **kwargs)
+    assert our_opt.stacked
+    references = [(theirs, 1e-2 if ns_dtype == torch.bfloat16 else 3e-2)]
+    if ns_dtype == torch.float32:
+        references.append((_train(_per_matrix, params, grads, ns_dtype=ns_dtype, **kwargs)[0], 1e-5))
+    for reference, bound in references:
+        for i, (start, a, b) in enumerate(zip(params, reference, ours)):
+            moved, apart = (a - start).norm(), (b - a).norm()
+            assert moved > 0.01 and apart <= bound * moved, f"matrix {i} {tuple(start.shape)}: {apart / moved:.3g}"
+    for a, b in zip(theirs, ours):
+        assert torch.equal(torch_opt.state[a]["momentum_buffer"], our_opt.state[b]["momentum_buffer"])
+    our_opt.load_state_dict(torch_opt.state_dict())  # the checkpoint format is torch's
+    torch_opt.load_state_dict(our_opt.state_dict())
+
+
+def test_stacked_false_is_one_matrix_at_a_time(monkeypatch):
+    """The sweep's baseline (`Muon.stacked = False`, the class attribute or one optimizer's) takes torch's loop: one
+    Newton-Schulz per matrix, none stacked; the default one stacked iteration per shape."""
+    from training.optimizers import muon as muon_module
+
+    calls = {"per matrix": 0, "stacked": 0}
+
+    def counting(name, function):
+        def counted(*args):
+            calls[name] += 1
+            return function(*args)
+        return counted
+
+    monkeypatch.setattr(muon_module, "orthogonalise", counting("per matrix", muon_module.orthogonalise))
+    monkeypatch.setattr(muon_module, "newton_schulz_stacked", counting("stacked", muon_module.newton_schulz_stacked))
+    params, grads = _gpt_like_matrices_and_gradients(steps=1)
+    _train(Muon, params, grads, lr=0.02, ns_dtype=torch.float32)
+    assert calls == {"per matrix": 0, "stacked": 4}
+    _train(_per_matrix, params, grads, lr=0.02, ns_dtype=torch.float32)
+    assert calls == {"per matrix": 8, "stacked": 4}
+    monkeypatch.setattr(Muon, "stacked", False)
+    _train(Muon, params, grads, lr=0.02, ns_dtype=torch.float32)
+    assert calls == {"per matrix": 16, "stacked": 4}
+
+
+def test_the_stacked_newton_schulz_compiles_once_per_shape_without_graph_breaks():
+    """Compiled (`compile_backend`, here a backend that records each graph and runs it as traced), the stacked
+    iteration is one whole graph per stack shape (fullgraph=True: a break fails), not recompiled when the learning
+    rate changes every step, and gives the eager step's weights: the 4 shapes stack as 3 (c_fc's 4C x C and
+    mlp.c_proj's C x 4C both iterate as C x 4C)."""
+    params, grads = _gpt_like_matrices_and_gradients()
+    graphs = []
+
+    def recording(graph_module, example_inputs):
+        graphs.append(tuple(example_inputs[0].shape))
+        return graph_module.forward
+
+    compiled, eager = ([torch.nn.Parameter(p.clone()) for p in params] for _ in range(2))
+    opts = [Muon(compiled, lr=0.02, ns_dtype=torch.bfloat16), Muon(eager, lr=0.02, ns_dtype=torch.bfloat16)]
+    opts[0].compile_backend = recording
+    for step, step_grads in enumerate(grads):
+        for opt, weights in zip(opts, (compiled, eager)):
+            opt.param_groups[0]["lr"] = 0.02 / (step + 1)
+            for p, grad in zip(weights, step_grads):
+                p.grad = grad.clone()
+            opt.step()
+    assert sorted(graphs) == [(2, 64, 64), (2, 64, 192), (2, 64, 256)]
+    assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
 
 
 def test_newton_schulz_dtype_is_bfloat16_where_the_device_multiplies_it_natively(monkeypatch):
@@ -133,7 +237,59 @@ def test_newton_schulz_dtype_is_bfloat16_where_the_device_multiplies_it_natively
     if not torch.cpu.get_capabilities().get("avx512_bf16") and not torch.cpu.get_capabilities().get("amx_bf16"):
         model = GPT(SMALL)
         assert build_optimizer(model, MUON, "cpu")[1].ns_dtype == torch.float32
-        assert "Muon (lr 0.02, Newton-Schulz in float32) on the blocks' 2-D weights" in describe_optimizers(model, MUON)
+        assert "Muon (lr 0.02, Newton-Schulz in float32, stacked by shape (4 groups)) on the blocks' 2-D weights" \
+            in describe_optimizers(model, MUON)
+
+
+def test_the_header_says_how_muon_stacks_compiles_and_splits_its_work():
+    """The optimizer line names the shapes stacked, the compile and the ranks the work is split over (`place` sets the
+    same on the optimizer); one matrix at a time (`Muon.stacked = False`, a sweep's baseline) it says nothing more."""
+    from training.optimizers.muon import SPEC
+
+    model = GPT(SMALL)
+    dtype = str(newton_schulz_dtype("cpu")).removeprefix("torch.")
+    assert f"Muon (lr 0.02, Newton-Schulz in {dtype}, stacked by shape (4 groups)) on" in describe_optimizers(model,
+                                                                                                           MUON)
+    group = object()  # a process group, as the optimizer keeps it
+    placement = StepPlacement(group, 8, "inductor")
+    assert f"Newton-Schulz in {dtype}, stacked by shape (4 groups), compiled, split over 8 ranks) on" in \
+        describe_optimizers(model, MUON, placement)
+    muon = build_optimizer(model, MUON, "cpu")[1]
+    assert muon.split_group is None and muon.compile_backend is None  # built: one process, eager
+    SPEC.place(muon, placement)
+    assert muon.split_group is group and muon.compile_backend == "inductor"
+    SPEC.place(muon, StepPlacement(group, 1))  # a group of one rank: nothing to split
+    assert muon.split_group is None and muon.compile_backend is None
+    Muon.stacked = False
+    try:
+        assert f"(lr 0.02, Newton-Schulz in {dtype}) on" in describe_optimizers(model, MUON, placement)
+    finally:
+        Muon.stacked = True
+
+
+def test_the_step_placement_is_the_ranks_that_average_the_gradients():
+    """`training.distributed.prepare.step_placement`, read from the prepared model: a pipeline stage's replicas split
+    Muon's
+    work (DDP's group: `test_muon_on_two_processes_matches_one`'s header); one pipeline, one process: no group. The
+    compile backend is accelerate's dynamo backend, where one is set."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DynamoBackend
+
+    from training.distributed.pipeline import PipelinedGPT
+    from training.distributed.prepare import step_placement
+
+    def accelerator(backend: DynamoBackend):
+        return SimpleNamespace(state=SimpleNamespace(dynamo_plugin=SimpleNamespace(backend=backend)))
+
+    model = GPT(SMALL)
+    assert step_placement(accelerator(DynamoBackend.NO), model) == StepPlacement()
+    assert step_placement(accelerator(DynamoBackend.INDUCTOR), model) == StepPlacement(compile_backend="inductor")
+    stage = PipelinedGPT.__new__(PipelinedGPT)  # the rank's stage, without the pipeline's process groups
+    replicas = object()
+    for group, count, expected in [(replicas, 2, StepPlacement(replicas, 2)), (None, 1, StepPlacement())]:
+        object.__setattr__(stage, "pipeline", SimpleNamespace(replica_group=group, replicas=count))
+        assert step_placement(accelerator(DynamoBackend.NO), stage) == expected
 
 
 def test_muon_with_accumulation_applies_the_big_batch_update():
@@ -194,7 +350,7 @@ def muon_run(tmp_path_factory) -> tuple[Path, str]:
 @pytest.mark.slow
 def test_muon_run_says_what_trains_what_and_saves_both_optimizers(muon_run):
     out, output = muon_run
-    assert "optimizer: Muon (lr 0.02, Newton-Schulz in " in output
+    assert "optimizer: Muon (lr 0.02, Newton-Schulz in " in output and ", stacked by shape (4 groups)) on" in output
     checkpoint = out / "checkpoints" / "step_000004"
     assert (checkpoint / "optimizer.bin").is_file() and (checkpoint / "optimizer_1.bin").is_file()
     manifest = (checkpoint / "manifest.json").read_text()
@@ -251,6 +407,20 @@ def test_muon_on_two_processes_matches_one(muon_run, tmp_path):
     out = tmp_path / "ddp"
     proc = launch(MUON_ARGS + ["--out_dir", str(out)], nproc=2)
     assert "2 process(es) x 2 accumulation" in proc.stdout + proc.stderr
+    assert ", stacked by shape (4 groups), split over 2 ranks) on" in proc.stdout  # DDP's group: each rank half
+    assert_updates_agree(reference, out)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_muon_in_two_pipelines_splits_over_each_stages_replicas_and_matches_one(muon_run, tmp_path):
+    """4 processes as 2 pipelines of 2 stages: each stage's matrices are averaged over its 2 replicas
+    (`PipelinedGPT`), so Muon splits their orthogonalisation over those 2 ranks (the header says so) and the run ends
+    as one process does (the DDP bound)."""
+    reference, _ = muon_run
+    out = tmp_path / "pp"
+    proc = launch(MUON_ARGS + ["--pipeline_parallel", "2", "--out_dir", str(out)], nproc=4)
+    assert "x pipeline 2" in proc.stdout and ", stacked by shape (4 groups), split over 2 ranks) on" in proc.stdout
     assert_updates_agree(reference, out)
 
 
@@ -325,6 +495,7 @@ def test_muon_with_tensor_parallelism_matches_one_process(muon_run, muon_tp_run)
     reference, _ = muon_run
     out, output = muon_tp_run
     assert "x tensor parallel 2" in output and "each matrix gathered whole on every rank" in output
+    assert "stacked" not in output  # one matrix at a time
     assert_updates_agree(reference, out)
 
 
@@ -389,9 +560,13 @@ def test_deepspeeds_muon_under_zero_clips_the_update_not_the_gradient():
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_bench_muon_sharded_runs_both_sides():
-    """benchmarks/bench_muon_sharded.py on 2 gloo processes with a tiny model: both sides step and print medians
-    (no figure asserted: the machine is shared)."""
+def test_bench_muon_sharded_runs_every_side_and_muon_split_over_2_ranks_is_one_process_bit_for_bit():
+    """benchmarks/bench_muon_sharded.py on 2 gloo processes with a tiny model: every side steps and prints medians
+    (no figure asserted: the machine is shared), and the bench's own check holds: Muon split over the 2 ranks (3
+    matrices of each shape: each rank's share 2, the second padded) ends one step with the weights of one process's
+    stacked step, bit for bit on both ranks (each matrix's Newton-Schulz runs the same kernels in a stack of 2 as of
+    3), else exit 1."""
+    import re
     import subprocess
     import sys
 
@@ -399,9 +574,11 @@ def test_bench_muon_sharded_runs_both_sides():
 
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         "-m", "benchmarks.bench_muon_sharded", "--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size",
+         "-m", "benchmarks.bench_muon_sharded", "--n_layer", "3", "--n_head", "2", "--n_embd", "32", "--block_size",
          "16", "--micro_batch_size", "2", "--grad_accum", "2", "--warmup", "1", "--trials", "1"],
         cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Muon gathers 4 matrices whole per step under FSDP2" in proc.stdout
-    assert "fsdp2   whole step" in proc.stdout and "ddp     whole step" in proc.stdout
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "split over 2 ranks against one process's: 12 of 12 matrices equal bit for bit" in proc.stdout
+    assert "Muon gathers 12 matrices whole per step under FSDP2" in proc.stdout
+    for side in ("fsdp2", "ddp", "ddp_stacked", "ddp_per_matrix"):
+        assert re.search(rf"^{side} +whole step +[0-9.]+ ms +Muon step +[0-9.]+ ms$", proc.stdout, re.M), side

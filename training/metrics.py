@@ -27,6 +27,7 @@ from configs import LogConfig
 from model.unwrap import unwrapped
 from training.distributed.engines import Engine, precision
 from training.distributed.pipeline import stage_line
+from training.distributed.prepare import step_placement
 from training.distributed.processes import BatchGeometry
 from training.mfu import estimate_mfu, peak_flops
 from training.optimizers.plan import OptimizerPlan, describe_optimizers
@@ -223,8 +224,9 @@ def run_header(accelerator: Accelerator, engine: Engine, model: torch.nn.Module,
     distributed = engine.header_words(accelerator.distributed_type.value, stage_line(model))
     g = geometry
     ranks = "data-parallel rank(s)" if engine.model_parallel > 1 else "process(es)"
+    optimizers = describe_optimizers(network, plan, step_placement(accelerator, model))  # Muon: how it splits
     return (f"GPT {n_params / 1e6:.2f}M params{adapters} | {g.world_size} {ranks} x {g.accumulation} "
             f"accumulation x {g.micro_batch_size} x {g.block_size} = {g.tokens_per_step:,} tokens per step | "
             f"distributed: {distributed} | precision: {precision(accelerator)} | "
             f"{compiled} | {accelerator.device}{f' | {restart}' if restart else ''}\n"
-            + (f"{here}\n" if here else "") + f"{describe_optimizers(network, plan)}\n{data}")
+            + (f"{here}\n" if here else "") + f"{optimizers}\n{data}")

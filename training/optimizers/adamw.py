@@ -8,7 +8,7 @@ import inspect
 
 import torch
 
-from training.optimizers.spec import BASE_STATE_BYTES, EVERY_PARAMETER, OptimizerPlan, OptimizerSpec
+from training.optimizers.spec import BASE_STATE_BYTES, EVERY_PARAMETER, OptimizerPlan, OptimizerSpec, StepPlacement
 
 
 def build(params: list[torch.nn.Parameter], plan: OptimizerPlan, device_type: str) -> torch.optim.Optimizer:
@@ -20,7 +20,7 @@ def build(params: list[torch.nn.Parameter], plan: OptimizerPlan, device_type: st
     return torch.optim.AdamW(groups, lr=plan.lr, betas=plan.betas, **({"fused": True} if fused else {}))
 
 
-def describe(plan: OptimizerPlan, device_type: str) -> str:
+def describe(plan: OptimizerPlan, device_type: str, params: list, placement: StepPlacement) -> str:
     return f"lr {plan.lr:g}" + (f", the default for {plan.job}" if plan.lr_is_default else "")
 
 

@@ -26,7 +26,7 @@ from configs import ModelConfig, OptimConfig
 from configs.schema import DEFAULT_LRS
 from training.optimizers import adamw
 from training.optimizers.registry import optimizer_spec
-from training.optimizers.spec import OptimizerPlan, claimed_names
+from training.optimizers.spec import OptimizerPlan, StepPlacement, claimed_names
 
 __all__ = ["OptimizerPlan", "build_optimizer", "describe_optimizers", "plan_optimizers", "release_optimizer_state"]
 
@@ -65,20 +65,23 @@ def build_optimizer(model: torch.nn.Module, plan: OptimizerPlan, device_type: st
     return [adamw.build(rest, plan, device_type), mine]
 
 
-def describe_optimizers(model: torch.nn.Module, plan: OptimizerPlan) -> str:
+def describe_optimizers(model: torch.nn.Module, plan: OptimizerPlan, placement: StepPlacement | None = None) -> str:
     """Which optimizer trains which parameters, for the run's header, with what each says of itself on the device
-    that holds the model (Muon: the dtype it orthogonalises in)."""
+    that holds the model and where its step runs (`placement`; Muon: the dtype it orthogonalises in, how it stacks
+    and splits the work)."""
     total = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
     device_type = next(model.parameters()).device.type
-    about = plan.spec.describe(plan, device_type) if plan.spec.describe else f"lr {plan.spec.peak_lr(plan):g}"
-    if plan.spec.alone:
-        return f"optimizer: {plan.spec.display} ({about}) on all {total / 1e6:.2f}M trainable params"
+    placement = placement or StepPlacement()  # one process, eager
     named = dict(model.named_parameters())
     names = claimed_names(model, plan.spec.claims)
+    about = plan.spec.describe(plan, device_type, [named[name] for name in names], placement) if plan.spec.describe \
+        else f"lr {plan.spec.peak_lr(plan):g}"
+    if plan.spec.alone:
+        return f"optimizer: {plan.spec.display} ({about}) on all {total / 1e6:.2f}M trainable params"
     claimed = sum(full_numel(named[name]) for name in names)
     if any(isinstance(named[name], DTensor) for name in names):  # FSDP2's shards, tensor parallelism's pieces
         about += ", each matrix gathered whole on every rank"
-    base = adamw.describe(plan, device_type)
+    base = adamw.describe(plan, device_type, [], placement)
     return (f"optimizer: {plan.spec.display} ({about}) on {plan.spec.claims} ({claimed / 1e6:.2f}M params), "
             f"AdamW ({base}) on embeddings/output layer, biases, LayerNorms ({(total - claimed) / 1e6:.2f}M)")
 

@@ -34,6 +34,19 @@ def claimed_names(model: torch.nn.Module, claims: str) -> list[str]:
 
 
 @dataclass(frozen=True)
+class StepPlacement:
+    """What a run's engine and compile setting offer an optimizer's step beyond its parameters (`OptimizerSpec.place`;
+    `training.distributed.prepare.step_placement` reads it from the prepared model). The default: one process, eager."""
+
+    # The process group whose ranks hold the same averaged gradients of the same whole parameters when the step runs
+    # (DDP: its group; a pipeline stage: its replicas), over which an optimizer may split work and gather the
+    # results; None: no such group (one process, or parameters sharded by FSDP2 or tensor parallelism).
+    group: object = None
+    ranks: int = 1  # the group's size
+    compile_backend: str | None = None  # torch.compile's backend where the run compiles its model; None: eager
+
+
+@dataclass(frozen=True)
 class OptimizerSpec:
     """One optimizer, as the run, the planner, the checkpoints and the support table see it."""
 
@@ -46,7 +59,9 @@ class OptimizerSpec:
     flags: type | None = None
     build: Callable[[list[torch.nn.Parameter], OptimizerPlan, str], torch.optim.Optimizer] | None = None
     peak_lr: Callable[[OptimizerPlan], float] | None = None  # its learning rate at the schedule's peak
-    describe: Callable[[OptimizerPlan, str], str] | None = None  # the header's "(lr 0.02, ...)", given the device type
+    # the header's "(lr 0.02, ...)", given the device type, the parameters it trains and the step's placement
+    describe: Callable[[OptimizerPlan, str, list[torch.Tensor], StepPlacement], str] | None = None
+    place: Callable[[torch.optim.Optimizer, StepPlacement], None] | None = None  # told where its step runs (prepare)
     refused_under: Mapping[str, Refusal] = field(default_factory=dict)  # support-table column -> why not
     # support-table column -> what running there costs beyond the engine's own work, in a few words (the cell's note)
     costs_under: Mapping[str, str] = field(default_factory=dict)
