@@ -93,7 +93,8 @@ def main() -> None:
             move = checkpoint_move(resume, engine, accelerator.num_processes, plan)  # saved by another engine?
             uploads = HubUploads(cfg.hub, run, cfg.run.save_every, accelerator.is_main_process)  # token checked now
             set_seed(cfg.training.seed)  # identical initial weights on every rank
-            model, init_weights = build_model(cfg.model, resume, cfg.training.activation_checkpointing)
+            model, init_weights = build_model(cfg.model, resume, cfg.training.activation_checkpointing,
+                                              cfg.training.loss_chunk_rows)  # the loss's path (None: the device's)
             layout.check_model(model.config.n_head, model.config.n_embd)  # --init_from's heads, too
             use_adapter_checkpoints(accelerator, bool(cfg.model.lora_rank))  # LoRA: adapters only, not the base
             # Data: every rank reads its own rows of the same global batches; validation is one fixed token set.

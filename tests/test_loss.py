@@ -1,6 +1,6 @@
 """The training loss's two paths (model/loss.py) against F.cross_entropy over full logits: loss and gradients (hidden
 states, output weight) in fp32 and under bf16 autocast, ignored targets, padded vocabulary, a frozen weight, the whole
-GPT (tied embedding) and torch.compile; the path's default per device, the model's attribute."""
+GPT (tied embedding) and torch.compile; the path's default per device, the model's attribute and train.py's flag."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +8,9 @@ import torch
 from torch.nn import functional as F
 
 import model.loss
+from common.errors import UserError, run_cli
+from configs import ModelConfig, parse_config
+from configs.schema import RESUME_RULES
 from model import GPT, GPTConfig
 from model.loss import chunked_cross_entropy, cross_entropy, default_loss_chunk_rows, full_cross_entropy
 
@@ -363,3 +366,24 @@ def test_the_pipelines_last_stage_takes_the_models_path(monkeypatch):
     stage.loss(hidden, targets)
     stage.eval().loss(hidden, targets)
     assert taken == ["full", 16, "evaluation"]
+
+
+def test_the_flag_parses_is_refused_when_negative_and_reaches_the_model(capsys):
+    """--loss_chunk_rows: None by default (the device's), 0 and N as given, changeable on a resume (ACCEPTED); a
+    negative value is one line and exit status 2; build_model puts it on the GPT."""
+    from common.resume_rules import ACCEPTED
+    from training.network import build_model
+
+    assert parse_config([]).training.loss_chunk_rows is None
+    assert parse_config(["--loss_chunk_rows", "0"]).training.loss_chunk_rows == 0
+    cfg = parse_config(["--loss_chunk_rows", "16384"])
+    assert cfg.training.loss_chunk_rows == 16384 and cfg.flat()["loss_chunk_rows"] == 16384  # config.yaml's keys
+    assert RESUME_RULES["loss_chunk_rows"] == ACCEPTED
+    with pytest.raises(UserError, match=r"--loss_chunk_rows must be 0 \(the full logits\) .* got -1; pass 0 or e.g."):
+        parse_config(["--loss_chunk_rows", "-1"])
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(lambda: parse_config(["--loss_chunk_rows", "-1"]))
+    assert exit_info.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+    small = ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=8)
+    for rows in (None, 0, 512):
+        assert build_model(small, None, loss_chunk_rows=rows)[0].loss_chunk_rows == rows
