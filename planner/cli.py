@@ -96,6 +96,7 @@ def exit_after_plan(cfg):
                     tensor_parallel=layout.tensor_parallel, pipeline_parallel=layout.pipeline_parallel,
                     fsdp=layout.kind == FSDP, zero_stage=layout.zero_stage,
                     activation_checkpointing=cfg.training.activation_checkpointing,
+                    loss_chunk_rows=cfg.training.loss_chunk_rows,  # None: the launch's device's default
                     optimizer=plan_optimizers(cfg.optim, model).kind,  # --optimizer auto resolved as a run does
                     dtype=str(env["dtype"]), accumulation=geometry.accumulation, device=str(env["device"]),
                     total_batch_size=cfg.training.total_batch_size)  # so that advised micro-batches divide it

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.errors import UserError
+from model.loss import default_loss_chunk_rows
 from training.engine_names import DDP, DEEPSPEED, FSDP, engine_name
 from training.layout import Layout
 from training.optimizers.registry import OPTIMIZERS as REGISTERED
@@ -59,11 +60,19 @@ class Launch:
     # --pipeline_parallel: the blocks in this many stages, one per process of a pipeline (`training.pipeline`), the
     # processes / pipeline_parallel pipelines averaging their gradients; 1: none.
     pipeline_parallel: int = 1
+    # --loss_chunk_rows: the training loss's path (`model.loss`): 0 the full logits, N rows per chunk, None the
+    # device's default (`model.loss.default_loss_chunk_rows`: chunks on the CPU, the full logits on CUDA).
+    loss_chunk_rows: int | None = None
 
     @property
     def layout(self) -> Layout:
         """The launch's layout as a run holds it (`training.layout`)."""
         return Layout(self.processes, self.kind, self.zero_stage, self.tensor_parallel, self.pipeline_parallel)
+
+    @property
+    def loss_rows(self) -> int:
+        """The loss path this launch runs: 0 the full logits, else the rows per chunk."""
+        return default_loss_chunk_rows(self.device) if self.loss_chunk_rows is None else self.loss_chunk_rows
 
     @property
     def bubble(self) -> float:
@@ -125,6 +134,9 @@ class Launch:
         return self.dtype == "bf16" and (self.fsdp or self.zero_stage > 0)
 
     def __post_init__(self) -> None:
+        if self.loss_chunk_rows is not None and self.loss_chunk_rows < 0:
+            raise UserError(f"--loss_chunk_rows must be 0 (the full logits) or a number of rows per chunk, got "
+                            f"{self.loss_chunk_rows}; pass 0 or e.g. 512, or leave it out for the device's default")
         for name in ("micro_batch_size", "processes", "accumulation"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name} must be positive, got {getattr(self, name)}; pass a value of at least 1")
