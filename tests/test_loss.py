@@ -204,6 +204,27 @@ def test_frozen_weight_gets_no_gradient_and_x_still_does(rows):
     assert rel_err(xc.grad, xr.grad) <= 1e-6 and w.grad is None
 
 
+@pytest.mark.parametrize("rows, chunks", [(7, [7] * 7 + [1]), (16, [16, 16, 16, 2]), (512, [50]), (0, [50])])
+def test_the_walk_takes_the_rows_it_is_given(rows, chunks):
+    """The logits are computed N token rows at a time (50 tokens: the last chunk short), or all at once for 0: every
+    tensor of V columns the forward makes has that many rows."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class LogitRows(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default):
+                seen.append(out.size(0) if out.size(-1) == V else None)
+            return out
+
+    x, w, targets = inputs()
+    with torch.no_grad(), LogitRows():
+        cross_entropy(x, w, targets, N_VALID, "sum", rows)
+    assert [n for n in seen if n is not None] == chunks
+
+
 def test_bad_reduction_and_bad_path():
     x, w, targets = inputs()
     for fn in (chunked_cross_entropy, full_cross_entropy):
