@@ -98,7 +98,8 @@ def main() -> None:
             uploads = HubUploads(cfg.hub, run, cfg.run.save_every, accelerator.is_main_process)
             # Identical initial weights on every rank.
             set_seed(cfg.training.seed)
-            model, init_weights = build_model(cfg.model, resume, cfg.training.activation_checkpointing)
+            model, init_weights = build_model(cfg.model, resume, cfg.training.activation_checkpointing,
+                                              cfg.training.loss_chunk_rows)
             layout.check_model(model.config.n_head, model.config.n_embd)
             use_adapter_checkpoints(accelerator, bool(cfg.model.lora_rank))
 

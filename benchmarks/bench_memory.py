@@ -6,8 +6,9 @@
 
 Each measurement runs in its own subprocess (one `--loss chunked|plain` and `--activation_checkpointing on|off`),
 so that its peak RSS (ru_maxrss) is the step's alone and not the high-water mark of an earlier one. The step:
-forward and backward in training mode, fp32, then an AdamW step (its two state tensors count too). "plain" swaps
-the chunked loss for F.cross_entropy over the full padded logits, which is what `GPT.forward` computed before it.
+forward and backward in training mode, fp32, then an AdamW step (its two state tensors count too). "plain" is the
+full logits' path (`GPT.loss_chunk_rows = 0`: F.cross_entropy over the full padded logits, what `GPT.forward` computed
+before the chunked loss), "chunked" the CPU's default, 512-row chunks.
 "on" sets `GPT.activation_checkpointing` (what `--activation_checkpointing` does in train.py). With `--repeats N`
 the settings take turns N times (A, B, A, B), so a load that changes over time falls on both alike. Each process
 first sets the CPU allocator as train.py does (glibc's mmap and trim thresholds, huge pages for large tensors;
@@ -23,32 +24,20 @@ import sys
 import time
 
 import torch
-from torch.nn import functional as F
 
-import model.gpt
 from common.cli import CliParser
 from common.errors import run_cli
 from model import GPT, GPTConfig
 from training.distributed.processes import return_freed_memory_to_the_os, use_transparent_huge_pages
 
 
-def plain_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid: int,
-                        reduction: str = "mean") -> torch.Tensor:
-    """The loss before model/loss.py: full logits, a -inf bias on the padding columns."""
-    bias = torch.zeros(weight.size(0), dtype=x.dtype)
-    bias[n_valid:] = float("-inf")
-    logits = F.linear(x, weight, bias)
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction)
-
-
 def one_step(size: str, micro_batch_size: int, loss: str, activation_checkpointing: str, malloc: str) -> None:
     if malloc == "train":
         assert return_freed_memory_to_the_os(), "not glibc: --malloc train changes nothing here"
         use_transparent_huge_pages()  # before the first tensor, as in train.py
-    if loss == "plain":
-        model.gpt.chunked_cross_entropy = plain_cross_entropy
     torch.manual_seed(0)
     gpt = GPT(GPTConfig.from_name(size)).train()
+    gpt.loss_chunk_rows = 0 if loss == "plain" else None  # None: the CPU's default, the chunked loss
     gpt.activation_checkpointing = activation_checkpointing == "on"
     T = gpt.config.block_size
     x, y = torch.randint(0, gpt.config.vocab_size, (2, micro_batch_size, T))

@@ -4,6 +4,7 @@
     python -m benchmarks.bench_train --model gpt2 --block_size 1024 --micro_batch_size 16 \
         --mixed_precision bf16 --compile                      # one GPU
     ... --json results.json                                   # also write the figures as JSON
+    ... --loss_chunk_rows 0                                   # the loss's path on both sides (default: the device's)
 
 Side (a) is train.py's own `train_step`: Accelerator with
 gradient_accumulation_steps, prepare(model, optimizer), `accumulate`, `backward`, `clip_grad_norm_`,
@@ -41,6 +42,7 @@ from benchmarks.step_probe import Phases, count_syncs, probe, profile_step
 from common.errors import UserError, run_cli
 from configs import ModelConfig, OptimConfig, TrainingConfig
 from model import GPT, GPTConfig
+from model.loss import default_loss_chunk_rows, describe_loss_path
 from training.mfu import estimate_mfu, peak_flops
 from training.optimizers.plan import build_optimizer, plan_optimizers
 from training.preemption import PreemptionFlag
@@ -88,10 +90,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--mixed_precision", choices=("no", "bf16"), default="no")
     p.add_argument("--compile", action="store_true", help="torch.compile (inductor) on both sides")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--loss_chunk_rows", type=int, help="the training loss's path on both sides (train.py's flag): 0 "
+                   "the full logits, N the logits N tokens at a time; default: the device's (512 on a CPU, 0 on a GPU)")
     p.add_argument("--json", help="also write the figures to this JSON file (benchmarks/gpu_acceptance.py reads it)")
-    p.add_argument("--loss_chunk_rows", type=int,
-                   help="the model's loss path: 0 = the full logits and F.cross_entropy, N = chunks of N rows "
-                   "(default: the model's)")
     muon = p.add_mutually_exclusive_group()
     muon.add_argument("--muon_stacked", dest="muon_stacked", action="store_const", const=True,
                       help="Muon orthogonalises same-shape matrices together (default: the optimizer's)")
@@ -112,6 +113,9 @@ def parse_args() -> argparse.Namespace:
         raise UserError("--micro_batch_size, --grad_accum, --steps and --trials must be >= 1, --warmup >= 0")
     if args.time_budget is not None and (args.time_budget <= 0 or args.warmup < 1):
         raise UserError("--time_budget needs a positive number of seconds and --warmup >= 1 (the step it sizes from)")
+    if args.loss_chunk_rows is not None and args.loss_chunk_rows < 0:
+        raise UserError(f"--loss_chunk_rows must be 0 (the full logits) or a number of rows per chunk, got "
+                        f"{args.loss_chunk_rows}; pass 0 or e.g. 512, or leave it out for the device's default")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda but no CUDA device is visible; use --device cpu or auto")
     return args
@@ -139,10 +143,10 @@ def main() -> None:
     torch.manual_seed(1337)
     acc_model = GPT(config)
     knobs = {"loss_chunk_rows": hasattr(acc_model, "loss_chunk_rows")}  # which of the sweep's knobs this code has
-    if args.loss_chunk_rows is not None:  # set before the copy: both sides run the same loss
-        acc_model.loss_chunk_rows = args.loss_chunk_rows
+    acc_model.loss_chunk_rows = args.loss_chunk_rows  # None: the device's default, resolved in the forward
+    loss_rows = default_loss_chunk_rows(device.type) if args.loss_chunk_rows is None else args.loss_chunk_rows
     sides = ("accelerate",) if args.accelerate_only else ("accelerate", "bare")
-    bare_model = None if args.accelerate_only else copy.deepcopy(acc_model).to(device)
+    bare_model = None if args.accelerate_only else copy.deepcopy(acc_model).to(device)  # the same path on both sides
     flops_per_token = acc_model.flops_per_token()
     n_params = acc_model.num_params()
     acc_opts = build_optimizer(acc_model, plan, device.type)  # [AdamW] or [AdamW, Muon], as in train.py
@@ -213,7 +217,7 @@ def main() -> None:
 
     print(f"GPT {n_params / 1e6:.2f}M params | {config.n_layer}L {config.n_head}H {config.n_embd}E | "
           f"{A} x {B} x {T} = {A * B * T:,} tokens/step | {args.mixed_precision} | compile={args.compile} | "
-          f"{device} ({torch.get_num_threads()} threads)")
+          f"{describe_loss_path(loss_rows)} | {device} ({torch.get_num_threads()} threads)")
     t0 = time.perf_counter()
     first_s, first_loss, warm_step_s = {}, {}, {}
     for side in sides:  # the first step (the compile, if any), the untimed ones, the last of them timed alone
@@ -289,13 +293,13 @@ def main() -> None:
             "warmup_steps": args.warmup, "warmup_s": warmup_s,
             # What the CUDA code paths turned on: fused AdamW (training/optimizers/plan.py) and TF32 matmuls.
             "optimizer": plan.kind,
+            "loss_chunk_rows": loss_rows,  # the loss's path both sides ran: 0 the full logits, else rows per chunk
             "optimizer_fused": bool(getattr(acc_opts[0], "optimizer", acc_opts[0]).defaults.get("fused")),
             "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
             "ratio_overall": ratio, "ratio_median_paired": None if paired is None else statistics.median(paired),
             "peak_flops": peak, "max_rss_gib": max_rss_gib, "load_average": os.getloadavg()[0],
             # The sweep's figures (benchmarks/gpu_acceptance.py, stage sweep): the knobs as set and whether this code
             # has them, the compile, the step's phases, host syncs and profile (None where not asked for).
-            "loss_chunk_rows": getattr(accelerator.unwrap_model(acc_model), "loss_chunk_rows", None),
             "muon_stacked": getattr(muons[0], "stacked", False) if muons else None, "knobs_in_code": knobs,
             "graph_breaks": graph_breaks, "graph_break_reasons": sorted(dynamo_counters["graph_break"])[:5],
             "phase_ms": phase_ms, "host_syncs": syncs, "profile": profile,

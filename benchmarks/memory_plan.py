@@ -2,7 +2,7 @@
 
     python -m benchmarks.memory_plan --model gpt2-xl --micro_batch_size 4 --block_size 1024 --processes 8 \
         [--fsdp | --zero 1|2|3] [--activation_checkpointing] [--optimizer muon|adamw] [--dtype bf16] \
-        [--device_memory 80]
+        [--loss_chunk_rows 0|N] [--device_memory 80]
     python -m benchmarks.memory_plan --validate          # planned vs measured peak RSS on this CPU, 3+ shapes
     python -m benchmarks.memory_plan --table             # the README's "what fits where" table (computed)
     python -m benchmarks.memory_plan --check --device cuda --model gpt2 --micro_batch_size 16   # one shape, GPU
@@ -30,6 +30,7 @@ from common.cli import CliParser
 from common.engine_names import DDP, DEEPSPEED, FSDP, column
 from common.errors import UserError, run_cli
 from model.config import SIZES
+from model.loss import describe_loss_path
 from planner import (
     CPU_PROCESS_BYTES,
     DEFAULT_DEVICE_GB,
@@ -76,8 +77,10 @@ def rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def measure(model: str, micro_batch_size: int, block_size: int, device: str, checkpointing: bool) -> dict:
-    """Two training steps of `model` (fp32 on the CPU, bf16 autocast on CUDA); the peak memory they reached."""
+def measure(model: str, micro_batch_size: int, block_size: int, device: str, checkpointing: bool,
+            loss_chunk_rows: int | None = None) -> dict:
+    """Two training steps of `model` (fp32 on the CPU, bf16 autocast on CUDA), the loss on `loss_chunk_rows`'s path
+    (None: the device's default); the peak memory they reached."""
     import torch
 
     from model import GPT, GPTConfig
@@ -99,6 +102,7 @@ def measure(model: str, micro_batch_size: int, block_size: int, device: str, che
             raise UserError("this checkout's GPT has no activation_checkpointing attribute; measure without "
                             "--activation_checkpointing")
         gpt.activation_checkpointing = True
+    gpt.loss_chunk_rows = loss_chunk_rows
     optimizer = torch.optim.AdamW(gpt.parameters(), lr=1e-4)
     x, y = torch.randint(0, config.vocab_size, (2, micro_batch_size, block_size), device=device)
     if device == "cuda":
@@ -115,25 +119,28 @@ def measure(model: str, micro_batch_size: int, block_size: int, device: str, che
             "torch": torch.__version__, "loss": loss.item()}
 
 
-def planned(model: str, micro_batch_size: int, block_size: int, device: str, checkpointing: bool) -> int:
+def planned(model: str, micro_batch_size: int, block_size: int, device: str, checkpointing: bool,
+            loss_chunk_rows: int | None = None) -> int:
     """The plan's peak for `measure`'s step: fp32 on the CPU (with the process's RSS), bf16 autocast on CUDA."""
     launch = Launch(micro_batch_size, activation_checkpointing=checkpointing,
-                    dtype="bf16" if device == "cuda" else "fp32", device=device)
+                    dtype="bf16" if device == "cuda" else "fp32", device=device, loss_chunk_rows=loss_chunk_rows)
     return plan_memory(model_config(model, block_size), launch).peak
 
 
 def measure_in_subprocess(model: str, micro_batch_size: int, block_size: int, device: str = "cpu",
-                          checkpointing: bool = False, fixed_threshold: bool = True) -> dict:
+                          checkpointing: bool = False, fixed_threshold: bool = True,
+                          loss_chunk_rows: int | None = None) -> dict:
     """`measure` in a fresh process (its peak RSS is this shape's alone), with the plan's prediction beside it."""
     env = {**os.environ, **(MEASURE_ENV if fixed_threshold else {})}
     cmd = [sys.executable, "-m", "benchmarks.memory_plan", "--measure", "--model", model, "--micro_batch_size",
            str(micro_batch_size), "--block_size", str(block_size), "--device", device]
-    proc = subprocess.run(cmd + (["--activation_checkpointing"] if checkpointing else []), capture_output=True,
-                          text=True, check=False, env=env)
+    cmd += ["--activation_checkpointing"] if checkpointing else []
+    cmd += [] if loss_chunk_rows is None else ["--loss_chunk_rows", str(loss_chunk_rows)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if proc.returncode != 0:
         raise UserError(f"measuring {model} {micro_batch_size} x {block_size} failed: {proc.stderr.strip()[-300:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    result["planned_bytes"] = planned(model, micro_batch_size, block_size, device, checkpointing)
+    result["planned_bytes"] = planned(model, micro_batch_size, block_size, device, checkpointing, loss_chunk_rows)
     if device == "cpu":  # the process's own RSS as this process measured it, not the plan's typical figure
         result["planned_bytes"] += result["baseline_bytes"] - CPU_PROCESS_BYTES
     result["error"] = result["planned_bytes"] / result["peak_bytes"] - 1
@@ -160,13 +167,14 @@ def validate(checkpointing: bool) -> int:
     return 0 if worst <= TOLERANCE else 1
 
 
-def table(device_gb: float) -> None:
-    """The largest micro-batch (x 1024 tokens) that fits per device, by model and layout: 8 processes, bf16."""
+def table(device_gb: float, loss_chunk_rows: int | None = None) -> None:
+    """The largest micro-batch (x 1024 tokens) that fits per device, by model and layout: 8 processes, bf16; the
+    loss on `loss_chunk_rows`'s path (None: CUDA's default)."""
     device = int(device_gb * GB)
+    rows = Launch(1, loss_chunk_rows=loss_chunk_rows).loss_rows
     print(f"largest micro-batch (sequences of 1024 tokens) per {device_gb:g} GB device, 8 processes, bf16 (autocast; "
-          "FSDP2 and DeepSpeed: bf16 parameters), "
-          "AdamW, eager, gradients held between micro-steps; computed by benchmarks.memory_plan (1 GiB + 10% kept "
-          "free), not measured")
+          f"FSDP2 and DeepSpeed: bf16 parameters), AdamW, eager, {describe_loss_path(rows)}, gradients held between "
+          "micro-steps; computed by benchmarks.memory_plan (1 GiB + 10% kept free), not measured")
     # the support table's column names (training.distributed.support), each engine's layout over 8 processes
     engines = {column(DDP): Layout(8), column(FSDP): Layout(8, FSDP),
                **{column(DEEPSPEED, stage): Layout(8, DEEPSPEED, stage) for stage in (1, 2, 3)}}
@@ -177,7 +185,8 @@ def table(device_gb: float) -> None:
         cells = []
         for layout in engines.values():
             for checkpointing in (False, True):
-                launch = Launch(1, layout, activation_checkpointing=checkpointing, accumulation=2)
+                launch = Launch(1, layout, activation_checkpointing=checkpointing, accumulation=2,
+                                loss_chunk_rows=loss_chunk_rows)
                 mb = largest_micro_batch(config, launch, device, TABLE_CAP)
                 cells.append("does not fit" if not mb else f"{mb}+" if mb == TABLE_CAP else str(mb))
         params = plan_memory(config, Launch(1)).params.total
@@ -202,6 +211,9 @@ def main() -> int:
     parser.add_argument("--accumulation", type=int, default=1, help="micro-steps per optimizer step (above 1 "
                         "the gradients are held through the forward)")
     parser.add_argument("--device", default="cuda", choices=DEVICES, help="cpu adds the process's own RSS")
+    parser.add_argument("--loss_chunk_rows", type=int, default=None, help="the training loss's path (train.py's "
+                        "--loss_chunk_rows): 0 the full logits, N the logits N tokens at a time; default: the "
+                        "device's (512 on cpu, 0 on cuda)")
     parser.add_argument("--device_memory", type=float, default=None, help="GB (10^9 bytes) per device; default: "
                         f"{DEFAULT_DEVICE_GB:g} for cuda, this machine's memory shared by --processes for cpu")
     parser.add_argument("--eval_batch_size", type=int, default=None, help="validation windows or HellaSwag items "
@@ -229,7 +241,7 @@ def main() -> int:
     if args.validate:
         return validate(args.activation_checkpointing)
     if args.table:
-        table(args.device_memory)
+        table(args.device_memory, args.loss_chunk_rows)
         return 0
     if args.model not in SIZES:
         raise UserError(f"--model {args.model!r} is not a size the planner knows; choose one of {', '.join(SIZES)}")
@@ -237,15 +249,16 @@ def main() -> int:
     engine = DEEPSPEED if args.zero else FSDP if args.fsdp else DDP
     layout = Layout(args.processes, engine, args.zero, tensor_parallel=args.tensor_parallel)
     launch = Launch(args.micro_batch_size, layout, activation_checkpointing=args.activation_checkpointing,
-                    optimizer=args.optimizer, dtype=args.dtype, accumulation=args.accumulation, device=args.device)
+                    optimizer=args.optimizer, dtype=args.dtype, accumulation=args.accumulation, device=args.device,
+                    loss_chunk_rows=args.loss_chunk_rows)
     if args.check:
         result = measure_in_subprocess(args.model, args.micro_batch_size, config.block_size, args.device,
-                                       args.activation_checkpointing)
+                                       args.activation_checkpointing, loss_chunk_rows=args.loss_chunk_rows)
         print("PLAN_CHECK " + json.dumps(result))
         return 0 if abs(result["error"]) <= TOLERANCE else 1
     if args.measure:
         print(json.dumps(measure(args.model, args.micro_batch_size, config.block_size, args.device,
-                                 args.activation_checkpointing)))
+                                 args.activation_checkpointing, args.loss_chunk_rows)))
         return 0
     device = int(args.device_memory * GB)
     run = RunPhases(eval_batch_size=args.eval_batch_size or args.micro_batch_size,

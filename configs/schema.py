@@ -190,6 +190,10 @@ class TrainingConfig:
     activation_checkpointing: bool = flag(False, "recompute each transformer block's activations in the backward "
                                                  "pass: far less activation memory for about a third more compute",
                                           ACCEPTED)
+    loss_chunk_rows: int | None = flag(None, "the training loss's path: 0 = the full logits and one cross-entropy "
+                                             "(inside the compiled model when compiled), N = the logits of N tokens "
+                                             "at a time (less memory); default: the device's, 512 on a CPU, 0 on a "
+                                             "GPU", ACCEPTED)
     tensor_parallel: int = flag(1, "split each block's matrices over groups of N processes (tensor parallelism, "
                                    "with FSDP2 across the groups: needs an FSDP2 accelerate config); N must divide "
                                    "n_head and the processes; 1 = none", CHECKED)
@@ -208,6 +212,9 @@ class TrainingConfig:
             raise UserError(f"on_nan must be 'stop' or 'skip', got {self.on_nan!r}")
         if not 0 <= self.seed <= MAX_SEED:
             raise UserError(f"--seed must be in [0, {MAX_SEED}], got {self.seed}")
+        if self.loss_chunk_rows is not None and self.loss_chunk_rows < 0:
+            raise UserError(f"--loss_chunk_rows must be 0 (the full logits) or a number of rows per chunk, got "
+                            f"{self.loss_chunk_rows}; pass 0 or e.g. 512, or leave it out for the device's default")
 
 
 # AdamW's peak learning rate when --lr is not given, by what trains (measured: docs/benchmarks.md). From scratch

@@ -20,7 +20,7 @@ from common.weights import Weights
 from data.tokenizer import EOT_ID, IGNORE
 from model import pretrained
 from model.config import GPTConfig
-from model.loss import chunked_cross_entropy
+from model.loss import chunked_cross_entropy, cross_entropy
 
 # One (key, value) pair per layer, each (B, n_head, T_cached, head_dim).
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
@@ -101,6 +101,12 @@ class GPT(nn.Module):
         # Recompute each block's activations in the backward pass (in training only). A setting of the run, not of
         # the architecture: no GPTConfig field, so it never reaches a checkpoint or an export.
         self.activation_checkpointing = False
+        # The training loss's path (`model.loss`), also a setting of the run: 0 the full logits and one
+        # F.cross_entropy, N > 0 the walk in chunks of N rows, None the default of the device the forward runs on
+        # (`model.loss.default_loss_chunk_rows`: resolved at each forward from the hidden states, so a model built
+        # on the CPU and moved to a GPU gets the GPU's). Settable at any time (train.py's --loss_chunk_rows, a
+        # benchmark's variants); a compiled model recompiles for a new value. Evaluation always walks chunks.
+        self.loss_chunk_rows: int | None = None
         # Tied input/output embeddings, as in GPT-2: one matrix, saved once.
         self.lm_head.weight = self.transformer.wte.weight
         self.apply(self._init_weights)
@@ -143,10 +149,11 @@ class GPT(nn.Module):
         is None unless `all_logits=True`: a (B, T, V) fp32 tensor is the largest one in training and
         the loss does not need it returned (accelerate would also cast it to fp32 again). Without
         targets, only the last position's logits (B, 1, V), or all positions with `all_logits=True`.
-        Logits cover the real `vocab_size` ids only, never the padding rows. Without `all_logits` the loss
-        comes from `model.loss.chunked_cross_entropy`, which never holds the full logits (in evaluation mode
-        with the output layer in fp32, as `_logits`); only a per-token loss ("none") that needs gradients, or
-        `all_logits`, takes F.cross_entropy over the full logits.
+        Logits cover the real `vocab_size` ids only, never the padding rows. Without `all_logits` the training
+        loss takes the path `loss_chunk_rows` says (`model.loss.cross_entropy`: the full logits or chunks), and the
+        evaluation loss (eval mode) `model.loss.chunked_cross_entropy`, which never holds the full logits, with the
+        output layer in fp32 as `_logits`; a per-token loss ("none") that needs gradients, or `all_logits`, takes
+        F.cross_entropy over the full logits.
         `kv_cache` (a list, filled in place) is for `generate`: pass `[]` to start one.
         """
         B, T = idx.shape
@@ -185,10 +192,10 @@ class GPT(nn.Module):
         weight = self.lm_head.weight
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         if not all_logits and (loss_reduction != "none" or not needs_grad):
-            # The loss (and in training its gradients) chunk by chunk, never holding the (B*T, V) logits: the
-            # validation loss and HellaSwag's per-token scores peak no higher than a training step.
+            # In training, the loss and its gradients on the run's path; in evaluation chunk by chunk, never holding
+            # the (B*T, V) logits: the validation loss and HellaSwag's per-token scores peak no higher than a step.
             if self.training:
-                return None, chunked_cross_entropy(x, weight, targets, V, loss_reduction)
+                return None, cross_entropy(x, weight, targets, V, loss_reduction, self.loss_chunk_rows)
             with torch.autocast(x.device.type, enabled=False):  # evaluation's output layer in fp32 (see _logits)
                 return None, chunked_cross_entropy(x.float(), weight.float(), targets, V, loss_reduction)
         # The matmul runs over all padded rows (aligned sizes are what make it fast on tensor cores);

@@ -1,21 +1,39 @@
-"""Cross-entropy of the output layer without the full (tokens x vocab) logits.
+"""Cross-entropy of the output layer, on one of two paths chosen by one integer, `loss_chunk_rows`.
 
-With GPT-2's 50,304 output rows, the logits of one micro-batch of 8 x 1,024 tokens take 1.6 GB in
-fp32, and autograd keeps them (or their log-softmax) until the backward, then allocates as much again
-for their gradient. `chunked_cross_entropy` instead walks the tokens in chunks of `LOSS_CHUNK_ROWS`
-rows: for each chunk it computes the logits, the loss, and at once the gradients they contribute to the
-hidden states and to the output weight, then drops the chunk. The backward only scales the two stored
-gradients by the incoming one. Nothing is recomputed; what stays alive from forward to backward is one
-(tokens x n_embd) and one weight-sized tensor.
+- `N > 0`: `chunked_cross_entropy` walks the tokens in chunks of N rows, never holding the full (tokens x vocab)
+  logits. With GPT-2's 50,304 output rows, the logits of one micro-batch of 8 x 1,024 tokens take 1.6 GB in fp32,
+  and autograd keeps them (or their log-softmax) until the backward, then allocates as much again for their
+  gradient. The walk instead computes, for each chunk, the logits, the loss and at once the gradients they
+  contribute to the hidden states and to the output weight, then drops the chunk. The backward only scales the two
+  stored gradients by the incoming one. Nothing is recomputed; what stays alive from forward to backward is one
+  (tokens x n_embd) and one weight-sized tensor. This is why the default CPU run fits and is fast.
+- `0`: `full_cross_entropy`, the full logits and one `F.cross_entropy`, as nanoGPT, torchtitan, nanochat and
+  modded-nanogpt compute it: under autocast the logits in bf16, the softmax in fp32 (an explicit upcast, so that
+  bf16 parameters without autocast get an fp32 softmax too); inside the compiled region when the model is
+  compiled, where inductor fuses the upcast, the softmax and their backward. On an accelerator the walk's cost is
+  its accumulation: each chunk adds its product into the fp32 weight gradient (GPT-2: 154 MB read and written per
+  chunk, 32 times per 16 x 1,024 micro-batch at 512 rows).
 
-Without gradients (evaluation) the same walk gives the loss alone, also per token (`reduction="none"`), so the
-validation loss and HellaSwag's per-token scores never hold the full logits either.
+`default_loss_chunk_rows(device type)` is the path a device gets when the run does not choose one; `cross_entropy`
+takes either path (None: that default, for the hidden states' device).
 
-Invariants: the loss and both gradients equal `F.cross_entropy(F.linear(x, weight), targets)` over the
-first `n_valid` columns (the rest is the embedding's padding, given no probability), targets of -100
-ignored (a loss of 0 per ignored token with "none"), to float rounding (fp32: ~1e-7 relative). Under
-autocast the matmuls run in the autocast dtype and the softmax in fp32, as the plain computation does; the
-weight gradient is accumulated over chunks in the weight's dtype (fp32), one rounding per chunk.
+Without gradients (evaluation) the walk gives the loss alone, also per token (`reduction="none"`), so the
+validation loss and HellaSwag's per-token scores never hold the full logits either (`model.gpt` evaluates on the
+walk whatever the training path).
+
+Invariants: on both paths the loss and both gradients equal `F.cross_entropy(F.linear(x, weight), targets)` over
+the first `n_valid` columns (the rest is the embedding's padding, given no probability), targets of -100 ignored
+(a loss of 0 per ignored token with "none"), to float rounding (fp32: ~1e-7 relative; `tests/test_loss.py` states
+its bounds). Under autocast the matmuls run in the autocast dtype and the softmax in fp32; the walk accumulates the
+weight gradient over chunks in the weight's dtype (fp32), one rounding per chunk.
+
+Not done: accumulating each chunk's product straight into the fp32 weight gradient (`torch.addmm(..., out_dtype=
+torch.float32)`) instead of a bf16 product and an add. This torch (2.13, CPU build) has the op's schema but no CPU
+kernel (`NotImplementedError` for `aten::addmm.dtype`), so it cannot be tested here; PyTorch's CUDA kernel has
+required `self` in the inputs' dtype (a bf16 accumulator) in some versions and accepts an fp32 one in later ones,
+so which the GPU image's torch 2.11 runs needs a GPU to find out. What it would save: the product's write and read,
+77 MB each per chunk for GPT-2, about a third of a chunk's accumulation traffic; at the chunk sizes an accelerator
+would use (16,384 rows: 4 chunks per 64 x 1,024 micro-batch) ~0.6 GB per micro-batch, about 0.2 ms on an H100.
 """
 from __future__ import annotations
 
@@ -26,28 +44,83 @@ from torch.nn import functional as F
 
 from data.tokenizer import IGNORE
 
-# Token rows per chunk: 512 x 50,304 fp32 logits are 103 MB. Measured on a 2-core CPU (GPT-2 head,
+# Token rows per chunk on a CPU: 512 x 50,304 fp32 logits are 103 MB. Measured on a 2-core CPU (GPT-2 head,
 # 2,048 tokens): 512 rows cost the same CPU time as the plain loss, 256 about 10% more, 128 about 30% more.
 LOSS_CHUNK_ROWS = 512
 
 
+def default_loss_chunk_rows(device_type: str) -> int:
+    """The loss path of a device type when the run does not choose one (`--loss_chunk_rows` left out; a model's
+    `loss_chunk_rows` None): the walk in chunks of LOSS_CHUNK_ROWS rows on the CPU (measured: as fast as the full
+    logits there, at half the memory: docs/benchmarks.md), 0 (the full logits) on CUDA and other accelerators.
+
+    The accelerators' 0 is provisional: it is what nanoGPT, torchtitan, nanochat and modded-nanogpt do, not yet a
+    measurement of ours. The GPU sweep of issue 53 (`benchmarks/gpu_acceptance.py`) times 0 against 512 and
+    16,384 rows on an H100, and its result decides this value."""
+    return LOSS_CHUNK_ROWS if device_type == "cpu" else 0
+
+
+def describe_loss_path(rows: int) -> str:
+    """A few words for the run's header: "loss: full logits" or "loss: 512-row chunks"."""
+    return "loss: full logits" if rows == 0 else f"loss: {rows}-row chunks"
+
+
+def cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid: int,
+                  reduction: str = "mean", chunk_rows: int | None = None) -> torch.Tensor:
+    """Cross-entropy of `x @ weight.T` (columns from `n_valid` on excluded) against `targets`, on the path
+    `chunk_rows` names: 0 the full logits (`full_cross_entropy`), N > 0 the walk in chunks of N rows
+    (`chunked_cross_entropy`), None the default of the device `x` is on (`default_loss_chunk_rows`)."""
+    rows = default_loss_chunk_rows(x.device.type) if chunk_rows is None else chunk_rows
+    if rows < 0:
+        raise ValueError(f"loss_chunk_rows must be 0 (the full logits) or a number of rows per chunk, not {rows}")
+    if rows == 0:
+        return full_cross_entropy(x, weight, targets, n_valid, reduction)
+    return chunked_cross_entropy(x, weight, targets, n_valid, reduction, rows)
+
+
+def full_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid: int,
+                       reduction: str = "mean") -> torch.Tensor:
+    """The full (tokens x V) logits and one `F.cross_entropy` in fp32; shapes and reductions as
+    `chunked_cross_entropy`'s ("none" with gradients too).
+
+    The matmul runs over all V rows (aligned sizes are what make it fast on tensor cores); a bias of -inf on the
+    padding columns, fused into the matmul, gives them no probability, so no (tokens x V) tensor is written twice.
+    (Filling the slice in place instead makes autograd clone the whole logits gradient.)"""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"full_cross_entropy supports reduction 'mean', 'sum' or 'none', not {reduction!r}")
+    bias = None
+    if n_valid < weight.size(0):
+        bias = torch.zeros(weight.size(0), device=x.device, dtype=x.dtype)
+        bias[n_valid:] = float("-inf")
+    # In one expression: the bf16 logits are freed once upcast, so eager holds at most the fp32 copy and its
+    # log-softmax (planner.memory counts them).
+    loss = F.cross_entropy(F.linear(x.reshape(-1, x.size(-1)), weight, bias).float(), targets.reshape(-1),
+                           ignore_index=IGNORE, reduction=reduction)
+    return loss.view(targets.shape) if reduction == "none" else loss
+
+
 def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid: int,
-                          reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy of `x @ weight.T` (columns from `n_valid` on excluded) against `targets`.
+                          reduction: str = "mean", chunk_rows: int | None = None) -> torch.Tensor:
+    """Cross-entropy of `x @ weight.T` (columns from `n_valid` on excluded) against `targets`, walked in chunks of
+    `chunk_rows` rows (None: LOSS_CHUNK_ROWS).
 
     x: (..., C) hidden states; weight: (V, C); targets: (...) ids, -100 = ignore. `reduction`: "mean"
     over the non-ignored targets (NaN when there is none, like F.cross_entropy), "sum", or "none" (targets'
     shape, 0 at ignored ones; only without gradients: a per-token loss's backward would need the logits again)."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"chunked_cross_entropy supports reduction 'mean', 'sum' or 'none', not {reduction!r}")
+    rows = LOSS_CHUNK_ROWS if chunk_rows is None else chunk_rows
+    if rows < 1:
+        raise ValueError(f"chunked_cross_entropy needs chunks of at least 1 row, not {rows}")
     if reduction == "none":
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
             raise ValueError("chunked_cross_entropy's reduction 'none' gives no gradients; use 'mean' or 'sum'")
         with torch.no_grad():
-            rows = _walk(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1), n_valid, need_x=False, need_w=False)
-        return rows.losses.view(targets.shape)
+            walk = _walk(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1), n_valid, rows, need_x=False,
+                         need_w=False)
+        return walk.losses.view(targets.shape)
     return _ChunkedCrossEntropy.apply(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1), n_valid,
-                                      reduction == "mean")
+                                      reduction == "mean", rows)
 
 
 class _Walk(NamedTuple):
@@ -56,10 +129,10 @@ class _Walk(NamedTuple):
     grad_w: torch.Tensor | None  # d(sum of losses) / dweight, when asked for
 
 
-def _walk(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid: int, need_x: bool,
+def _walk(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid: int, rows: int, need_x: bool,
           need_w: bool) -> _Walk:
-    """The chunk walk: x (N, C), weight (V, C), targets (N,). Each chunk's logits, its per-token losses and, when
-    asked for, the gradients of the losses' sum; no (N, V) tensor is ever held."""
+    """The chunk walk: x (N, C), weight (V, C), targets (N,), `rows` per chunk. Each chunk's logits, its per-token
+    losses and, when asked for, the gradients of the losses' sum; no (N, V) tensor is ever held."""
     # Under autocast, matmul's result is in the autocast dtype and cannot be accumulated in place
     # into the fp32 weight gradient by addmm_; a separate product + add keeps that sum in fp32.
     autocast = torch.is_autocast_enabled(x.device.type)
@@ -71,9 +144,9 @@ def _walk(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid:
     losses = torch.empty(x.size(0), device=x.device, dtype=torch.float32)
     # One fp32 logits buffer for every chunk, and no other (rows x V) tensor: each one is a fresh
     # allocation, which on a CPU costs zero-filling its pages again (100 MB a chunk for GPT-2).
-    buffer = torch.empty(min(x.size(0), LOSS_CHUNK_ROWS), weight.size(0), device=x.device, dtype=torch.float32)
-    for start in range(0, x.size(0), LOSS_CHUNK_ROWS):
-        xc, tc = x[start:start + LOSS_CHUNK_ROWS], targets[start:start + LOSS_CHUNK_ROWS]
+    buffer = torch.empty(min(x.size(0), rows), weight.size(0), device=x.device, dtype=torch.float32)
+    for start in range(0, x.size(0), rows):
+        xc, tc = x[start:start + rows], targets[start:start + rows]
         logits = buffer[:xc.size(0)]  # (rows, V) in fp32, as F.cross_entropy would upcast them
         if autocast or low:
             logits.copy_(F.linear(xc, weight))
@@ -88,7 +161,7 @@ def _walk(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid:
         row_max = logits.amax(dim=1, keepdim=True)
         sums = logits.sub_(row_max).exp_().sum(dim=1, keepdim=True)
         lse = (row_max + sums.log()).squeeze(1)
-        losses[start:start + LOSS_CHUNK_ROWS] = torch.where(valid, lse - target_logit, 0.0)
+        losses[start:start + rows] = torch.where(valid, lse - target_logit, 0.0)
         if not (need_x or need_w):
             continue
         # d loss / d logits = softmax - one_hot(target); an ignored row contributes no gradient (x 0).
@@ -96,7 +169,7 @@ def _walk(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid:
         logits.scatter_add_(1, safe_tc, -valid.unsqueeze(1).to(logits.dtype))
         grad_logits = logits if low is None else logits.to(low)
         if need_x:
-            grad_x[start:start + LOSS_CHUNK_ROWS] = grad_logits @ weight
+            grad_x[start:start + rows] = grad_logits @ weight
         if need_w:
             if autocast or low:
                 grad_w += grad_logits.t() @ xc
@@ -108,8 +181,8 @@ def _walk(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid:
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid: int,
-                mean: bool) -> torch.Tensor:
-        walk = _walk(x, weight, targets, n_valid, need_x=ctx.needs_input_grad[0], need_w=ctx.needs_input_grad[1])
+                mean: bool, rows: int) -> torch.Tensor:
+        walk = _walk(x, weight, targets, n_valid, rows, need_x=ctx.needs_input_grad[0], need_w=ctx.needs_input_grad[1])
         loss = walk.losses.sum()
         count = (targets != IGNORE).sum().to(torch.float32)
         ctx.mean = mean
@@ -121,4 +194,4 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad_x, grad_w, count = ctx.saved_tensors
         scale = grad_loss / count if ctx.mean else grad_loss
         return (None if grad_x is None else grad_x * scale.to(grad_x.dtype),
-                None if grad_w is None else grad_w * scale.to(grad_w.dtype), None, None, None)
+                None if grad_w is None else grad_w * scale.to(grad_w.dtype), None, None, None, None)

@@ -9,7 +9,7 @@ same name, kept equal to the first stage's by summing their gradients (`training
 
 Invariants: the stages' blocks are consecutive and cover every block once, the earlier stages holding one more
 when the blocks do not divide evenly; a stage's forward takes the previous stage's output (token ids on the first)
-and returns the residual stream (the last: after `ln_f`); `loss` is the model's chunked loss on that output.
+and returns the residual stream (the last: after `ln_f`); `loss` is the model's loss on that output.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from model.loss import chunked_cross_entropy
+from model.loss import chunked_cross_entropy, cross_entropy
 
 
 def stage_blocks(n_layer: int, stages: int) -> list[range]:
@@ -47,6 +47,7 @@ class GPTStage(nn.Module):
                                                             freeze=False)
         self.transformer = nn.ModuleDict(parts)
         self.activation_checkpointing = False  # as `GPT.activation_checkpointing`: blocks recomputed in the backward
+        self.loss_chunk_rows = model.loss_chunk_rows  # as `GPT.loss_chunk_rows` (the last stage's loss), the model's
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -63,11 +64,11 @@ class GPTStage(nn.Module):
         return self.transformer.ln_f(x) if self.last else x
 
     def loss(self, hidden: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        """The chunked loss of the last stage's output (as `GPT.forward` computes it: in evaluation, the output
-        layer in fp32)."""
+        """The loss of the last stage's output, as `GPT.forward` computes it: in training on the path
+        `loss_chunk_rows` says, in evaluation chunked with the output layer in fp32."""
         V = self.config.vocab_size
         if self.training:
-            return chunked_cross_entropy(hidden, self.output_weight, targets, V, reduction)
+            return cross_entropy(hidden, self.output_weight, targets, V, reduction, self.loss_chunk_rows)
         with torch.autocast(hidden.device.type, enabled=False):
             return chunked_cross_entropy(hidden.float(), self.output_weight.float(), targets, V, reduction)
 

@@ -93,6 +93,7 @@ def exit_after_plan(cfg):
     geometry = BatchGeometry.for_total(cfg.training.total_batch_size, cfg.training.micro_batch_size,
                                        config.block_size, layout.data_parallel_size)  # the run's rule
     launch = Launch(geometry.micro_batch_size, layout, activation_checkpointing=cfg.training.activation_checkpointing,
+                    loss_chunk_rows=cfg.training.loss_chunk_rows,  # None: the launch's device's default
                     optimizer=plan_optimizers(cfg.optim, model, cfg.added).kind,  # auto resolved as a run does
                     dtype=str(env["dtype"]), accumulation=geometry.accumulation, device=str(env["device"]),
                     total_batch_size=cfg.training.total_batch_size)  # so that advised micro-batches divide it

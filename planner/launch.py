@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from common.engine_names import FSDP
 from common.errors import UserError
+from model.loss import default_loss_chunk_rows
 from training.distributed.layout import Layout
 from training.distributed.support import refusal
 from training.optimizers.registry import OPTIMIZERS as REGISTERED
@@ -59,6 +60,14 @@ class Launch:
     # The tokens of one optimizer step when the run fixes them (train.py --plan): the advice then names only the
     # micro-batches the run accepts, with the accumulation each gives (`resized`). None: any micro-batch.
     total_batch_size: int | None = None
+    # --loss_chunk_rows: the training loss's path (`model.loss`): 0 the full logits, N rows per chunk, None the
+    # device's default (`model.loss.default_loss_chunk_rows`: chunks on the CPU, the full logits on CUDA).
+    loss_chunk_rows: int | None = None
+
+    @property
+    def loss_rows(self) -> int:
+        """The loss path this launch runs: 0 the full logits, else the rows per chunk."""
+        return default_loss_chunk_rows(self.device) if self.loss_chunk_rows is None else self.loss_chunk_rows
 
     @property
     def bubble(self) -> float:
@@ -94,6 +103,9 @@ class Launch:
         return self.dtype == "bf16" and self.layout.fp32_master
 
     def __post_init__(self) -> None:
+        if self.loss_chunk_rows is not None and self.loss_chunk_rows < 0:
+            raise UserError(f"--loss_chunk_rows must be 0 (the full logits) or a number of rows per chunk, got "
+                            f"{self.loss_chunk_rows}; pass 0 or e.g. 512, or leave it out for the device's default")
         for name, value in (("micro_batch_size", self.micro_batch_size), ("processes", self.layout.world_size),
                             ("accumulation", self.accumulation)):
             if value < 1:

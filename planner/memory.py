@@ -4,9 +4,10 @@
 parameters, their gradients, the optimizer state (AdamW: two fp32 tensors per parameter; Muon: one momentum
 buffer on the blocks' matrices and AdamW's two on the rest, as `training.optimizers.plan` splits them), DDP's gradient
 buckets, FSDP2's sharding and its unsharded blocks in flight, the bf16 weight copies autocast keeps, the
-activations autograd saves (per layer, from `model.gpt.Block`'s code path) and the chunked loss's buffers
-(`model.loss`). `benchmarks/memory_plan.py` is its command line; `python train.py ... --plan` prints it for a
-run's resolved config (`exit_after_plan`). Everything here is arithmetic: nothing is allocated or measured.
+activations autograd saves (per layer, from `model.gpt.Block`'s code path) and the loss's tensors, on the launch's
+path (`model.loss`: chunked or the full logits). `benchmarks/memory_plan.py` is its command line; `python train.py
+... --plan` prints it for a run's resolved config (`exit_after_plan`). Everything here is arithmetic: nothing is
+allocated or measured.
 
 What one Block saves for its backward (B x T x C = one "BTC"; a = bytes of an activation: 2 under bf16, 4
 in fp32; r = bytes of the residual stream: fp32 under autocast because the embeddings' sum is fp32, bf16 under
@@ -24,8 +25,17 @@ the blocks' matrices and column-wise biases (then FSDP2's share of that over the
 q, k, v, SDPA's output, the GELU's input and output (12a of the 14a) and the logsumexp; the LayerNorm inputs and
 the two column-wise layers' inputs, the embeddings, the head and the loss stay whole on every rank (the
 evaluations' forwards are planned unsplit: an overestimate).
-The loss keeps (B*T x C) gradients and a weight-sized one from its forward, with one (512 x V) fp32 logits
-buffer while it runs (`model.loss.LOSS_CHUNK_ROWS`).
+The loss, on the path `Launch.loss_rows` names (`model.loss`; the run's --loss_chunk_rows, by default chunks on the
+CPU and the full logits on CUDA):
+  chunked (N rows): it keeps (B*T x C) gradients and a weight-sized one from its forward, with one (N x V) fp32
+  logits buffer while it runs, and under autocast a bf16 chunk of logits and a bf16 weight-gradient product.
+  full logits: F.linear keeps its input for the backward (a BTC: the autocast copy, or the residual stream's own
+  dtype), and with L = B*T x V logits: the forward holds the fp32 upcast and its log-softmax at once (8 L bytes;
+  the bf16 logits, 2 L, are freed by the upcast), keeps the log-softmax (4 L) for the backward, whose start holds
+  it, its gradient and the gradient of the logits (12 L), all fp32; the bf16 gradient and the weight gradient come
+  after, when these are freed. Measured on the CPU with torch.profiler's memory events (fp32 and bf16 autocast:
+  8.0, 4.0 and 12.0 L); `tests/test_memory_plan.py` holds the saved part against autograd's saved tensors.
+  Compiled, inductor fuses the upcast, the softmax and their backward, and keeps less: to be measured on a GPU.
 
 The peak is the largest of three moments: the forward's end (activations + the loss's working set), the
 backward's start (activations + the loss's two gradients and their scaled copies) and the optimizer step
@@ -248,19 +258,26 @@ def plan_memory(config: GPTConfig, launch: Launch, process_bytes: int = CPU_PROC
         activations = Item("activations", in_flight * (L * per_layer + final_norm_input + dropout),
                            f"{L} layers x {format_gib(per_layer)}" + (" + the final LayerNorm's input" if last else "")
                            + flight)
-    weight_grad = (2 if launch.bf16_parameters else 4) * V * C  # the loss's output-layer gradient, in wte's dtype
-    rows = min(B * T, LOSS_CHUNK_ROWS)
-    autocast_temps = 2 * rows * V + 2 * V * C if bf16 else 0  # bf16 logits and weight-gradient products
-    loss_forward = 4 * rows * V + 8 * btc + weight_grad + autocast_temps if last else 0  # the last stage's
-    loss_backward = 8 * btc + 2 * weight_grad if last else 0  # its saved gradients and their scaled copies
+    if launch.loss_rows:  # the chunked loss
+        weight_grad = (2 if launch.bf16_parameters else 4) * V * C  # the loss's output-layer gradient, in wte's dtype
+        rows = min(B * T, launch.loss_rows)
+        autocast_temps = 2 * rows * V + 2 * V * C if bf16 else 0  # bf16 logits and weight-gradient products
+        loss_forward = 4 * rows * V + 8 * btc + weight_grad + autocast_temps if last else 0  # the last stage's
+        loss_backward = 8 * btc + 2 * weight_grad if last else 0  # its saved gradients and their scaled copies
+        loss_name, forward_note = "loss (chunked)", f"a {rows} x {V} fp32 logits buffer, its gradients"
+        backward_note = "its two gradients, scaled"
+    else:  # the full logits: the module docstring's accounting
+        logits, matmul_input = B * T * V, (2 if bf16 else 4) * btc
+        loss_forward = 8 * logits + matmul_input if last else 0
+        loss_backward = 12 * logits + matmul_input if last else 0
+        loss_name, forward_note = "loss (full logits)", f"the fp32 {B * T} x {V} logits and their log-softmax"
+        backward_note = "the log-softmax, its gradient and the logits' gradient, fp32"
     fsdp_grads_in_flight = pc * (root_params + block_params) if layout.shards_parameters else 0
 
     moments: dict[str, list[Item]] = {
-        "forward's end": [*static, activations] + ([Item("loss (chunked)", loss_forward,
-                                                          f"a {rows} x {V} fp32 logits buffer, its gradients")]
-                                                    if last else []),
+        "forward's end": [*static, activations] + ([Item(loss_name, loss_forward, forward_note)] if last else []),
         "backward's start": [*static, activations]
-                            + ([Item("loss (chunked)", loss_backward, "its two gradients, scaled")] if last else [])
+                            + ([Item(loss_name, loss_backward, backward_note)] if last else [])
                             + ([Item("unsharded gradients", fsdp_grads_in_flight,
                                      "the root's and one block's, before their reduce-scatter")]
                                if layout.shards_parameters else []),

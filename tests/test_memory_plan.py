@@ -52,14 +52,14 @@ def test_parameter_bytes_are_the_real_models_parameters_times_four(config):
 
 
 def test_hand_computed_gpt2_xl_plan():
-    """gpt2-xl, micro-batch 4 x 1024, bf16 autocast, 8 processes, DDP, worked out by hand."""
+    """gpt2-xl, micro-batch 4 x 1024, bf16 autocast, 8 processes, DDP, the chunked loss, worked out by hand."""
     config = model_config("gpt2-xl", 1024)
     P = 48 * (12 * 1600**2 + 13 * 1600) + (50304 + 1024) * 1600 + 2 * 1600
     assert P == 1_557_686_400 and ParamCounts.of(config).total == P
     btc = 4 * 1024 * 1600
     per_layer = btc * (2 * 4 + 14 * 2) + 16 * 4 * 1024 + 4 * 4 * 25 * 1024  # residuals fp32, the rest bf16
     assert activation_bytes_per_layer(config, Launch(4, Layout(8))) == per_layer
-    plan = plan_memory(config, Launch(4, Layout(8)))
+    plan = plan_memory(config, Launch(4, Layout(8), loss_chunk_rows=512))
     # the forward's end, every term by hand: states, DDP buckets, bf16 copies, activations, the loss's buffers
     V, C, rows = 50304, 1600, 512
     loss = 4 * rows * V + 8 * btc + 4 * V * C + 2 * rows * V + 2 * V * C
@@ -72,7 +72,7 @@ def test_hand_computed_gpt2_xl_plan():
     assert items["bf16 weight copies"] == 2 * (48 * 12 * 1600**2 + 50304 * 1600)
     assert items["activations"] == 48 * per_layer + 4 * btc + 8 * 4 * 1024
     # FSDP over 8: the states are an eighth, plus the root and two blocks unsharded in bf16
-    sharded = {i.name: i.bytes for i in plan_memory(config, Launch(4, Layout(8, FSDP))).items}
+    sharded = {i.name: i.bytes for i in plan_memory(config, Launch(4, Layout(8, FSDP), loss_chunk_rows=512)).items}
     assert sharded["parameters"] == 4 * P // 8 and sharded["optimizer state"] == 8 * P // 8
     assert sharded["FSDP2 unsharded in flight"] == 2 * ((50304 + 1024) * 1600 + 2 * 1600 + 2 * (P - (50304 + 1024)
                                                                                              * 1600 - 3200) // 48)
@@ -82,6 +82,35 @@ def test_hand_computed_gpt2_xl_plan():
     # checkpointing keeps each block's input (fp32 residual) and one block's activations
     checkpointed = plan_memory(config, Launch(4, activation_checkpointing=True))
     assert checkpointed.bytes_of("activations") == 48 * 4 * btc + 4 * btc + 8 * 4 * 1024 + per_layer
+
+
+def test_hand_computed_loss_paths():
+    """gpt2, micro-batch 8 x 1024, bf16 autocast, one process: the loss's item on each path, by hand (the module
+    docstring's accounting). Chunked, N rows: the N x V fp32 buffer, its bf16 copy, the hidden states' gradient and
+    a weight-sized one, the bf16 weight-gradient product. Full logits (L = 8,192 x 50,304): the forward's fp32 upcast
+    and log-softmax (8 L) and the matmul's bf16 input, the backward's log-softmax, its gradient and the logits'
+    gradient (12 L). The default is the chunked loss on a CPU, the full logits on CUDA."""
+    config = model_config("gpt2", 1024)
+    V, C, btc, L = 50304, 768, 8 * 1024 * 768, 8 * 1024 * 50304
+
+    def loss_items(**launch) -> dict[str, tuple[str, int]]:
+        plan = plan_memory(config, Launch(8, **launch))
+        return {moment: next((i.name, i.bytes) for i in items if i.name.startswith("loss"))
+                for moment, items in plan.by_moment.items() if moment != "optimizer step"}
+
+    for rows in (512, 16384, 10**6):
+        chunk = min(rows, 8 * 1024)  # a chunk larger than the micro-batch's tokens is one chunk of them all
+        assert loss_items(loss_chunk_rows=rows) == {
+            "forward's end": ("loss (chunked)", 4 * chunk * V + 8 * btc + 4 * V * C + 2 * chunk * V + 2 * V * C),
+            "backward's start": ("loss (chunked)", 8 * btc + 2 * 4 * V * C)}
+    full = {"forward's end": ("loss (full logits)", 8 * L + 2 * btc),
+            "backward's start": ("loss (full logits)", 12 * L + 2 * btc)}
+    assert loss_items(loss_chunk_rows=0) == full
+    assert loss_items() == full  # CUDA's default
+    assert loss_items(device="cpu") == loss_items(device="cpu", loss_chunk_rows=512)  # the CPU's
+    assert plan_memory(config, Launch(8, loss_chunk_rows=0)).moment == "backward's start"
+    with pytest.raises(UserError, match="--loss_chunk_rows must be 0 .* got -1; pass 0 or e.g. 512"):
+        Launch(8, loss_chunk_rows=-1)
 
 
 def test_tensor_parallel_splits_the_blocks_and_their_activations_by_hand():
@@ -111,11 +140,14 @@ def test_tensor_parallel_splits_the_blocks_and_their_activations_by_hand():
             Launch(4, layout)
 
 
+@pytest.mark.parametrize("loss_chunk_rows", [None, 0])
 @pytest.mark.parametrize("autocast", [False, True])
-def test_activations_are_what_autograd_saves(autocast):
-    """The activation formula against the tensors autograd really keeps (saved-tensor hooks), on the CPU."""
+def test_activations_are_what_autograd_saves(autocast, loss_chunk_rows):
+    """The activation formula against the tensors autograd really keeps (saved-tensor hooks), on the CPU; the loss's
+    saved tensors on each path."""
     config, B = GPTConfig.from_name("mini"), 2
     model = GPT(config).train()
+    model.loss_chunk_rows = loss_chunk_rows
     params = {p.data_ptr() for p in model.parameters()}
     param_shapes = {shape for p in model.parameters() for shape in (tuple(p.shape), tuple(p.shape)[::-1])}
     saved: dict[int, int] = {}
@@ -131,10 +163,16 @@ def test_activations_are_what_autograd_saves(autocast):
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(idx, idx)
-    launch = Launch(B, dtype="bf16" if autocast else "fp32")
+    launch = Launch(B, dtype="bf16" if autocast else "fp32", device="cpu", loss_chunk_rows=loss_chunk_rows)
     activations = plan_memory(config, launch).bytes_of("activations")
     btc, V, C = B * config.block_size * config.n_embd, config.padded_vocab_size, config.n_embd
-    loss_saved = 4 * btc + 4 * V * C + 4  # the chunked loss's gradients and its target count
+    if loss_chunk_rows is None:  # the CPU's default: chunked
+        loss_saved = 4 * btc + 4 * V * C + 4  # the chunked loss's gradients and its target count
+    else:  # the fp32 log-softmax, the matmul's input (autocast's bf16 copy, or ln_f's fp32 output), nll's weight sum
+        log_softmax = 4 * B * config.block_size * V
+        loss_saved = log_softmax + (2 if autocast else 4) * btc + 4
+        # the plan's forward: what is saved (less the 4-byte sum) and the fp32 upcast the log-softmax is taken from
+        assert plan_memory(config, launch).bytes_of("loss (full logits)") == loss_saved - 4 + log_softmax
     assert sum(saved.values()) == activations + loss_saved
 
 
@@ -203,14 +241,16 @@ def test_cli_prints_the_plan_and_its_verdict(monkeypatch, capsys):
                "--dtype", "bf16")
     assert proc.returncode == 0, proc.stderr
     for words in ("computed from the shapes, not measured", "parameters", "gradients", "optimizer state",
-                  "activations per layer", "activations", "loss (chunked)", "total", "fits: yes"):
-        assert words in proc.stdout
+                  "activations per layer", "activations", "loss (full logits)", "total", "fits: yes"):
+        assert words in proc.stdout  # the loss: CUDA's default path
+    proc = in_process(cli, ["--model", "gpt2", "--loss_chunk_rows", "512"], monkeypatch, capsys)
+    assert proc.returncode == 0 and "loss (chunked)" in proc.stdout and "a 512 x 50304 fp32 logits" in proc.stdout
     proc = in_process(cli, ["--model", "gpt2-xl", "--micro_batch_size", "64", "--processes", "8"], monkeypatch, capsys)
     assert proc.returncode == 1 and "fits: NO: micro-batch 64 needs" in proc.stdout
     assert "lower --micro_batch_size to" in proc.stdout
     for bad, says in ((["--model", "gpt5"], "--model 'gpt5'"), (["--micro_batch_size", "0"], "--micro_batch_size"),
                       (["--processes", "-1"], "--processes"), (["--device_memory", "0"], "--device_memory"),
-                      (["--fsdp", "--zero", "3"], "drop --fsdp or --zero")):
+                      (["--fsdp", "--zero", "3"], "drop --fsdp or --zero"), (["--loss_chunk_rows", "-1"], "pass 0 or")):
         proc = in_process(cli, bad, monkeypatch, capsys)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr
 
@@ -225,6 +265,7 @@ def test_presets_fit_8_devices_of_80_gb_as_the_planner_says(preset):
     assert cfg.training.total_batch_size % per_step == 0
     launch = Launch(cfg.training.micro_batch_size, Layout(8), optimizer=cfg.optim.optimizer,
                     activation_checkpointing=cfg.training.activation_checkpointing,
+                    loss_chunk_rows=cfg.training.loss_chunk_rows,  # the preset's path (None: CUDA's default)
                     accumulation=cfg.training.total_batch_size // per_step)
     assert advice(config, launch, 80 * GB) is None
     assert cfg.optim.warmup_steps == 715 and cfg.optim.optimizer == "adamw"

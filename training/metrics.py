@@ -24,6 +24,7 @@ from accelerate import Accelerator
 from common.errors import UserError
 from common.run_dir import RunDir
 from configs import LogConfig
+from model.loss import default_loss_chunk_rows, describe_loss_path
 from model.unwrap import unwrapped
 from training.distributed.engines import Engine, precision
 from training.distributed.pipeline import stage_line
@@ -201,12 +202,11 @@ def run_header(accelerator: Accelerator, engine: Engine, model: torch.nn.Module,
                geometry: BatchGeometry, plan: OptimizerPlan, lora: str | None, data: str,
                restart: str | None = None, here: str | None = None) -> str:
     """The run's header: model size (`n_params`: every parameter, tied ones once, as the optimizer line counts
-    them; and what LoRA trains), batch geometry, distribution, precision,
-    compilation, activation checkpointing (when on), device, and `restart` (`restart k of N` under a launch that may
-    restart, `training.distributed.elastic.Attempt`); `here`: what a launch runs on this machine, where it differs from
-    what a GPU
-    config says (`training.distributed.machine.runs_here`), on a line of its own; which optimizer trains which
-    parameters; `data`,
+    them; and what LoRA trains), batch geometry, distribution, precision, compilation, activation checkpointing
+    (when on), the loss's path (`model.loss`), device, and `restart` (`restart k of N` under a launch that may
+    restart, `training.distributed.elastic.Attempt`); `here`: what a launch runs on this machine, where it differs
+    from what a GPU config says (`training.distributed.machine.runs_here`), on a line of its own; which optimizer
+    trains which parameters; `data`,
     the data source's own line.
     `engine`: the one train.py checked (with its tensor-parallel degree: geometry's world is then the data-parallel
     ranks); `model`: as prepared."""
@@ -216,6 +216,9 @@ def run_header(accelerator: Accelerator, engine: Engine, model: torch.nn.Module,
     network = unwrapped(model)
     if getattr(network, "activation_checkpointing", False):  # a LoRA model is our GPT with peft's layers inside
         compiled += " | activation checkpointing"
+    holder = network.stage if engine.pipeline_parallel > 1 else network  # a pipeline's loss: its stage's setting
+    rows = getattr(holder, "loss_chunk_rows", None)
+    compiled += " | " + describe_loss_path(default_loss_chunk_rows(accelerator.device.type) if rows is None else rows)
     adapters = ""
     if lora:
         params = list(model.parameters())

@@ -16,13 +16,15 @@ from model.lora import add_adapters, check_resume, run_lora_config
 from training.checkpoints.resume import ResumePoint
 
 
-def build_model(cfg: ModelConfig, resume: ResumePoint | None,
-                activation_checkpointing: bool = False) -> tuple[GPT, Weights | None]:
+def build_model(cfg: ModelConfig, resume: ResumePoint | None, activation_checkpointing: bool = False,
+                loss_chunk_rows: int | None = None) -> tuple[GPT, Weights | None]:
     """The network: from the flags (`init_from scratch`), from `init_from` weights, or, for a fine-tune being
     resumed, the checkpoint's architecture (its weights replace init_from's when loaded). With `--lora_rank`,
     the network gets adapters and only they train (see `model.lora`). With `activation_checkpointing`, each
     block's activations are recomputed in the backward pass (`GPT.activation_checkpointing`; the weights, the
-    checkpoints and the exports are the same either way). Also what `--init_from` resolved to (None from scratch;
+    checkpoints and the exports are the same either way). `loss_chunk_rows`: the training loss's path
+    (`GPT.loss_chunk_rows`; None: the default of the device the forward runs on, resolved there, since the model is
+    built on the CPU and moved after). Also what `--init_from` resolved to (None from scratch;
     not downloaded for a full fine-tune being resumed, whose checkpoint holds every weight)."""
     download = resume is None or bool(cfg.lora_rank)
     weights = None if cfg.from_scratch else resolve_weights(cfg.init_from, download=download)
@@ -32,6 +34,7 @@ def build_model(cfg: ModelConfig, resume: ResumePoint | None,
         check_resume(lora, resume.path)  # a LoRA checkpoint only into the same LoRA run, a full one into a full
     model = _network(cfg, weights, resume)
     model.activation_checkpointing = activation_checkpointing
+    model.loss_chunk_rows = loss_chunk_rows
     if (ignored := ignored_shape_flags(cfg, model.config)) and launch_rank() == 0:
         print(f"warning: {', '.join(ignored)} ignored: with --init_from {cfg.init_from} the architecture comes from "
               "the weights (the run header shows it)", file=sys.stderr, flush=True)
