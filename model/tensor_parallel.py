@@ -11,7 +11,7 @@ Per block, on a group of `degree` ranks (C = n_embd, H = n_head, both divisible 
 Replicated (whole on every rank, plain tensors): the token and position embeddings, the output layer tied to the
 token embedding, the LayerNorms, and the biases of the row-wise layers. Activations between the layers are
 replicated too, so the chunked loss (`model.loss`) runs unchanged on every rank of the group (each computes the
-same loss over the whole vocabulary: the head is not split; `docs/architecture.md` says why).
+same loss over the whole vocabulary: the head is not split; `docs/engines.md` says why).
 
 The fused `c_attn` holds q, k and v one after another (rows [q | k | v], each head-major: the Hugging Face layout
 the checkpoints and exports keep). A plain column split would give the first rank all of q and part of k, so the

@@ -1,5 +1,5 @@
-"""A new optimizer or in-training evaluation is one module and one registration line (docs/architecture.md, "How a
-new piece enters"): a toy of each, registered here and nowhere else, runs through a whole train.py run, its
+"""A new optimizer or in-training evaluation is one module and one registration line (docs/architecture.md, "What a
+new piece touches"): a toy of each, registered here and nowhere else, runs through a whole train.py run, its
 checkpoint, the model card, the support table and the memory planner; and every evaluation flag belongs to one
 registered evaluation."""
 from __future__ import annotations
