@@ -53,15 +53,15 @@ if os.environ.get("PIPELINE_PROBE"):  # a folder: the parameters each pipeline r
 
     from training.distributed.pipeline import PipelinedGPT
 
-    save_whole = PipelinedGPT.save_whole
+    gather_whole = PipelinedGPT.gather_whole
 
-    def save_whole_probed(self, directory):
+    def gather_whole_probed(self):
         held = {name: p.numel() for name, p in self.named_parameters()}
         Path(os.environ["PIPELINE_PROBE"], f"rank{os.environ.get('RANK', '0')}.json").write_text(
             json.dumps({"stage": self.pipeline.stage, "replica": self.pipeline.replica, "params": held}))
-        return save_whole(self, directory)
+        return gather_whole(self)
 
-    PipelinedGPT.save_whole = save_whole_probed
+    PipelinedGPT.gather_whole = gather_whole_probed
 
 spec = importlib.util.spec_from_file_location("train", ROOT / "train.py")
 train = importlib.util.module_from_spec(spec)

@@ -31,6 +31,7 @@ from configs import RunConfig
 from model import GPTConfig
 from model.lora import adapter_state, has_adapters, load_adapter_state, save_adapter_config
 from model.unwrap import unwrapped
+from training.checkpoints.ddp_files import load_into_stage, save_from_stages
 from training.checkpoints.manifest import FORMAT, write_manifest
 from training.checkpoints.moving import Move, load_moved
 from training.checkpoints.resume import Progress, ResumePoint, read_json
@@ -108,7 +109,7 @@ def save_checkpoint(
     with _disk_errors_as_user_errors(run, tmp, final):
         accelerator.save_state(str(tmp))
         if isinstance(model, PipelinedGPT):
-            model.save_whole(tmp)  # the files a DDP run writes, gathered from the stages
+            save_from_stages(model, tmp)  # the files a DDP run writes, gathered from the stages
         for index, optimizer in _fsdp_outside(accelerator, trained):  # beside accelerate's optimizer_0/
             save_fsdp_optimizer(accelerator.state.fsdp_plugin, accelerator, optimizer, model, str(tmp), index)
         index, writes = _data_state_index(accelerator, model)
@@ -202,7 +203,7 @@ def load_checkpoint(accelerator: Accelerator, point: ResumePoint, gpt_config: GP
         else:
             accelerator.load_state(str(point.path))
             if isinstance(model, PipelinedGPT):
-                model.load_whole(point.path)
+                load_into_stage(model, point.path)
             for index, optimizer in _fsdp_outside(accelerator, trained):
                 load_fsdp_optimizer(accelerator.state.fsdp_plugin, accelerator, optimizer, model, str(point.path),
                                     index)

@@ -10,7 +10,8 @@ by parameter name, c_attn in the Hugging Face order, on every rank; then each ra
 - DDP, FSDP2 and tensor parallelism (torch's parameters, plain or DTensors): every parameter and every tensor of its
   optimizer state copied in, a DTensor keeping its own shard (`distribute_tensor(..., src_data_rank=None)`: each rank
   holds the whole, so nothing is sent).
-- a pipeline's stage: the whole state written as a DDP run's files in a scratch folder, read by its own `load_whole`.
+- a pipeline's stage: the whole state written as a DDP run's files in a scratch folder (`ddp_files`), which
+  its stage reads as it reads a pipeline checkpoint.
 - DeepSpeed ZeRO-1/2/3: the whole state written in DeepSpeed's universal checkpoint layout (one folder per parameter:
   fp32, exp_avg, exp_avg_sq, step) in a scratch folder of the temp directory, once per node (by its first process),
   which every rank's ZeRO optimizer loads partition by partition; removed after.
@@ -40,14 +41,15 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from common.engine_names import DDP, DEEPSPEED, FSDP
 from common.errors import UserError
-from common.run_dir import DEEPSPEED_DIR, MODEL_WEIGHTS, fsdp_optimizer_dir, optimizer_file, rng_state_file
+from common.run_dir import DEEPSPEED_DIR, fsdp_optimizer_dir, rng_state_file
 from model import GPT, GPTConfig
 from model.pretrained import deepspeed_quietly, read_checkpoint, read_distributed_checkpoint, strip_wrapper_prefixes
 from model.tensor_parallel import natural_order, parallel_order
 from model.unwrap import unwrapped
+from training.checkpoints import ddp_files
 from training.checkpoints.resume import ResumePoint
 from training.distributed.engines import Engine
-from training.distributed.pipeline import TIED, PipelinedGPT, whole_groups
+from training.distributed.pipeline import TIED, PipelinedGPT
 from training.optimizers.spec import OptimizerPlan
 
 _TIED_PAIR = {TIED: "lm_head.weight", "lm_head.weight": TIED}
@@ -141,17 +143,9 @@ def read_whole(point: ResumePoint, config: GPTConfig, plan: OptimizerPlan) -> Wh
     elif engine.kind == DEEPSPEED:
         optimizers = [_read_zero_optimizer(point.path / DEEPSPEED_DIR)]
     else:
-        optimizers = [_read_ddp_optimizer(point.path / optimizer_file(i), groups)
-                      for i, groups in enumerate(whole_groups(config, plan))]
+        optimizers = [ddp_files.read_optimizer(point.path, i, groups)[0]
+                      for i, groups in enumerate(ddp_files.whole_groups(config, plan))]
     return WholeState(weights, optimizers)
-
-
-def _read_ddp_optimizer(path: Path, groups: list[list[str]]) -> dict[str, dict[str, Any]]:
-    """A DDP run's optimizer file: its state numbered as one process's optimizer numbers the model's parameters
-    (`groups`: their names, by param group)."""
-    saved = torch.load(path, map_location="cpu", weights_only=True)
-    flat = [name for group in groups for name in group]
-    return {flat[i]: state for i, state in saved["state"].items()}
 
 
 def _read_fsdp_optimizer(folder: Path, config: GPTConfig, degree: int) -> dict[str, dict[str, Any]]:
@@ -219,26 +213,21 @@ def load_whole(state: WholeState, model: torch.nn.Module, optimizers: list, conf
     `state` (see the module docstring)."""
     if isinstance(model, PipelinedGPT):
         with tempfile.TemporaryDirectory(prefix="moved-") as scratch:
-            _write_ddp_files(state, Path(scratch), config, model.plan)
-            model.load_whole(Path(scratch))
+            groups = ddp_files.whole_groups(config, model.plan)
+            weights = {name: state.weight(name) for name in _whole_names(config)}
+            states = [{name: found for name in (n for group in optimizer_groups for n in group)
+                       if (found := state.state(index, name)) is not None}
+                      for index, optimizer_groups in enumerate(groups)]
+            ddp_files.write(Path(scratch), weights, states, groups)
+            ddp_files.load_into_stage(model, Path(scratch))
     else:
         _load_into_torch(state, model, optimizers, config, engine.tensor_parallel)
 
 
-def _write_ddp_files(state: WholeState, folder: Path, config: GPTConfig, plan: OptimizerPlan) -> None:
-    """`state` as a DDP run's save_state writes it (what a pipeline's stage reads)."""
-    from safetensors.torch import save_file
-
+def _whole_names(config: GPTConfig) -> list[str]:
+    """Our GPT's weights' names, in its order."""
     with torch.device("meta"):
-        names = [n for n in GPT(config).state_dict() if n != "lm_head.weight"]
-    save_file({n: state.weight(n).contiguous() for n in names}, str(folder / MODEL_WEIGHTS),
-              metadata={"format": "pt"})
-    for index, groups in enumerate(whole_groups(config, plan)):
-        flat = [name for group in groups for name in group]
-        numbered = {i: s for i, name in enumerate(flat) if (s := state.state(index, name)) is not None}
-        starts = [sum(len(g) for g in groups[:i]) for i in range(len(groups))]  # the groups' settings: the run's own
-        param_groups = [{"params": list(range(start, start + len(g)))} for start, g in zip(starts, groups)]
-        torch.save({"state": numbered, "param_groups": param_groups}, folder / optimizer_file(index))
+        return list(GPT(config).state_dict())
 
 
 def _piece(value: Any, like: torch.Tensor) -> Any:

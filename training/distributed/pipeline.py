@@ -22,7 +22,6 @@ the loss divided by the micro-batches is accumulation's scale (docs/engines.md, 
 """
 from __future__ import annotations
 
-import functools
 import math
 from pathlib import Path
 from typing import Sequence
@@ -33,7 +32,6 @@ from accelerate import Accelerator
 from torch import nn
 
 from common.errors import UserError
-from common.run_dir import MODEL_WEIGHTS, optimizer_file
 from data.tokenizer import IGNORE
 from model.gpt import GPT, sample_next
 from model.pipeline import GPTStage
@@ -234,70 +232,48 @@ class PipelinedGPT(nn.Module):
             order = list(GPT(self.config).state_dict())
         return {name: whole[TIED if name == "lm_head.weight" else name] for name in order}
 
-    def save_whole(self, directory: Path) -> None:
-        """Write the whole model and the whole optimizers' state into `directory` as a DDP run's `save_state`
-        writes them: `model.safetensors` without the tied output layer; `optimizer.bin` (and `optimizer_1.bin`)
-        with the parameters numbered as one process's optimizers number them. Call on every rank."""
-        from safetensors.torch import save_file
-
+    def gather_whole(self) -> tuple[dict[str, torch.Tensor], list[dict[str, dict]], list[list[dict]]] | None:
+        """The whole model's weights, each optimizer's state by parameter name and its param groups' settings,
+        gathered from the stages on the main process (None elsewhere; call on every rank): what a DDP run's
+        checkpoint holds (`training.checkpoints.ddp_files` writes it)."""
         weights = self.full_state_dict()
         parts = self._gather([self._state_by_name(optimizer) for optimizer in self.optimizers])
         if weights is None:
-            return
-        weights.pop("lm_head.weight")
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / MODEL_WEIGHTS),
-                  metadata={"format": "pt"})
-        for index, (optimizer, groups) in enumerate(zip(self.optimizers, self._whole_groups,
-                                                        strict=True)):
+            return None
+        states = []
+        for index in range(len(self.optimizers)):
             by_name: dict[str, dict] = {}
             for part in parts:
                 for name, state in part[index].items():
                     by_name.setdefault(name, state)
-            flat = [name for group in groups for name in group]
-            param_groups, start = [], 0
-            for group, names in zip(optimizer.param_groups, groups, strict=True):
-                hyper = {k: v for k, v in group.items() if k != "params"}
-                param_groups.append({**hyper, "params": list(range(start, start + len(names)))})
-                start += len(names)
-            state = {i: by_name[name] for i, name in enumerate(flat) if name in by_name}
-            torch.save({"state": state, "param_groups": param_groups}, directory / optimizer_file(index))
+            states.append(by_name)
+        settings = [[{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+                    for optimizer in self.optimizers]
+        return weights, states, settings
 
-    def load_whole(self, directory: Path) -> None:
-        """Load this stage's weights and optimizer state from the whole-model files in `directory` (`save_whole`'s,
-        or a DDP run's `save_state`)."""
-        from safetensors.torch import load_file
-
-        weights = load_file(str(directory / MODEL_WEIGHTS))
+    def load_own(self, weights: dict[str, torch.Tensor], states: list[dict[str, dict]],
+                 settings: list[list[dict]], source: Path) -> None:
+        """Load this stage's part of the whole model: its weights, its parameters' optimizer states (by name) and
+        the optimizers' saved settings. `source`: where they were read, for the one-line errors."""
         own = self.state_dict()
         weights.setdefault(TIED, weights.get("lm_head.weight"))
         if missing := [name for name in own if weights.get(name) is None]:
-            raise UserError(f"{directory / MODEL_WEIGHTS} lacks {missing[0]}; resume with the model it was saved "
-                            "with")
+            raise UserError(f"{source} lacks the weight {missing[0]}; resume it with the model it was saved with")
         self.load_state_dict({name: weights[name] for name in own})
         params = dict(self.named_parameters())
         names = {id(p): name for name, p in params.items()}
-        for index, (optimizer, groups) in enumerate(zip(self.optimizers, self._whole_groups,
-                                                        strict=True)):
-            saved = torch.load(directory / optimizer_file(index), map_location="cpu", weights_only=True)
-            flat = [name for group in groups for name in group]
-            by_name = {flat[i]: state for i, state in saved["state"].items()}
+        for optimizer, by_name, saved_groups in zip(self.optimizers, states, settings, strict=True):
             mine = optimizer.state_dict()
             mine_names = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
             mine["state"] = {i: by_name[name] for i, name in enumerate(mine_names) if name in by_name}
             for name in mine_names:  # a state of another shape would fail only in the next step, as a traceback
                 shapes = {tuple(t.shape) for t in by_name.get(name, {}).values() if torch.is_tensor(t) and t.dim()}
                 if shapes - {tuple(params[name].shape)}:
-                    raise UserError(f"{directory / optimizer_file(index)} holds a state of another shape for {name} "
-                                    "than this model's; resume it with the settings it was saved with")
-            for group, saved_group in zip(mine["param_groups"], saved["param_groups"], strict=True):
-                group.update({k: v for k, v in saved_group.items() if k != "params"})
+                    raise UserError(f"{source} holds an optimizer state of another shape for {name} than this "
+                                    "model's; resume it with the settings it was saved with")
+            for group, saved in zip(mine["param_groups"], saved_groups, strict=True):
+                group.update(saved)
             optimizer.load_state_dict(mine)
-
-    @functools.cached_property
-    def _whole_groups(self) -> list[list[list[str]]]:
-        """How one process's optimizers number the whole model's parameters (`whole_groups`): the same at every save
-        and load, computed once (a model on the meta device and its optimizers)."""
-        return whole_groups(self.config, self.plan)
 
     def _state_by_name(self, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
         names = {id(p): name for name, p in self.named_parameters()}
@@ -312,18 +288,6 @@ def stage_line(model: nn.Module) -> str | None:
         return None
     blocks = model.stage.blocks
     return f"blocks {blocks.start}-{blocks.stop - 1} of {model.config.n_layer}"
-
-
-def whole_groups(config, plan: OptimizerPlan) -> list[list[list[str]]]:
-    """For each optimizer of `plan`, its param groups as one process builds them for the whole model: the names of
-    their parameters, in order (the numbering of that optimizer's `state_dict`)."""
-    from training.optimizers.plan import build_optimizer
-
-    with torch.device("meta"):
-        whole = GPT(config)
-    names = {id(p): name for name, p in whole.named_parameters()}
-    return [[[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
-            for optimizer in build_optimizer(whole, plan, "cpu")]
 
 
 def pipelined(model: GPT, layout: Layout, micro_batches: int, micro_batch_size: int,
