@@ -4,7 +4,7 @@
         [--fsdp | --zero 1|2|3] [--activation_checkpointing] [--optimizer muon|adamw] [--dtype bf16] \
         [--loss_chunk_rows 0|N] [--device_memory 80]
     python -m benchmarks.memory_plan --validate          # planned vs measured peak RSS on this CPU, 3+ shapes
-    python -m benchmarks.memory_plan --table             # the README's "what fits where" table (computed)
+    python -m benchmarks.memory_plan --table             # docs/engines.md's "what fits where" table (computed)
     python -m benchmarks.memory_plan --check --device cuda --model gpt2 --micro_batch_size 16   # one shape, GPU
 
 It prints each phase of the run (the training step, validation, HellaSwag with --hellaswag, a checkpoint save, the

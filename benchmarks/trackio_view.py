@@ -11,7 +11,7 @@ Shakespeare, 60 steps: under a minute on 2 cores), into trackio's folder ($TRACK
 validation loss; chromium (`apt-get install chromium`, or `--chromium PATH`) renders it with a virtual-time budget
 so that the page's scripts draw the plots before the picture is taken. Nothing leaves the machine: no Hub, no
 Space, no account. What a user runs to look at their own runs is `trackio show --project <--wandb_project>`
-(README, "Training").
+(docs/training.md, "Watching a run").
 """
 from __future__ import annotations
 

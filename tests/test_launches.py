@@ -29,8 +29,8 @@ ACCELERATES_LINE = "ImportError: DeepSpeed is not installed => run `pip3 install
 
 @pytest.mark.slow
 def test_a_zero_config_on_a_core_install_stops_in_accelerates_launcher_before_train_py(tmp_path):
-    """The README's claim for a ZeRO config without DeepSpeed: accelerate's launcher stops it, exit 1, its last line
-    naming the install, and train.py never starts (no run folder). No config of ours can reach train.py first: a
+    """docs/install.md's claim for a ZeRO config without DeepSpeed: accelerate's launcher stops it, exit 1, its last
+    line naming the install, and train.py never starts (no run folder). No config of ours can reach train.py first: a
     DEEPSPEED config always goes through that check, and only it tells the processes their ZeRO settings."""
     out = tmp_path / "run"
     proc = subprocess.run(

@@ -550,7 +550,7 @@ def test_muon_under_sharding_plans_its_whole_matrix():
     config = model_config("gpt2", 1024)
     fsdp = plan_memory(config, Launch(4, Layout(8, FSDP), optimizer="muon"))
     assert {i.name: i.bytes for i in fsdp.by_moment["optimizer step"]}["Muon's whole matrix"] == 20 * 4 * 768 ** 2
-    # The README's figures: 45 MiB for GPT-2 124M, 195 MiB for gpt2-xl.
+    # docs/training.md's figures (Muon): 45 MiB for GPT-2 124M, 195 MiB for gpt2-xl.
     assert round(20 * 4 * 768 ** 2 / 2 ** 20) == 45
     xl = plan_memory(model_config("gpt2-xl", 1024), Launch(4, Layout(8, FSDP), optimizer="muon"))
     assert round({i.name: i.bytes for i in xl.by_moment["optimizer step"]}["Muon's whole matrix"] / 2 ** 20) == 195

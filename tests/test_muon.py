@@ -51,8 +51,8 @@ def test_muon_trains_the_blocks_matrices_and_adamw_everything_else():
 
 
 def test_what_muon_gathers_a_step_under_sharding_for_gpt2():
-    """The README's cost of Muon under FSDP2 / tensor parallelism: each rank gathers every block matrix whole once a
-    step, GPT-2 124M's 84.9M values (12 layers x 12 C^2), 324 MiB in fp32."""
+    """docs/training.md's cost of Muon under FSDP2 / tensor parallelism: each rank gathers every block matrix whole once
+    a step, GPT-2 124M's 84.9M values (12 layers x 12 C^2), 324 MiB in fp32."""
     with torch.device("meta"):
         model = GPT(GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024))
     named = dict(model.named_parameters())

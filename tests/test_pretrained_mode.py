@@ -1,6 +1,6 @@
 """Loaded weights compute one function: `GPT.from_pretrained` returns the model in eval mode (dropout off), as
-transformers' `from_pretrained` does, so the README's Python API gives the same loss and the same greedy text on
-every call; and a fine-tune from loaded weights still trains with dropout on.
+transformers' `from_pretrained` does, so the Python API of docs/generate.md gives the same loss and the same greedy
+text on every call; and a fine-tune from loaded weights still trains with dropout on.
 
 The model is the session's tiny GPT-2 folder (tests/conftest.py), saved by transformers with GPT-2's dropout of 0.1.
 """
@@ -11,22 +11,23 @@ from pathlib import Path
 import torch
 from conftest import REPO_ROOT, TINY, train_in_process
 
-README_MODEL = '"out/shakespeare"'  # the weights the README's snippet loads, replaced by the tiny folder
+API_PAGE = REPO_ROOT / "docs" / "generate.md"  # the Python API's page, linked from the README
+SNIPPET_MODEL = '"out/shakespeare"'  # the weights the page's snippet loads, replaced by the tiny folder
 
 
-def readme_python_api() -> str:
-    """The code block of the README's "Python API" section, as written there."""
-    section = (REPO_ROOT / "README.md").read_text(encoding="utf-8").split("\n## Python API\n", 1)[1]
+def python_api_snippet() -> str:
+    """The code block of docs/generate.md's "Python API" section, as written there."""
+    section = API_PAGE.read_text(encoding="utf-8").split("\n## Python API\n", 1)[1]
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
-def test_the_readme_api_gives_the_same_loss_and_greedy_text_on_every_call(tiny_hf_gpt2: Path, tmp_path, monkeypatch,
+def test_the_python_api_gives_the_same_loss_and_greedy_text_on_every_call(tiny_hf_gpt2: Path, tmp_path, monkeypatch,
                                                                           capsys):
-    code = readme_python_api()
-    assert README_MODEL in code, "the README's snippet changed: update README_MODEL"
+    code = python_api_snippet()
+    assert SNIPPET_MODEL in code, "the Python API's snippet changed: update SNIPPET_MODEL"
     monkeypatch.chdir(tmp_path)  # its save_pretrained("export/") writes here
     names: dict = {}
-    exec(compile(code.replace(README_MODEL, repr(str(tiny_hf_gpt2))), "README.md (Python API)", "exec"), names)
+    exec(compile(code.replace(SNIPPET_MODEL, repr(str(tiny_hf_gpt2))), "docs/generate.md (Python API)", "exec"), names)
     model, idx = names["model"], names["idx"]
     assert model.config.dropout == 0.1  # GPT-2's: a model left in training mode would draw other masks each call
     again = model(idx[:, :-1], idx[:, 1:])[1]

@@ -1,7 +1,7 @@
 """training/distributed/support.py: the one table of what runs under which engine. The refusals train.py makes before a
 run
 (`refuse_unsupported`, `Layout.checked`) and the memory planner's (`Launch`) agree with it cell by cell, and
-the README shows it as it is."""
+the README and docs/engines.md show it as it is."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -84,8 +84,10 @@ def test_the_planner_refuses_muon_where_the_table_does():
             Launch(1, launch.layout, optimizer="muon")
 
 
-def test_the_readme_shows_the_table():
-    assert support_table() in (REPO_ROOT / "README.md").read_text()
+@pytest.mark.parametrize("page", ["README.md", "docs/engines.md"])
+def test_the_readme_shows_the_table(page):
+    """The README's engines table and docs/engines.md's, each rendered exactly as support_table() renders it."""
+    assert support_table() in (REPO_ROOT / page).read_text()
 
 
 def test_the_table_says_what_muon_costs_where_it_runs_sharded():

@@ -3,8 +3,8 @@ fix (the engines' names and the table's columns: `common.engine_names`).
 
 The refusals before a run (`training.distributed.engines.refuse_unsupported`,
 `training.distributed.layout.Layout.checked`),
-the memory planner's (`planner.Launch`) and the README's support table all read `support()`; a test
-holds the README's table equal to `support_table()`. A feature that starts to run under an engine is one cell here.
+the memory planner's (`planner.Launch`) and the support table of the README and docs/engines.md all read `support()`; a
+test holds both tables equal to `support_table()`. A feature that starts to run under an engine is one cell here.
 
 Refusals that hang on a config's contents rather than on the engine (a DeepSpeed config's own optimizer block;
 accelerate's activation checkpointing beside ours) stay beside the config reading, in `training.distributed.engines`.
@@ -93,8 +93,8 @@ def refusal(feature: str, kind: str, zero_stage: int = 0, tensor_parallel: int =
 
 
 def support_table() -> str:
-    """The README's table: every feature refused somewhere, against every column ("runs", "runs (what it costs
-    there)" or "refused")."""
+    """The support table (README, docs/engines.md): every feature refused somewhere, against every column ("runs",
+    "runs (what it costs there)" or "refused")."""
     lines = ["| feature | " + " | ".join(COLUMNS) + " |", "| --- |" + " --- |" * len(COLUMNS)]
     notes = costs()
     for feature, refused in support().items():
