@@ -452,7 +452,8 @@ def test_accumulated_micro_steps_give_the_big_batch_gradient():
     loss_sum, grad_norm = train_step(accelerator, model, [optimizer], lambda: next(batches), grad_accum=4, lrs=[1.0],
                                      grad_clip=1e9)
     assert loss_sum.item() / 4 == pytest.approx(big(x, y)[1].item(), rel=1e-6)
-    assert grad_norm == pytest.approx(torch.cat([p.grad.flatten() for p in big.parameters()]).norm().item(), rel=1e-5)
+    assert float(grad_norm) == pytest.approx(torch.cat([p.grad.flatten() for p in big.parameters()]).norm().item(),
+                                            rel=1e-5)
     # One SGD step of lr 1: the move is the gradient, whose sum over 4 micro-batches differs from the big batch's by
     # a few fp32 spacings (no AdamW to blow rounding up: tests/bounds.py); a micro-batch lost or unscaled moves it
     # by a quarter or more.

@@ -57,12 +57,12 @@ def plan_optimizers(cfg: OptimConfig, model: ModelConfig, flags: Mapping[str, An
 def build_optimizer(model: torch.nn.Module, plan: OptimizerPlan, device_type: str) -> list[torch.optim.Optimizer]:
     """[the optimizer alone] or [AdamW, the claiming optimizer] (`plan.names`)."""
     named = dict(model.named_parameters())  # a tied weight appears once, under its first name
-    claimed = set(claimed_names(model, plan.spec.claims))
-    mine = plan.spec.build([named[name] for name in sorted(claimed)], plan, device_type)
-    if plan.spec.alone:
-        return [mine]
-    rest = [p for name, p in named.items() if p.requires_grad and name not in claimed]
-    return [adamw.build(rest, plan, device_type), mine]
+    claimed = claimed_names(model, plan.spec.claims)
+    if plan.spec.alone:  # in the model's order, as checkpoints number them
+        return [plan.spec.build([named[name] for name in claimed], plan, device_type)]
+    rest = [p for name, p in named.items() if p.requires_grad and name not in set(claimed)]
+    return [adamw.build(rest, plan, device_type), plan.spec.build([named[name] for name in sorted(claimed)], plan,
+                                                                  device_type)]
 
 
 def describe_optimizers(model: torch.nn.Module, plan: OptimizerPlan, placement: StepPlacement | None = None) -> str:
