@@ -102,8 +102,9 @@ def test_smoke_run_reports_every_stage_with_its_figures(smoke):
         assert set(SWEEP_ROW) <= set(r), r["variant"]
         assert r["tokens_per_s"] > 0 and r["mfu"] is None and r["peak_mem_gib"] is None and r["max_rss_gib"] > 0
         assert r["optimizer_ms"] > 0 and r["clip_ms"] > 0 and r["graph_breaks"] == 0 and r["compile"] is False
-        # float(grad_norm) and the preemption flag's .item(), beside what the CPU optimizers read in their step
-        assert r["host_syncs_per_step"] - r["host_syncs_in_optimizer"] >= 2
+        # train.py's step reads nothing from the device (tests/test_host_syncs.py); a CPU optimizer's own step reads
+        # its step counter
+        assert r["host_syncs_per_step"] - r["host_syncs_in_optimizer"] == 0 < r["host_syncs_in_optimizer"]
         assert r["steps"] >= 2 and r["profile"]["time"] == "self CPU time (ops)"
         assert r["profile"]["total_ms"] > 0 and 0 < len(r["profile"]["top"]) <= 25
         assert r["profile"]["categories"]["GEMM"] > 0 and "aten::mm" in r["profile"]["text"]
