@@ -136,7 +136,8 @@ def main() -> None:
         schedule = LRSchedule(cfg.optim.warmup_steps, max_steps, cfg.optim.min_lr_ratio)
         report = StepReport(cfg.log, accelerator, max_steps, progress.step, geometry.tokens_per_step, flops_per_token,
                             clock)
-        accelerator.print(run_header(accelerator, engine, model, n_params, geometry, plan, cfg.model.lora_summary,
+        accelerator.print(run_header(accelerator, engine, model, n_params, geometry, plan, cfg.training.grad_clip,
+                                     cfg.model.lora_summary,
                                      source.describe(), Attempt.of_launch().describe(),
                                      runs_here(Asked.of_environment(), Machine.this())))
         if accelerator.is_main_process and (warning := schedule.warmup_warning()):

@@ -224,6 +224,9 @@ def test_deepspeed_config_gets_the_runs_geometry_and_refuses_a_conflict():
     with pytest.raises(UserError) as err:
         fit_deepspeed(_accelerator(ZERO[2], {"gradient_clipping": 1.0}), 4, 3, 0.5, 64)
     assert "sets gradient_clipping 1.0, this run's --grad_clip makes it 0.5" in str(err.value)
+    off = _accelerator(ZERO[2], {})  # --grad_clip 0: DeepSpeed's own "no clipping" (its optimizers clip when > 0)
+    fit_deepspeed(off, 4, 3, 0.0, 64)
+    assert off.state.deepspeed_plugin.deepspeed_config["gradient_clipping"] == 0.0
 
 
 def test_a_deepspeed_launch_without_deepspeed_installed_is_one_line(monkeypatch):

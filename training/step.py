@@ -55,10 +55,11 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizers: Seq
                next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], grad_accum: int, lrs: Sequence[float],
                grad_clip: float, masked_targets: bool = False,
                skip_nonfinite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step: `grad_accum` micro-steps, clip, update every optimizer (`lrs[i]` is optimizer i's
-    learning rate). Returns the summed micro-batch losses (/ grad_accum, averaged over ranks, it is the step's loss)
-    and the global gradient norm, both on device. With `skip_nonfinite` a step whose norm is not finite is not
-    applied (the norm is read on the host for that); without it the update is applied whatever the norm, and
+    """One optimizer step: `grad_accum` micro-steps, clip to `grad_clip` (0: no clipping, the norm measured all the
+    same), update every optimizer (`lrs[i]` is optimizer i's learning rate). Returns the summed micro-batch losses
+    (/ grad_accum, averaged over ranks, it is the step's loss) and the global gradient norm, both on device. With
+    `skip_nonfinite` a step whose norm is not finite is not applied (the norm is read on the host for that); without
+    it the update is applied whatever the norm, and
     `NonFinitePolicy` stops the run before anything reads its weights.
 
     The step's gradient is that of the mean loss over every target token of the global batch. With
@@ -93,7 +94,9 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizers: Seq
                 loss = loss * scale
             accelerator.backward(loss)  # divides by grad_accum: the step's gradient is the mean
         loss_sum += loss.detach()
-    grad_norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip)  # global norm, same on all ranks
+    # The global norm, the same on every rank; --grad_clip 0 measures it without clipping (a max norm of inf scales
+    # every gradient by exactly 1; under DeepSpeed, which clipped inside backward, its `gradient_clipping` 0 is off).
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
     if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
         grad_norm = grad_norm.full_tensor()
     apply = not skip_nonfinite or math.isfinite(float(grad_norm))

@@ -215,7 +215,7 @@ def fit_deepspeed(accelerator: Accelerator, micro_batch_size: int, accumulation:
     ours = {"train_micro_batch_size_per_gpu": (micro_batch_size, "--micro_batch_size"),
             "gradient_accumulation_steps": (accumulation, "--total_batch_size (the accumulation it implies)"),
             "train_batch_size": (micro_batch_size * accumulation * accelerator.num_processes, "--total_batch_size"),
-            "gradient_clipping": (grad_clip, "--grad_clip")}
+            "gradient_clipping": (grad_clip, "--grad_clip")}  # 0: DeepSpeed's "no clipping", as ours
     for key, (value, flag) in ours.items():
         given = config.get(key, "auto")
         if given not in ("auto", None) and given != value:
