@@ -308,11 +308,11 @@ def _whole_matrix(config: GPTConfig, launch: Launch) -> list[Item]:
 
 def _stacked_newton_schulz(config: GPTConfig, launch: Launch, layers: int) -> list[Item]:
     """Muon on whole matrices (one process, DDP, a pipeline stage): the matrices of one shape are orthogonalised
-    together (`training.optimizers.muon.Muon`), one shape at a time, the largest (c_fc's 4C x C, or mlp.c_proj's,
-    one per layer) the peak. Of its `layers` matrices a rank orthogonalises its share (all of them, or split over
-    the data-parallel ranks: ceil(layers / ranks)), then gathers the rest. The larger of the iteration (the share's
-    fp32 update stack, the iterate and its next value in the Newton-Schulz dtype: 2 bytes on a GPU, 4 at most on a
-    CPU, and two C x C products per matrix) and the gather (the share's result and every matrix's)."""
+    together (`training.optimizers.muon_optimizer.Muon`), one shape at a time, the largest (c_fc's 4C x C, or
+    mlp.c_proj's, one per layer) the peak. Of its `layers` matrices a rank orthogonalises its share (all of them, or
+    split over the data-parallel ranks: ceil(layers / ranks)), then gathers the rest. The larger of the iteration
+    (the share's fp32 update stack, the iterate and its next value in the Newton-Schulz dtype: 2 bytes on a GPU, 4
+    at most on a CPU, and two C x C products per matrix) and the gather (the share's result and every matrix's)."""
     if not launch.optimizer_spec.whole_matrices or launch.layout.shards_optimizer_state:
         return []
     ranks = launch.layout.data_parallel_size

@@ -18,7 +18,7 @@ from conftest import TINY, assert_same_weights, launch, read_metrics, resume_cop
 
 from configs import ModelConfig, OptimConfig
 from model import GPT, GPTConfig
-from training.optimizers.muon import Muon, newton_schulz_dtype
+from training.optimizers.muon_optimizer import Muon, newton_schulz_dtype
 from training.optimizers.plan import build_optimizer, describe_optimizers, plan_optimizers
 from training.optimizers.spec import BLOCK_MATRICES, StepPlacement, claimed_names
 
@@ -179,7 +179,7 @@ def test_stacked_muon_is_torchs_muon_to_the_rounding_of_its_products(nesterov, n
 def test_stacked_false_is_one_matrix_at_a_time(monkeypatch):
     """The sweep's baseline (`Muon.stacked = False`, the class attribute or one optimizer's) takes torch's loop: one
     Newton-Schulz per matrix, none stacked; the default one stacked iteration per shape."""
-    from training.optimizers import muon as muon_module
+    from training.optimizers import muon_optimizer as muon_module
 
     calls = {"per matrix": 0, "stacked": 0}
 

@@ -9,11 +9,12 @@ rest. `OptimizerPlan` is `--optimizer` resolved for one run.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from common.engine_names import Refusal
+
+if TYPE_CHECKING:  # annotations only: the specs are read by train.py's command line before torch is imported
+    import torch
 
 # What an optimizer may claim: every trainable parameter (it trains alone), or the 2-D weights inside the
 # transformer blocks (`transformer.h.*`: the attention and MLP projections; the planner's
