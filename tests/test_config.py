@@ -8,6 +8,7 @@ from conftest import project_files
 
 from common.errors import UserError
 from configs import PRESETS_DIR, PresetConfig, TrainConfig, parse_config
+from training.optimizers import registry  # noqa: F401  the optimizers' own flags, as train.py reads them
 
 
 @pytest.mark.parametrize("preset", [p.name for p in project_files(suffix=".yaml") if p.parent == PRESETS_DIR])
