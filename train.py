@@ -37,6 +37,7 @@ def train(cfg: TrainConfig) -> None:
     from accelerate.utils import set_seed
 
     from common.console import TerminalBar
+    from common.engine_names import DEEPSPEED
     from common.run_dir import RunDir
     from data.source import open_source
     from planner import exit_after_plan
@@ -104,7 +105,7 @@ def train(cfg: TrainConfig) -> None:
             layout = layout.running(accelerator)
             engine = layout.engine
             refuse_unsupported(engine, accelerator, plan.kind, bool(cfg.model.lora_rank), cfg.training.on_nan,
-                               cfg.training.activation_checkpointing)
+                               cfg.training.activation_checkpointing, cfg.training.grad_clip)
             refuse_while_another_run_writes(run, accelerator.is_main_process)
             resume = find_resume_point(cfg.run.resume, run.path)
             move = checkpoint_move(resume, engine, accelerator.num_processes, plan)
@@ -125,7 +126,7 @@ def train(cfg: TrainConfig) -> None:
 
             arch, n_params, flops_per_token = model.config, model.num_params(False), model.flops_per_token()
             fit_deepspeed(accelerator, geometry.micro_batch_size, geometry.accumulation, cfg.training.grad_clip,
-                          arch.n_embd)
+                          arch.n_embd, muon=plan.spec.zero_build is not None)
             # What the run records, and what a resume may not change, is settled before the folder is claimed.
             record = recorded_config(cfg, arch, plan, source.pinned, init_weights)
             recipe = resume_recipe(record, resume, plan, move)
@@ -135,7 +136,7 @@ def train(cfg: TrainConfig) -> None:
         # The model as this launch holds it: split, staged, prepared; then the state it resumes from.
         model = split(model, layout, accelerator)
         model = pipelined(model, layout, geometry.accumulation, geometry.micro_batch_size, accelerator)
-        optimizers = build_optimizer(model, plan, accelerator.device.type)
+        optimizers = build_optimizer(model, plan, accelerator.device.type, zero=engine.kind == DEEPSPEED)
         model, *optimizers = prepare(accelerator, model, optimizers, plan)
         # Each data-parallel rank draws its own dropout masks from here on.
         torch.manual_seed(cfg.training.seed + data_rank)

@@ -1,5 +1,6 @@
 """How far DeepSpeed's own Muon under ZeRO-2 lands from this project's Muon on one process (a measurement, not a
-timing): the reason `--optimizer muon` is refused under ZeRO (training/optimizers/muon.py, `SPEC.refused_under`).
+timing): the reason `--optimizer muon` runs under ZeRO with `--grad_clip 0` only (training/optimizers/muon.py,
+`SPEC.refused_under`; with it, train.py runs DeepSpeed's Muon: training/optimizers/muon_deepspeed.py).
 
     torchrun --nproc_per_node 2 -m benchmarks.muon_under_zero --steps 10 [--zero_stage 1|2|3]
 

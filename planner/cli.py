@@ -104,7 +104,8 @@ def exit_after_plan(cfg):
                     loss_chunk_rows=cfg.training.loss_chunk_rows,  # None: the launch's device's default
                     optimizer=plan_optimizers(cfg.optim, model, cfg.added).kind,  # auto resolved as a run does
                     dtype=str(env["dtype"]), accumulation=geometry.accumulation, device=str(env["device"]),
-                    total_batch_size=cfg.training.total_batch_size)  # so that advised micro-batches divide it
+                    total_batch_size=cfg.training.total_batch_size,  # so that advised micro-batches divide it
+                    grad_clip=cfg.training.grad_clip)
     if int(os.environ.get("RANK", "0")) == 0:
         # The CPU's memory is this machine's, shared by its processes; its advice names no engine it cannot run.
         why = ("the launch asks for the CPU" if env["cpu_asked"] else "this machine has no GPU: the run trains on "

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from common.engine_names import DEEPSPEED
 from common.errors import UserError
 from configs import EvalConfig
 from model.config import GPTConfig
@@ -298,12 +299,16 @@ def plan_memory(config: GPTConfig, launch: Launch, process_bytes: int = CPU_PROC
 def _whole_matrix(config: GPTConfig, launch: Launch) -> list[Item]:
     """Muon where the matrices are DTensors (FSDP2, tensor parallelism included): the largest matrix (c_fc's 4C x C)
     gathered whole, its momentum-mixed update and Newton-Schulz's working copies (the iterate, its Gram matrix, the
-    polynomial and the product: 4 of its size, fp32 at most), one matrix at a time."""
-    if not launch.optimizer_spec.whole_matrices or not launch.layout.dtensor_matrices:
+    polynomial and the product: 4 of its size, fp32 at most), one matrix at a time. Under ZeRO, DeepSpeed's Muon
+    (`training.optimizers.muon_deepspeed`) orthogonalises each whole gradient as it fills the partitions: the same
+    allowance (its Gram iteration's working copies are no larger)."""
+    zero = launch.layout.kind == DEEPSPEED
+    if not launch.optimizer_spec.whole_matrices or not (launch.layout.dtensor_matrices or zero):
         return []
     largest = 4 * config.n_embd * config.n_embd
-    return [Item("Muon's whole matrix", 4 * 5 * largest, "the largest matrix gathered for Newton-Schulz, and 4 "
-                 "working copies")]
+    return [Item("Muon's whole matrix", 4 * 5 * largest, "the largest matrix orthogonalised whole by DeepSpeed's Muon, "
+                 "and 4 working copies" if zero else "the largest matrix gathered for Newton-Schulz, and 4 working "
+                 "copies")]
 
 
 def _stacked_newton_schulz(config: GPTConfig, launch: Launch, layers: int) -> list[Item]:

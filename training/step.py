@@ -21,6 +21,7 @@ from common.errors import UserError
 from common.run_dir import RunDir
 from data.tokenizer import IGNORE
 from training.distributed.pipeline import PipelinedGPT
+from training.optimizers.spec import LR_OF
 
 
 @dataclass(frozen=True)
@@ -72,9 +73,7 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizers: Seq
         loss_sum, norm = model.step(accelerator, [next_batch() for _ in range(grad_accum)], lrs, grad_clip,
                                     masked_targets)
         return loss_sum, torch.tensor(norm)
-    for optimizer, lr in zip(optimizers, lrs, strict=True):
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+    set_learning_rates(optimizers, lrs)
     device = accelerator.device
     loss_sum = torch.zeros((), device=device)
     batches = (next_batch() for _ in range(grad_accum))
@@ -105,6 +104,19 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizers: Seq
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return loss_sum, torch.as_tensor(grad_norm)
+
+
+def set_learning_rates(optimizers: Sequence[torch.optim.Optimizer], lrs: Sequence[float]) -> None:
+    """`lrs[i]` into the param groups of optimizer i of the plan (`OptimizerPlan.names`); one optimizer standing for
+    several (DeepSpeed's Muon under ZeRO: `OptimizerSpec.zero_build`) gives each group the rate of the one it names
+    (`LR_OF`)."""
+    if len(optimizers) == 1 and len(lrs) > 1:
+        for group in optimizers[0].param_groups:
+            group["lr"] = lrs[group[LR_OF]]
+        return
+    for optimizer, lr in zip(optimizers, lrs, strict=True):
+        for group in optimizer.param_groups:
+            group["lr"] = lr
 
 
 def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -6,13 +6,14 @@ its Newton-Schulz in the dtype the device multiplies fast, stacked by shape, spl
 sharded matrices) is `training.optimizers.muon_optimizer.Muon`, imported when it is built or described: this module,
 its flags with it, stays free of torch, so that train.py's command line answers before torch is imported.
 
-Under DeepSpeed's ZeRO it is refused (`SPEC.refused_under`): ZeRO hands a client optimizer flat partitions, in which
-no matrix is whole, and the Muon DeepSpeed ships for ZeRO (`MuonWithAuxAdam`, orthogonalising whole matrices while
-it fills the gradient partitions) clips the orthogonalised update by the global norm of updates and gradients
-together, not the raw gradient as torch's Muon after `clip_grad_norm_` does: measured by
-`benchmarks/muon_under_zero.py` (docs/benchmarks.md), 18% of the weights' move apart from one process after 10 steps
-at --grad_clip 1 under ZeRO-1, 2 and 3 alike, 6e-6 (float rounding) with clipping off. LoRA's low-rank factors are
-not hidden matrices.
+Under DeepSpeed's ZeRO, which hands a client optimizer flat partitions in which no matrix is whole, it runs as
+DeepSpeed's own Muon (`MuonWithAuxAdam`, orthogonalising whole matrices while it fills the gradient partitions:
+`zero_build`, `training.optimizers.muon_deepspeed`) with clipping off (`--grad_clip 0`) only: that Muon clips the
+orthogonalised update by the global norm of updates and gradients together, not the raw gradient as torch's Muon
+after `clip_grad_norm_` does, measured by `benchmarks/muon_under_zero.py` (docs/benchmarks.md) 18% of the weights'
+move apart from one process after 10 steps at --grad_clip 1 under ZeRO-1, 2 and 3 alike, 6e-6 (float rounding)
+with clipping off. So its ZeRO cells of the support table are refusals lifted by `--grad_clip 0`
+(`SPEC.refused_under`, `Refusal.unless`). LoRA's low-rank factors are not hidden matrices.
 """
 from __future__ import annotations
 
@@ -68,7 +69,11 @@ def place(optimizer: Muon, placement: StepPlacement) -> None:
 def describe(plan: OptimizerPlan, device_type: str, matrices: list[torch.Tensor], placement: StepPlacement) -> str:
     """"lr 0.02, Newton-Schulz in bfloat16, stacked by shape (4 groups), compiled, split over 8 ranks": how the step
     orthogonalises (`place` and `Muon.step`). Sharded matrices (DTensors) are one at a time, as the header says
-    (`training.optimizers.plan.describe_optimizers`)."""
+    (`training.optimizers.plan.describe_optimizers`); under ZeRO, DeepSpeed's Muon (`zero_build`) says its own."""
+    if placement.zero_stage:
+        from training.optimizers import muon_deepspeed
+
+        return muon_deepspeed.describe(plan, placement.zero_stage)
     from torch.distributed.tensor import DTensor
 
     from training.optimizers.muon_optimizer import Muon, newton_schulz_dtype
@@ -82,17 +87,31 @@ def describe(plan: OptimizerPlan, device_type: str, matrices: list[torch.Tensor]
     return about + (f", split over {placement.ranks} ranks" if placement.ranks > 1 else "")
 
 
+def zero_build(claimed: list[torch.nn.Parameter], rest: list[torch.nn.Parameter], plan: OptimizerPlan,
+               device_type: str) -> torch.optim.Optimizer:
+    """Under ZeRO, which takes one client optimizer: DeepSpeed's Muon with AdamW beside it, in one
+    (`training.optimizers.muon_deepspeed`)."""
+    from training.optimizers import muon_deepspeed
+
+    return muon_deepspeed.build(claimed, rest, plan, device_type)
+
+
 # Where each matrix is sharded or split (`Muon.step`): one all-gather of it a step, Newton-Schulz on every rank.
 _GATHERED = "each matrix all-gathered a step"
 # Measured (benchmarks/muon_under_zero.py, docs/benchmarks.md; tests/test_muon.py holds DeepSpeed to it).
-_ZERO_WHY = ("ZeRO hands this Muon flat partitions, where no matrix is whole, and DeepSpeed's own Muon clips the "
-             "orthogonalised update, not the gradient: 18% apart from torch's Muon after 10 steps at --grad_clip 1")
+_ZERO_WHY = ("ZeRO hands an optimizer flat partitions, where no matrix is whole, and the Muon DeepSpeed runs there "
+             "clips the orthogonalised update, not the gradient: 18% apart from torch's Muon after 10 steps at "
+             "--grad_clip 1, float rounding with clipping off")
 SPEC = OptimizerSpec(
     name="muon", display="Muon", claims=BLOCK_MATRICES, state_bytes=4,  # one fp32 momentum buffer per matrix
     flags=MuonFlags, build=build, peak_lr=lambda plan: plan.flags.muon_lr, describe=describe, place=place,
-    refused_under={ZERO_COLUMNS[s]: Refusal(_ZERO_WHY, f"use --optimizer adamw with {engine_name(DEEPSPEED, s)}, or "
-                                                       "Muon with a DDP or FSDP2 launch config")
+    zero_build=zero_build,
+    refused_under={ZERO_COLUMNS[s]: Refusal(_ZERO_WHY, f"pass --grad_clip 0 (clipping off: DeepSpeed's Muon is then "
+                                                       f"torch's), or use --optimizer adamw with "
+                                                       f"{engine_name(DEEPSPEED, s)}, or Muon with a DDP or FSDP2 "
+                                                       "launch config", unless="--grad_clip 0")
                    for s in (1, 2, 3)},
-    costs_under={column: _GATHERED for column in (FSDP_COLUMN, TP_COLUMN)},
+    costs_under={**{column: _GATHERED for column in (FSDP_COLUMN, TP_COLUMN)},
+                 **{ZERO_COLUMNS[s]: "DeepSpeed's own Muon" for s in (1, 2, 3)}},
     lora_refusal="Muon orthogonalises whole hidden matrices, not rank-{rank} factors", whole_matrices=True,
 )
