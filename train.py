@@ -16,53 +16,67 @@ import sys
 from contextlib import ExitStack
 from functools import partial
 
-import torch
-from accelerate.utils import set_seed
-
-from common.console import TerminalBar
 from common.errors import computed_alike_on_every_rank, run_cli
-from common.run_dir import RunDir
-from configs import parse_config
-from data.source import open_source
-from planner import exit_after_plan
-from publish.card import write_card
-from publish.uploads import HubUploads
-from training.checkpoints.checkpoint import Checkpointer, restore, use_adapter_checkpoints
-from training.checkpoints.export import export_final
-from training.checkpoints.moving import checkpoint_move
-from training.checkpoints.preflight import checkpoint_bytes
-from training.checkpoints.resume import find_resume_point
-from training.distributed.elastic import Attempt, open_process_group
-from training.distributed.engines import fit_deepspeed, refuse_unsupported
-from training.distributed.layout import Layout
-from training.distributed.machine import Asked, Machine, runs_here
-from training.distributed.pipeline import pipelined
-from training.distributed.prepare import prepare
-from training.distributed.processes import (
-    BatchGeometry,
-    close_process_group,
-    shared_across_ranks,
-    start_accelerator,
-)
-from training.distributed.tensor_parallel import evaluation_ranks, split
-from training.draw import draw_step
-from training.evaluations.runner import TrainingEvals
-from training.metrics import StepReport, run_header, trackers_for
-from training.network import build_model
-from training.optimizers.plan import build_optimizer, plan_optimizers, release_optimizer_state
-from training.preemption import PreemptionFlag
-from training.recipe import resume_recipe
-from training.run_folder import (
-    claim_run_folder,
-    open_run_folder,
-    recorded_config,
-    refuse_while_another_run_writes,
-)
-from training.step import LRSchedule, NonFinitePolicy, train_step
-from training.timing import CHECKPOINT, DATA, EVAL, STEP, RunClock
+from configs import TrainConfig, parse_config
+from training.optimizers import registry  # noqa: F401  the registered optimizers' own flags are train.py's too
 
 
 def main() -> None:
+    """`python train.py [preset] [flags]`: the flags, then the run. The flags are parsed before the machinery is
+    imported (torch, accelerate, the engines: seconds), so `--help` and a mistyped flag answer at once; the
+    registered optimizers' own flags are read from modules that do not import torch (docs/benchmarks.md)."""
+    with computed_alike_on_every_rank():  # every rank parses the same flags: rank 0 alone says what is wrong
+        cfg = parse_config()
+    train(cfg)
+
+
+def train(cfg: TrainConfig) -> None:
+    """The run `cfg` asks for (or its memory plan, `--plan`), from setup to the final push."""
+    # The machinery of a run, imported once its flags are known to be good (see main).
+    import torch
+    from accelerate.utils import set_seed
+
+    from common.console import TerminalBar
+    from common.engine_names import DEEPSPEED
+    from common.run_dir import RunDir
+    from data.source import open_source
+    from planner import exit_after_plan
+    from publish.card import write_card
+    from publish.uploads import HubUploads
+    from training.checkpoints.checkpoint import Checkpointer, restore, use_adapter_checkpoints
+    from training.checkpoints.export import export_final
+    from training.checkpoints.moving import checkpoint_move
+    from training.checkpoints.preflight import checkpoint_bytes
+    from training.checkpoints.resume import find_resume_point
+    from training.distributed.elastic import Attempt, open_process_group
+    from training.distributed.engines import fit_deepspeed, refuse_unsupported
+    from training.distributed.layout import Layout
+    from training.distributed.machine import Asked, Machine, runs_here
+    from training.distributed.pipeline import pipelined
+    from training.distributed.prepare import prepare
+    from training.distributed.processes import (
+        BatchGeometry,
+        close_process_group,
+        shared_across_ranks,
+        start_accelerator,
+    )
+    from training.distributed.tensor_parallel import evaluation_ranks, split
+    from training.draw import draw_step
+    from training.evaluations.runner import TrainingEvals
+    from training.metrics import StepReport, run_header, trackers_for
+    from training.network import build_model
+    from training.optimizers.plan import build_optimizer, plan_optimizers, release_optimizer_state
+    from training.preemption import PreemptionFlag
+    from training.recipe import resume_recipe
+    from training.run_folder import (
+        claim_run_folder,
+        open_run_folder,
+        recorded_config,
+        refuse_while_another_run_writes,
+    )
+    from training.step import LRSchedule, NonFinitePolicy, train_step
+    from training.timing import CHECKPOINT, DATA, EVAL, STEP, RunClock
+
     clock = RunClock()
     # The run's process group and its folder's lock are let go when the run ends, however it ends.
     with ExitStack() as on_exit:
@@ -70,7 +84,7 @@ def main() -> None:
 
         # Setup. Whatever can refuse the run does so here, on every rank alike, before anything is written.
         with computed_alike_on_every_rank():
-            cfg = exit_after_plan(parse_config())
+            cfg = exit_after_plan(cfg)
             run, max_steps = RunDir(cfg.run.out_dir), cfg.training.max_steps
             # A peer that dies or hangs ends the run in one line, not a silent wait.
             peers = on_exit.enter_context(open_process_group(cfg.run.collective_timeout, run.latest_checkpoint))
@@ -91,7 +105,7 @@ def main() -> None:
             layout = layout.running(accelerator)
             engine = layout.engine
             refuse_unsupported(engine, accelerator, plan.kind, bool(cfg.model.lora_rank), cfg.training.on_nan,
-                               cfg.training.activation_checkpointing)
+                               cfg.training.activation_checkpointing, cfg.training.grad_clip)
             refuse_while_another_run_writes(run, accelerator.is_main_process)
             resume = find_resume_point(cfg.run.resume, run.path)
             move = checkpoint_move(resume, engine, accelerator.num_processes, plan)
@@ -112,7 +126,7 @@ def main() -> None:
 
             arch, n_params, flops_per_token = model.config, model.num_params(False), model.flops_per_token()
             fit_deepspeed(accelerator, geometry.micro_batch_size, geometry.accumulation, cfg.training.grad_clip,
-                          arch.n_embd)
+                          arch.n_embd, muon=plan.spec.zero_build is not None)
             # What the run records, and what a resume may not change, is settled before the folder is claimed.
             record = recorded_config(cfg, arch, plan, source.pinned, init_weights)
             recipe = resume_recipe(record, resume, plan, move)
@@ -122,7 +136,7 @@ def main() -> None:
         # The model as this launch holds it: split, staged, prepared; then the state it resumes from.
         model = split(model, layout, accelerator)
         model = pipelined(model, layout, geometry.accumulation, geometry.micro_batch_size, accelerator)
-        optimizers = build_optimizer(model, plan, accelerator.device.type)
+        optimizers = build_optimizer(model, plan, accelerator.device.type, zero=engine.kind == DEEPSPEED)
         model, *optimizers = prepare(accelerator, model, optimizers, plan)
         # Each data-parallel rank draws its own dropout masks from here on.
         torch.manual_seed(cfg.training.seed + data_rank)
@@ -136,7 +150,8 @@ def main() -> None:
         schedule = LRSchedule(cfg.optim.warmup_steps, max_steps, cfg.optim.min_lr_ratio)
         report = StepReport(cfg.log, accelerator, max_steps, progress.step, geometry.tokens_per_step, flops_per_token,
                             clock)
-        accelerator.print(run_header(accelerator, engine, model, n_params, geometry, plan, cfg.model.lora_summary,
+        accelerator.print(run_header(accelerator, engine, model, n_params, geometry, plan, cfg.training.grad_clip,
+                                     cfg.model.lora_summary,
                                      source.describe(), Attempt.of_launch().describe(),
                                      runs_here(Asked.of_environment(), Machine.this())))
         if accelerator.is_main_process and (warning := schedule.warmup_warning()):

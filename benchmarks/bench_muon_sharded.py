@@ -45,7 +45,7 @@ import torch.distributed as dist
 from configs import ModelConfig, OptimConfig, TrainingConfig
 from model import GPT, GPTConfig
 from training.optimizers import muon as muon_module
-from training.optimizers.muon import Muon
+from training.optimizers.muon_optimizer import Muon
 from training.optimizers.plan import build_optimizer, plan_optimizers
 from training.optimizers.spec import BLOCK_MATRICES, StepPlacement, claimed_names
 

@@ -211,6 +211,8 @@ def main() -> int:
     parser.add_argument("--accumulation", type=int, default=1, help="micro-steps per optimizer step (above 1 "
                         "the gradients are held through the forward)")
     parser.add_argument("--device", default="cuda", choices=DEVICES, help="cpu adds the process's own RSS")
+    parser.add_argument("--grad_clip", type=float, default=1.0, help="train.py's --grad_clip: 0 lets --optimizer muon "
+                        "run under --zero (DeepSpeed's Muon)")
     parser.add_argument("--loss_chunk_rows", type=int, default=None, help="the training loss's path (train.py's "
                         "--loss_chunk_rows): 0 the full logits, N the logits N tokens at a time; default: the "
                         "device's (512 on cpu, 0 on cuda)")
@@ -250,7 +252,7 @@ def main() -> int:
     layout = Layout(args.processes, engine, args.zero, tensor_parallel=args.tensor_parallel)
     launch = Launch(args.micro_batch_size, layout, activation_checkpointing=args.activation_checkpointing,
                     optimizer=args.optimizer, dtype=args.dtype, accumulation=args.accumulation, device=args.device,
-                    loss_chunk_rows=args.loss_chunk_rows)
+                    loss_chunk_rows=args.loss_chunk_rows, grad_clip=args.grad_clip)
     if args.check:
         result = measure_in_subprocess(args.model, args.micro_batch_size, config.block_size, args.device,
                                        args.activation_checkpointing, loss_chunk_rows=args.loss_chunk_rows)

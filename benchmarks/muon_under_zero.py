@@ -1,5 +1,6 @@
 """How far DeepSpeed's own Muon under ZeRO-2 lands from this project's Muon on one process (a measurement, not a
-timing): the reason `--optimizer muon` is refused under ZeRO (training/optimizers/muon.py, `SPEC.refused_under`).
+timing): the reason `--optimizer muon` runs under ZeRO with `--grad_clip 0` only (training/optimizers/muon.py,
+`SPEC.refused_under`; with it, train.py runs DeepSpeed's Muon: training/optimizers/muon_deepspeed.py).
 
     torchrun --nproc_per_node 2 -m benchmarks.muon_under_zero --steps 10 [--zero_stage 1|2|3]
 
@@ -18,7 +19,8 @@ Four variants, each printed as the distance of the final weights from the refere
 move from the initial weights (all tensors together, and the worst tensor), so that float rounding reads as ~1e-6
 (fp32 Newton-Schulz) or ~1e-2 (bf16):
 - `shipped`: DeepSpeed's defaults (`ns_method` "gram": fp16 where the CPU multiplies fp16, else fp32) against ours
-  (bf16 Newton-Schulz where the CPU has bf16 units, else fp32; `training.optimizers.muon.newton_schulz_dtype`);
+  (bf16 Newton-Schulz where the CPU has bf16 units, else fp32;
+  `training.optimizers.muon_optimizer.newton_schulz_dtype`);
 - `standard`: `ns_method` "standard" (DeepSpeed's torch-like iteration, bf16 on every CPU) against ours in bf16;
 - `fp32`: both iterations in float32 (DeepSpeed's `ns_compute_dtype` patched), clipping as configured;
 - `fp32-noclip`: both in float32, no clipping on either side: what is left is the optimizers' own arithmetic.

@@ -28,15 +28,15 @@ from pathlib import Path
 import torch
 
 SAMPLE_S = 0.002
-# Each phase, the objects whose attribute, called, is that phase. train.py imports these names into its module, so
-# they are wrapped there; evaluate_loss, sample and evaluate_hellaswag are looked up in their modules at each call.
+# Each phase, the objects whose attribute, called, is that phase: each looked up in its module when it is called, or
+# imported by train.py's `train` once its flags are parsed, after these are wrapped.
 PHASES = {
-    "step": ("train", "train_step"),
+    "step": ("training.step", "train_step"),
     "validation": ("training.evaluations.validation", "evaluate_loss"),
     "sample": ("training.evaluations.validation", "sample"),
     "hellaswag": ("eval.hellaswag", "evaluate_hellaswag"),
     "checkpoint save": ("training.checkpoints.checkpoint", "Checkpointer.save"),
-    "export": ("train", "export_final"),
+    "export": ("training.checkpoints.export", "export_final"),
 }
 OTHER = "other"
 

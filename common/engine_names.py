@@ -47,7 +47,9 @@ def column(kind: str, zero_stage: int = 0, tensor_parallel: int = 1, pipeline_pa
 
 @dataclass(frozen=True)
 class Refusal:
-    """Why a feature does not run under an engine, and what to do instead."""
+    """Why a feature does not run under an engine, and what to do instead; `unless`: a setting of the run under which
+    it runs there after all (`"--grad_clip 0"`), which the fix names and the support table's cell says."""
 
     why: str
     fix: str
+    unless: str | None = None

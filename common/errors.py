@@ -120,9 +120,12 @@ def _leave_the_report_to_rank_0() -> None:
 
 
 def _no_library_progress_bars() -> None:
-    import huggingface_hub.utils
+    if "huggingface_hub" in sys.modules:
+        import huggingface_hub.utils
 
-    huggingface_hub.utils.disable_progress_bars()
+        huggingface_hub.utils.disable_progress_bars()
+    else:  # read when it is imported: a command that answers at once (`train.py --help`) never pays its 0.1 s
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if "transformers" in sys.modules:  # imported by the CLIs that save models through it (2 s to import otherwise)
         import transformers.utils.logging
 

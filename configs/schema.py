@@ -183,7 +183,8 @@ class TrainingConfig:
                                  Refused("the batch of every step, in tokens"))
     micro_batch_size: int = flag(8, "sequences per forward pass on each process", ACCEPTED)
     max_steps: int = flag(100, "optimizer steps of the whole run", SCHEDULE)
-    grad_clip: float = flag(1.0, "clip the global gradient norm to this", ACCEPTED)
+    grad_clip: float = flag(1.0, "clip the global gradient norm to this; 0 = no clipping (the norm is measured and "
+                                 "logged either way)", ACCEPTED)
     on_nan: str = flag("stop", "'stop' (keep the last good checkpoint) or 'skip' the step", ACCEPTED)
     max_nan_skips: int = flag(10, "with --on_nan skip: stop after this many skipped steps in a row", ACCEPTED)
     seed: int = flag(1337, "seed of the initial weights, data order, dropout and samples", Refused("the data order"))
@@ -205,9 +206,9 @@ class TrainingConfig:
         _positive(self, "total_batch_size", "micro_batch_size", "max_steps", "max_nan_skips", "tensor_parallel",
                   "pipeline_parallel")
         _finite(self)
-        if not self.grad_clip > 0:
-            raise UserError(f"--grad_clip must be positive (the max gradient norm), got {self.grad_clip}; "
-                            "use e.g. 1.0")
+        if self.grad_clip < 0:
+            raise UserError(f"--grad_clip must be 0 (no clipping) or more (the max gradient norm), got "
+                            f"{self.grad_clip}; use e.g. 1.0")
         if self.on_nan not in ON_NAN:
             raise UserError(f"on_nan must be 'stop' or 'skip', got {self.on_nan!r}")
         if not 0 <= self.seed <= MAX_SEED:

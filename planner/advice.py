@@ -42,12 +42,15 @@ def largest_micro_batch(config: GPTConfig, launch: Launch, device_bytes: int, li
 
 @dataclass(frozen=True)
 class Spelling:
-    """How an entry point names the three settings in its advice."""
+    """How an entry point names the settings in its advice, and whether it may advise a sharding engine (`sharding`:
+    not where the plan is for a CPU no such engine runs on, `training.distributed.machine.accelerate_runs_engines`:
+    train.py --plan on a machine without a GPU)."""
 
     micro_batch: str = "--micro_batch_size"
     fsdp: str = "--fsdp"
     checkpointing: str = "--activation_checkpointing"
     processes: str = "--processes"
+    sharding: bool = True
 
     def engine(self, layout: Layout) -> str:
         """How the advice names the engine of `layout` (a sharded one): FSDP2 by the setting that launches it
@@ -72,6 +75,8 @@ def advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: Spell
             return f"micro-batch {B} {where}; add {spelling.checkpointing}" + \
                    (f" (it fits then at micro-batch {B})" if mb == B else f" and lower {spelling.micro_batch} to {mb}")
     layout = launch.layout
+    if launch.device == "cpu" and not spelling.sharding:
+        return _cpu_advice(config, launch, device_bytes, spelling, where)
     if layout.full_replicas and launch.optimizer_shards:
         for checkpointing in (launch.activation_checkpointing, True):
             sharded = replace(launch, layout=layout.sharded(), activation_checkpointing=checkpointing)
@@ -105,6 +110,25 @@ def advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: Spell
 
 
 
+def _cpu_advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: Spelling, where: str) -> str:
+    """What is left to advise a CPU launch that fits at no micro-batch, where no engine shards (`advice`): its
+    processes share this machine's memory (`device_bytes` is each one's share), so more of them bring no more of it,
+    and fewer bring more to each: one process, if it then fits; else more memory than this machine has."""
+    B, layout = launch.micro_batch_size, launch.layout
+    if layout.world_size > 1 and layout.model_parallel == 1:
+        for checkpointing in (launch.activation_checkpointing, True):
+            alone = resized(config, replace(launch, activation_checkpointing=checkpointing), B, 1)
+            mb = largest_micro_batch(config, alone, device_bytes * layout.world_size, B) if alone else 0
+            if mb > 0:
+                return (f"micro-batch {B} {where}, even at micro-batch 1; its {layout.world_size} processes share "
+                        "this machine's memory: train it as one process (python train.py, no accelerate launch)"
+                        + ("" if checkpointing == launch.activation_checkpointing else
+                           f" with {spelling.checkpointing}")
+                        + ("" if mb == B else f" at {spelling.micro_batch} {mb}"))
+    return (f"micro-batch {B} {where}, even at micro-batch 1 with {spelling.checkpointing}; it needs more memory than "
+            "this machine has (FSDP and DeepSpeed, which would shard it, run on GPUs)")
+
+
 def run_advice(config: GPTConfig, launch: Launch, run: RunPhases, device_bytes: int,
                spelling: Spelling = Spelling()) -> str | None:
     """None when every phase of the run fits; else one line naming the phase that decides the peak and the setting
@@ -129,5 +153,5 @@ def run_advice(config: GPTConfig, launch: Launch, run: RunPhases, device_bytes: 
     if step_line is not None:  # what the step's advice changes (sharding, more devices) lowers what is kept too
         return f"{where}, and the step does not fit either: {step_line}"
     return f"{where} (the weights and optimizer state every rank keeps)" + \
-        (f"; shard them with {spelling.fsdp}" if launch.layout.full_replicas else
-         "; use a larger device")
+        (f"; shard them with {spelling.fsdp}" if launch.layout.full_replicas and spelling.sharding else
+         "; it needs more memory than this machine has" if launch.device == "cpu" else "; use a larger device")

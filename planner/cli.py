@@ -12,6 +12,7 @@ from planner.launch import GB, Launch
 from planner.memory import RunPhases, plan_memory
 from planner.render import render
 from training.distributed.layout import Layout
+from training.distributed.machine import Asked, Machine, accelerate_runs_engines, trains_on
 from training.distributed.processes import BatchGeometry
 from training.network import scratch_architecture
 from training.optimizers.plan import plan_optimizers
@@ -33,14 +34,17 @@ def model_config(name: str, block_size: int | None = None) -> GPTConfig:
 
 
 
-def launch_environment() -> dict[str, object]:
+def launch_environment(machine: Machine | None = None) -> dict[str, object]:
     """What `accelerate launch` tells the processes it starts, beside the layout
-    (`training.distributed.layout.Layout`): how
-    many, the precision, the CPU."""
+    (`training.distributed.layout.Layout`): how many, the precision, and the device they train on on `machine`
+    (default: this one) as `training.distributed.machine.trains_on` rules: the CPU under a CPU launch (`--cpu`) and on
+    a machine without a GPU, which is where accelerate puts them; "cuda" for an FSDP or DeepSpeed launch there, which
+    trains nowhere here (the run refuses it) and is planned for the GPUs it asks for."""
     env = os.environ
-    return {"processes": int(env.get("WORLD_SIZE", "1")),
+    asked = Asked.of_environment()
+    return {"processes": asked.processes, "per_machine": asked.per_machine,
             "dtype": "bf16" if env.get("ACCELERATE_MIXED_PRECISION", "no") == "bf16" else "fp32",
-            "device": "cpu" if env.get("ACCELERATE_USE_CPU", "false").lower() == "true" else "cuda"}
+            "device": trains_on(asked, machine or Machine.this()) or "cuda", "cpu_asked": asked.cpu}
 
 
 
@@ -49,18 +53,21 @@ def machine_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def device_here(device: str, processes_here: int = 1) -> tuple[int, str]:
+def device_here(device: str, processes_here: int = 1, why: str = "") -> tuple[int, str]:
     """The bytes per process a plan for a `device` ("cuda" or "cpu") launch is made against, and a line that says
     which: this machine's first GPU, else the default 80 GB (a plan for a GPU run is often made on a machine without
     one, which has no size to read); for a CPU launch, this machine's memory shared by the `processes_here` processes
-    it runs (issue 44: an 80 GB "device" told a 24 GB machine it had 69 GiB to spare)."""
+    it runs (issue 44: an 80 GB "device" told a 24 GB machine it had 69 GiB to spare), `why` the launch trains on
+    the CPU (issue 55: train.py --plan said "an 80 GB CUDA device" under cpu_2proc.yaml and on a machine without
+    a GPU, where the run trains on the CPU)."""
     import torch
 
     if device == "cpu":
         total = machine_memory()
         share = f", {total / processes_here / GB:.1f} GB for each of its {processes_here} processes" \
             if processes_here > 1 else ""
-        return total // processes_here, f"  planned for this machine's memory: {total / GB:.1f} GB{share}"
+        return total // processes_here, (f"  planned for this machine's memory: {total / GB:.1f} GB{share}"
+                                         + (f" ({why})" if why else ""))
     if torch.cuda.is_available():
         gpu = torch.cuda.get_device_properties(0)
         return gpu.total_memory, f"  planned for cuda:0 of this machine: {gpu.name}, {gpu.total_memory / GB:.1f} GB"
@@ -86,7 +93,8 @@ def exit_after_plan(cfg):
         raise UserError(f"--plan knows the shapes of GPT-2's sizes ({', '.join(list(SIZES)[:4])}), not of "
                         f"--init_from {model.init_from}; plan the same shape with --init_from scratch and its "
                         "--n_layer, --n_head, --n_embd")
-    env = launch_environment()
+    machine = Machine.this()
+    env = launch_environment(machine)
     layout = Layout.of_launch(cfg.training.tensor_parallel, config.n_head, config.n_embd,  # refused as a run would
                               world_size=int(env["processes"]), pipeline_parallel=cfg.training.pipeline_parallel,
                               n_layer=config.n_layer)
@@ -96,11 +104,16 @@ def exit_after_plan(cfg):
                     loss_chunk_rows=cfg.training.loss_chunk_rows,  # None: the launch's device's default
                     optimizer=plan_optimizers(cfg.optim, model, cfg.added).kind,  # auto resolved as a run does
                     dtype=str(env["dtype"]), accumulation=geometry.accumulation, device=str(env["device"]),
-                    total_batch_size=cfg.training.total_batch_size)  # so that advised micro-batches divide it
+                    total_batch_size=cfg.training.total_batch_size,  # so that advised micro-batches divide it
+                    grad_clip=cfg.training.grad_clip)
     if int(os.environ.get("RANK", "0")) == 0:
-        device_bytes, which = device_here(launch.device, int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size)))
+        # The CPU's memory is this machine's, shared by its processes; its advice names no engine it cannot run.
+        why = ("the launch asks for the CPU" if env["cpu_asked"] else "this machine has no GPU: the run trains on "
+               "the CPU; to plan a GPU run, python -m benchmarks.memory_plan --device cuda")
+        device_bytes, which = device_here(launch.device, int(env["per_machine"]), why)
         run = RunPhases.of_flags(cfg.eval, hub_staging=cfg.hub.push_to_hub and cfg.hub.hub_push_every > 0)
-        print(render(plan_memory(config, launch), device_bytes,
-                     Spelling(fsdp="accelerate_configs/fsdp_8gpu.yaml (FSDP2)", processes="--num_processes"), run))
+        spelling = Spelling(fsdp="accelerate_configs/fsdp_8gpu.yaml (FSDP2)", processes="--num_processes",
+                            sharding=launch.device == "cuda" or accelerate_runs_engines(machine))
+        print(render(plan_memory(config, launch), device_bytes, spelling, run))
         print(which)
     raise SystemExit(0)

@@ -11,7 +11,7 @@ from common.engine_names import FSDP
 from common.errors import UserError
 from model.loss import default_loss_chunk_rows
 from training.distributed.layout import Layout
-from training.distributed.support import refusal
+from training.distributed.support import conditions, refusal
 from training.optimizers.registry import OPTIMIZERS as REGISTERED
 from training.optimizers.spec import OptimizerSpec
 
@@ -63,6 +63,8 @@ class Launch:
     # --loss_chunk_rows: the training loss's path (`model.loss`): 0 the full logits, N rows per chunk, None the
     # device's default (`model.loss.default_loss_chunk_rows`: chunks on the CPU, the full logits on CUDA).
     loss_chunk_rows: int | None = None
+    # --grad_clip: 0 lets Muon run under ZeRO (`training.distributed.support`: a refusal that hangs on it)
+    grad_clip: float = 1.0
 
     @property
     def loss_rows(self) -> int:
@@ -118,5 +120,5 @@ class Launch:
         if self.device not in DEVICES:
             raise UserError(f"device {self.device!r} is not one the planner knows; use cuda or cpu")
         self.layout.check()  # the run's refusals, in its words
-        if line := self.layout.engine.refusal(f"--optimizer {self.optimizer}"):
+        if line := self.layout.engine.refusal(f"--optimizer {self.optimizer}", conditions(self.grad_clip)):
             raise UserError(line)

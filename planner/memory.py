@@ -47,6 +47,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from common.engine_names import DEEPSPEED
 from common.errors import UserError
 from configs import EvalConfig
 from model.config import GPTConfig
@@ -298,21 +299,25 @@ def plan_memory(config: GPTConfig, launch: Launch, process_bytes: int = CPU_PROC
 def _whole_matrix(config: GPTConfig, launch: Launch) -> list[Item]:
     """Muon where the matrices are DTensors (FSDP2, tensor parallelism included): the largest matrix (c_fc's 4C x C)
     gathered whole, its momentum-mixed update and Newton-Schulz's working copies (the iterate, its Gram matrix, the
-    polynomial and the product: 4 of its size, fp32 at most), one matrix at a time."""
-    if not launch.optimizer_spec.whole_matrices or not launch.layout.dtensor_matrices:
+    polynomial and the product: 4 of its size, fp32 at most), one matrix at a time. Under ZeRO, DeepSpeed's Muon
+    (`training.optimizers.muon_deepspeed`) orthogonalises each whole gradient as it fills the partitions: the same
+    allowance (its Gram iteration's working copies are no larger)."""
+    zero = launch.layout.kind == DEEPSPEED
+    if not launch.optimizer_spec.whole_matrices or not (launch.layout.dtensor_matrices or zero):
         return []
     largest = 4 * config.n_embd * config.n_embd
-    return [Item("Muon's whole matrix", 4 * 5 * largest, "the largest matrix gathered for Newton-Schulz, and 4 "
-                 "working copies")]
+    return [Item("Muon's whole matrix", 4 * 5 * largest, "the largest matrix orthogonalised whole by DeepSpeed's Muon, "
+                 "and 4 working copies" if zero else "the largest matrix gathered for Newton-Schulz, and 4 working "
+                 "copies")]
 
 
 def _stacked_newton_schulz(config: GPTConfig, launch: Launch, layers: int) -> list[Item]:
     """Muon on whole matrices (one process, DDP, a pipeline stage): the matrices of one shape are orthogonalised
-    together (`training.optimizers.muon.Muon`), one shape at a time, the largest (c_fc's 4C x C, or mlp.c_proj's,
-    one per layer) the peak. Of its `layers` matrices a rank orthogonalises its share (all of them, or split over
-    the data-parallel ranks: ceil(layers / ranks)), then gathers the rest. The larger of the iteration (the share's
-    fp32 update stack, the iterate and its next value in the Newton-Schulz dtype: 2 bytes on a GPU, 4 at most on a
-    CPU, and two C x C products per matrix) and the gather (the share's result and every matrix's)."""
+    together (`training.optimizers.muon_optimizer.Muon`), one shape at a time, the largest (c_fc's 4C x C, or
+    mlp.c_proj's, one per layer) the peak. Of its `layers` matrices a rank orthogonalises its share (all of them, or
+    split over the data-parallel ranks: ceil(layers / ranks)), then gathers the rest. The larger of the iteration
+    (the share's fp32 update stack, the iterate and its next value in the Newton-Schulz dtype: 2 bytes on a GPU, 4
+    at most on a CPU, and two C x C products per matrix) and the gather (the share's result and every matrix's)."""
     if not launch.optimizer_spec.whole_matrices or launch.layout.shards_optimizer_state:
         return []
     ranks = launch.layout.data_parallel_size

@@ -179,11 +179,13 @@ FSDP, DDP = Engine("fsdp"), Engine("ddp")
 
 @pytest.mark.parametrize("engine", [FSDP, *ZERO.values()], ids=lambda e: e.name)
 def test_muon_and_lora_are_refused_under_a_sharding_engine(engine):
-    """LoRA under every sharding engine, Muon under ZeRO (for the measured reason its line names: test_muon.py); Muon
-    runs under FSDP2 (test_muon.py)."""
+    """LoRA under every sharding engine, Muon under ZeRO with clipping on (for the measured reason its line names, and
+    the fix `--grad_clip 0`: test_muon.py); Muon runs under FSDP2, and under ZeRO with --grad_clip 0 (test_muon.py)."""
     refused = [("adamw", True, "--lora_rank is not supported under")]
     if engine.kind == "deepspeed":
         refused.append(("muon", False, "--optimizer muon is not supported under"))
+        with pytest.raises(UserError, match="; pass --grad_clip 0 \\(clipping off"):
+            refuse_unsupported(engine, _accelerator(engine), "muon", False, "stop", False)
     else:
         refuse_unsupported(engine, _accelerator(engine), "muon", False, "stop", False)
     for optimizer, lora, words in refused:
@@ -192,6 +194,7 @@ def test_muon_and_lora_are_refused_under_a_sharding_engine(engine):
         assert words in str(err.value) and engine.name in str(err.value) and "\n" not in str(err.value)
     refuse_unsupported(engine, _accelerator(engine), "adamw", False, "stop", True)  # AdamW, ours: fine
     refuse_unsupported(DDP, _accelerator(DDP), "muon", True, "skip", True)  # DDP runs everything
+    refuse_unsupported(engine, _accelerator(engine), "muon", False, "stop", False, 0.0)  # clipping off: DeepSpeed's
 
 
 @pytest.mark.parametrize(("config", "on_nan", "words"), [
@@ -224,6 +227,14 @@ def test_deepspeed_config_gets_the_runs_geometry_and_refuses_a_conflict():
     with pytest.raises(UserError) as err:
         fit_deepspeed(_accelerator(ZERO[2], {"gradient_clipping": 1.0}), 4, 3, 0.5, 64)
     assert "sets gradient_clipping 1.0, this run's --grad_clip makes it 0.5" in str(err.value)
+    off = _accelerator(ZERO[2], {})  # --grad_clip 0: DeepSpeed's own "no clipping" (its optimizers clip when > 0)
+    fit_deepspeed(off, 4, 3, 0.0, 64)
+    assert off.state.deepspeed_plugin.deepspeed_config["gradient_clipping"] == 0.0
+    muon = _accelerator(ZERO[3], {})  # DeepSpeed's Muon: ZeRO-3 refuses it beside reduce-scatter
+    fit_deepspeed(muon, 4, 3, 0.0, 64, muon=True)
+    assert muon.state.deepspeed_plugin.deepspeed_config["zero_optimization"]["reduce_scatter"] is False
+    with pytest.raises(UserError, match="reduce_scatter true, which ZeRO-3 does not run beside DeepSpeed's Muon"):
+        fit_deepspeed(_accelerator(ZERO[3], {"zero_optimization": {"reduce_scatter": True}}), 4, 3, 0.0, 64, muon=True)
 
 
 def test_a_deepspeed_launch_without_deepspeed_installed_is_one_line(monkeypatch):

@@ -12,7 +12,7 @@ import pytest
 from conftest import TINY, train_in_process
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-import train
+import training.step
 from benchmarks.step_probe import SyncCounter
 
 
@@ -22,7 +22,7 @@ def counted(monkeypatch):
     steps: `counts[k]` is what step k read, from the start of its `train_step` to the next one's (its update, its
     log line, its evaluations and checkpoint). The optimizers' own steps are counted apart."""
     counter, totals = SyncCounter(), [0]
-    original = train.train_step
+    original = training.step.train_step  # train.py's train() imports it from there when the run starts
 
     def outside_optimizers() -> int:
         return sum(n for (section, _), n in counter.counts.items() if section != "optimizer")
@@ -31,7 +31,7 @@ def counted(monkeypatch):
         totals.append(outside_optimizers())
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(train, "train_step", counting_step)
+    monkeypatch.setattr(training.step, "train_step", counting_step)
     handles = [register_optimizer_step_pre_hook(lambda *_: setattr(counter, "section", "optimizer")),
                register_optimizer_step_post_hook(lambda *_: setattr(counter, "section", "step"))]
     with counter:
@@ -57,8 +57,6 @@ def test_a_step_that_shows_nothing_reads_nothing_from_the_device(counted, tmp_pa
 @pytest.mark.slow
 def test_a_deliberate_read_in_the_step_is_counted(counted, tmp_path, monkeypatch):
     """The counter catches what it is there for: an `.item()` inside the step."""
-    import training.step
-
     original = training.step.to_device
 
     def reading(batch, device):

@@ -271,16 +271,38 @@ def test_presets_fit_8_devices_of_80_gb_as_the_planner_says(preset):
     assert cfg.optim.warmup_steps == 715 and cfg.optim.optimizer == "adamw"
 
 
-def train_plan(monkeypatch, capsys, *flags: str) -> str:
-    """What `python train.py --config configs/gpt2_350m_fineweb_edu.yaml --plan [flags]` prints, in this process,
-    as one process without an accelerate launch, on a machine without CUDA (so the same on any machine)."""
+LAUNCH_ENV = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED",
+              "ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_CPU")
+
+
+def this_machine(monkeypatch, gpu_gb: float | None = None, memory_gb: float = 24.0) -> None:
+    """This process as a machine with one GPU of `gpu_gb` (None: none) and `memory_gb` of memory, whatever machine
+    runs the test: what `training.distributed.machine.Machine.this` and the planner's device read."""
+    from types import SimpleNamespace
+
+    import planner.cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu_gb is not None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: int(gpu_gb is not None))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(name="a test GPU", total_memory=int(gpu_gb * GB)))
+    monkeypatch.setattr(planner.cli, "machine_memory", lambda: int(memory_gb * GB))
+
+
+def train_plan(monkeypatch, capsys, *flags: str, preset: str = "gpt2_350m_fineweb_edu.yaml",
+               env: dict[str, str] | None = None, gpu_gb: float | None = 80.0) -> str:
+    """What `python train.py --config configs/PRESET --plan [flags]` prints, in this process, under a launch that
+    sets `env` (default: none, one process) on a machine with one GPU of `gpu_gb` (None: none) and 24 GB of memory,
+    so the same on any machine."""
     from planner import exit_after_plan
 
-    for name in ("WORLD_SIZE", "RANK", "ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_CPU"):
+    for name in LAUNCH_ENV:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
+    this_machine(monkeypatch, gpu_gb)
     with pytest.raises(SystemExit) as exit_info:
-        exit_after_plan(parse_config(["--config", "gpt2_350m_fineweb_edu.yaml", "--plan", *flags]))
+        exit_after_plan(parse_config(["--config", preset, "--plan", *flags]))
     assert exit_info.value.code == 0
     return capsys.readouterr().out
 
@@ -302,12 +324,44 @@ def test_train_plan_advice_names_a_micro_batch_the_run_accepts(monkeypatch, caps
 
 
 def test_train_plan_says_which_device_it_plans_for(monkeypatch, capsys):
-    """Without CUDA, the plan says it is for an 80 GB device and how to plan for another size (it said nothing)."""
+    """On a machine with a GPU, its first GPU; for an FSDP or DeepSpeed launch on a machine without one (which the
+    run refuses there), the 80 GB device it asks for, and how to plan for another size."""
     out = train_plan(monkeypatch, capsys)
+    assert "device cuda" in out and out.splitlines()[-1] == "  planned for cuda:0 of this machine: a test GPU, 80.0 GB"
+    out = train_plan(monkeypatch, capsys, env={"WORLD_SIZE": "8", "ACCELERATE_USE_FSDP": "true"}, gpu_gb=None)
+    assert "8 process(es), FSDP2" in out and "device cuda" in out
     assert out.splitlines()[-1] == (
         "  planned for an 80 GB CUDA device (an H100 / A100 80 GB), as this machine has none; for another size, "
         "python -m benchmarks.memory_plan --device cuda --device_memory GB (with --model, --micro_batch_size, "
         "--processes), or --plan on the machine that trains")
+
+
+def test_train_plan_under_a_cpu_launch_plans_this_machine_and_advises_what_runs_here(monkeypatch, capsys):
+    """Issue 55: under cpu_2proc.yaml (whose use_cpu accelerate's multi-process launcher never passes on) and a plain
+    `python train.py --plan` on a machine without a GPU, the plan was for "an 80 GB CUDA device" and its advice for a
+    big preset named an FSDP launch that this machine refuses. The device is where the run trains
+    (`training.distributed.machine.trains_on`): this machine's memory, shared by its processes, said in the last line;
+    `--cpu` too on a machine with a GPU. The advice names no sharding engine there: one process where several share
+    the memory, else more memory than the machine has."""
+    cpu_2proc = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0"}
+    no_gpu = "(this machine has no GPU: the run trains on the CPU; to plan a GPU run, python -m benchmarks.memory_plan"
+    for env, gpu_gb, processes, why in (({}, None, 1, no_gpu), (cpu_2proc, None, 2, no_gpu),
+                                         ({"ACCELERATE_USE_CPU": "true"}, 80.0, 1, "(the launch asks for the CPU)")):
+        out = train_plan(monkeypatch, capsys, "--micro_batch_size", "1", env=env, gpu_gb=gpu_gb)
+        assert f"{processes} process(es)" in out and "device cpu" in out, out
+        share = "" if processes == 1 else f", {24 / processes:.1f} GB for each of its {processes} processes"
+        assert out.splitlines()[-1].startswith(f"  planned for this machine's memory: 24.0 GB{share} {why}"), out
+        assert f"({24 / processes:g} GB)" in out  # the table's device: each process's share
+    # A preset too big for the machine: no FSDP launch, which does not run here.
+    out = train_plan(monkeypatch, capsys, "--micro_batch_size", "1", preset="gpt2_1558m_fineweb_edu.yaml", gpu_gb=None)
+    advice_line = next(line for line in out.splitlines() if line.startswith("  fits: "))
+    assert advice_line.endswith("it needs more memory than this machine has (FSDP and DeepSpeed, which would shard "
+                                "it, run on GPUs)") and "fsdp_8gpu.yaml" not in out and "shard it with" not in out
+    out = train_plan(monkeypatch, capsys, "--micro_batch_size", "1", preset="gpt2_774m_fineweb_edu.yaml",
+                     env=cpu_2proc, gpu_gb=None)
+    assert "its 2 processes share this machine's memory: train it as one process (python train.py" in out
+    assert "fits: yes" in train_plan(monkeypatch, capsys, "--micro_batch_size", "1",
+                                     preset="gpt2_774m_fineweb_edu.yaml", gpu_gb=None)  # so it does, alone
 
 
 @pytest.mark.slow
@@ -323,6 +377,7 @@ def test_train_plan_prints_before_anything_is_built(tmp_path, monkeypatch, capsy
     assert "fits: yes" in proc.stdout and not out.exists()
     for key, value in {**env, "ACCELERATE_USE_FSDP": "false"}.items():  # the second answer in this process
         monkeypatch.setenv(key, value)
+    this_machine(monkeypatch, gpu_gb=80.0)  # 8 DDP processes on GPUs (on a CPU they would share its memory)
     monkeypatch.chdir(REPO_ROOT)
     proc = in_process(train.main, ["--config", "configs/gpt2_1558m_fineweb_edu.yaml", "--out_dir", str(out), "--plan",
                                    "--micro_batch_size", "64"], monkeypatch, capsys)

@@ -28,8 +28,12 @@ from conftest import (
 )
 
 from common.errors import UserError
+from configs import ModelConfig, OptimConfig
 from training.checkpoints.moving import checkpoint_move
 from training.distributed.engines import Engine
+from training.optimizers.plan import plan_optimizers
+
+ADAMW, MUON = (plan_optimizers(OptimConfig(optimizer=name), ModelConfig()) for name in ("adamw", "muon"))
 
 TP_ARGS = ["--tensor_parallel", "2"]
 
@@ -117,7 +121,7 @@ def _point(tmp_path, world_size: int, **engine):
 ])
 def test_a_resume_moves_only_where_the_engine_that_saved_cannot_read_it_itself(saved, saved_world, now, world, moves,
                                                                                tmp_path):
-    move = checkpoint_move(_point(tmp_path, saved_world, **saved), now, world, plan=None)
+    move = checkpoint_move(_point(tmp_path, saved_world, **saved), now, world, plan=ADAMW)
     assert (move is not None) == moves
     if move is not None:
         line = move.announcement(tmp_path / "step_000004")
@@ -127,7 +131,23 @@ def test_a_resume_moves_only_where_the_engine_that_saved_cannot_read_it_itself(s
 
 def test_a_checkpoint_of_an_unknown_engine_is_one_line(tmp_path):
     with pytest.raises(UserError, match="records an engine this version does not know \\('megatron'\\)"):
-        checkpoint_move(_point(tmp_path, 2, kind="megatron"), Engine("ddp"), 2, plan=None)
+        checkpoint_move(_point(tmp_path, 2, kind="megatron"), Engine("ddp"), 2, plan=ADAMW)
+
+
+@pytest.mark.parametrize(("saved", "saved_world", "now", "world"), [
+    ({"kind": "ddp"}, 2, Engine("deepspeed", 2), 2), ({"kind": "deepspeed", "zero_stage": 2}, 2, Engine("ddp"), 1),
+    ({"kind": "deepspeed", "zero_stage": 2}, 2, Engine("deepspeed", 2), 4),
+    ({"kind": "deepspeed", "zero_stage": 2}, 2, Engine("deepspeed", 1), 2)])
+def test_a_muon_checkpoint_moves_to_or_from_zero_in_one_line(saved, saved_world, now, world, tmp_path):
+    """DeepSpeed's Muon (under ZeRO with --grad_clip 0) keeps its momentum in its own flat partitions, which no reader
+    here takes apart or writes: a Muon checkpoint that would move to or from ZeRO is one line naming the launch that
+    reads it (an AdamW checkpoint moves: the cases above)."""
+    with pytest.raises(UserError) as err:
+        checkpoint_move(_point(tmp_path, saved_world, **saved), now, world, plan=MUON)
+    assert "--optimizer muon's state does not move to or from DeepSpeed's ZeRO" in str(err.value)
+    assert f"resume it under {Engine.of_record(saved).name} on {saved_world} process(es)" in str(err.value)
+    assert checkpoint_move(_point(tmp_path, saved_world, **saved), Engine.of_record(saved), saved_world,
+                           plan=MUON) is None  # where it was saved: its own engine reads it
 
 
 @pytest.mark.slow

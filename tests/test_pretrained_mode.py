@@ -40,15 +40,15 @@ def test_the_python_api_gives_the_same_loss_and_greedy_text_on_every_call(tiny_h
 def test_a_fine_tune_from_loaded_weights_trains_with_dropout(tiny_hf_gpt2: Path, tmp_path, monkeypatch):
     """Every module is in training mode at every step (evaluations in between included), though the weights
     were loaded in eval mode."""
-    import train
+    import training.step  # train.py's train() imports train_step from it when a run starts
 
-    modes, step = [], train.train_step
+    modes, step = [], training.step.train_step
 
     def recording_step(accelerator, model, *args, **kwargs):
         modes.append({m.training for m in model.modules()})
         return step(accelerator, model, *args, **kwargs)
 
-    monkeypatch.setattr(train, "train_step", recording_step)
+    monkeypatch.setattr(training.step, "train_step", recording_step)
     train_in_process([*TINY, "--init_from", str(tiny_hf_gpt2), "--dropout", "0.1", "--max_steps", "2",
                       "--micro_batch_size", "2", "--total_batch_size", "64", "--eval_every", "1",
                       "--out_dir", str(tmp_path / "run")])

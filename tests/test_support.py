@@ -34,8 +34,8 @@ def accelerator_of(engine: Engine) -> SimpleNamespace:
         fsdp_plugin=SimpleNamespace(activation_checkpointing=False)))
 
 
-def refused_at_run_time(feature: str, engine: Engine) -> str | None:
-    """The line train.py refuses `feature` with under `engine`, or None when it goes on."""
+def refused_at_run_time(feature: str, engine: Engine, grad_clip: float = 1.0) -> str | None:
+    """The line train.py refuses `feature` with under `engine` (at `--grad_clip`), or None when it goes on."""
     try:
         if feature == "--tensor_parallel":
             Layout.checked(4, engine.kind, engine.zero_stage, tensor_parallel=2,
@@ -45,7 +45,8 @@ def refused_at_run_time(feature: str, engine: Engine) -> str | None:
         else:
             optimizer = feature.split()[1] if feature.startswith("--optimizer") else "adamw"
             refuse_unsupported(engine, accelerator_of(engine), optimizer,
-                               feature == "--lora_rank", "skip" if feature == "--on_nan skip" else "stop", False)
+                               feature == "--lora_rank", "skip" if feature == "--on_nan skip" else "stop", False,
+                               grad_clip)
     except UserError as err:
         return str(err)
     return None
@@ -69,6 +70,10 @@ def test_the_run_refuses_exactly_what_the_table_says(feature):
         assert (line is not None) == (name in SUPPORT[feature]), (feature, name, line)
         if line is not None:
             assert line.startswith(feature.split()[0]) and SUPPORT[feature][name].fix in line and "\n" not in line
+        unless = SUPPORT[feature][name].unless if name in SUPPORT[feature] else None
+        if unless is not None:  # a cell that runs with a setting (Muon under ZeRO with --grad_clip 0): it does
+            assert unless == "--grad_clip 0" and unless in line
+            assert refused_at_run_time(feature, engine, grad_clip=0.0) is None, (feature, name)
 
 
 def test_the_planner_refuses_muon_where_the_table_does():
@@ -76,12 +81,14 @@ def test_the_planner_refuses_muon_where_the_table_does():
                 **{f"ZeRO-{s}": Launch(1, Layout(8, DEEPSPEED, s)) for s in (1, 2, 3)},
                 "FSDP2 x TP": Launch(1, Layout(8, FSDP, tensor_parallel=2))}
     for name, launch in launches.items():
-        refused = "--optimizer muon" in SUPPORT and name in SUPPORT["--optimizer muon"]
-        if refused:
+        cell = SUPPORT.get("--optimizer muon", {}).get(name)
+        if cell is not None:
             with pytest.raises(UserError, match="--optimizer muon is not supported"):
                 Launch(1, launch.layout, optimizer="muon")
         else:
             Launch(1, launch.layout, optimizer="muon")
+        if cell is not None and cell.unless == "--grad_clip 0":  # the run's clipping, as train.py --plan passes it
+            Launch(1, launch.layout, optimizer="muon", grad_clip=0.0)
 
 
 @pytest.mark.parametrize("page", ["README.md", "docs/engines.md"])
@@ -92,8 +99,12 @@ def test_the_readme_shows_the_table(page):
 
 def test_the_table_says_what_muon_costs_where_it_runs_sharded():
     """Muon's cells under FSDP2 and tensor parallelism name the all-gather per matrix (its module declares them);
-    under DDP and the pipeline every rank holds its matrices whole: plain "runs"."""
+    under DDP and the pipeline every rank holds its matrices whole: plain "runs"; under ZeRO it runs with clipping off
+    only, as DeepSpeed's own Muon (a refusal that hangs on --grad_clip: `Refusal.unless`)."""
     muon_row = next(line for line in support_table().splitlines() if line.startswith("| `--optimizer muon` |"))
     cells = dict(zip(COLUMNS, [c.strip() for c in muon_row.split("|")[2:-1]]))
     assert cells["FSDP2"] == cells["FSDP2 x TP"] == "runs (each matrix all-gathered a step)"
-    assert cells["DDP"] == cells["DDP x PP"] == "runs" and cells["ZeRO-2"] == "refused"
+    assert cells["DDP"] == cells["DDP x PP"] == "runs"
+    assert cells["ZeRO-1"] == cells["ZeRO-2"] == cells["ZeRO-3"] == "runs with `--grad_clip 0` (DeepSpeed's own Muon)"
+    lora_row = next(line for line in support_table().splitlines() if line.startswith("| `--lora_rank` |"))
+    assert "| refused |" in lora_row  # a refusal with no setting that lifts it, and no cost shown

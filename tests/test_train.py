@@ -545,3 +545,18 @@ def test_the_header_counts_every_parameter_as_the_optimizer_line_does(tmp_path):
     assert header and optimizer, out[:2000]
     every = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=512)).num_params(non_embedding=False)
     assert header.group(1) == optimizer.group(1) == f"{every / 1e6:.2f}"
+
+
+def test_grad_clip_0_trains_unclipped_as_a_clip_far_above_the_norm(tmp_path):
+    """`--grad_clip 0` turns clipping off (nanoGPT's and the HF Trainer's meaning): the run ends bit for bit where a
+    run clipped at 1e9, far above every norm, ends; the norm is still measured and logged, and the header says so.
+    The norms logged are above 1, so the default --grad_clip 1 would have clipped these steps."""
+    args = TINY + ["--max_steps", "3", "--micro_batch_size", "2", "--total_batch_size", "128", "--log_every", "1",
+                   "--eval_every", "3", "--sample_tokens", "0"]
+    off, far = tmp_path / "off", tmp_path / "far"
+    off_output = train_in_process(args + ["--grad_clip", "0", "--out_dir", str(off)])[0]
+    far_output = train_in_process(args + ["--grad_clip", "1e9", "--out_dir", str(far)])[0]
+    assert "; gradient clipping off (--grad_clip 0)" in off_output and "clipping off" not in far_output
+    assert_same_weights(far, off)
+    norms = [row["grad_norm"] for row in read_metrics(off)]
+    assert norms == [row["grad_norm"] for row in read_metrics(far)] and min(norms) > 1.0

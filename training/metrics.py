@@ -199,14 +199,14 @@ def _clock(seconds: float) -> str:
 
 
 def run_header(accelerator: Accelerator, engine: Engine, model: torch.nn.Module, n_params: int,
-               geometry: BatchGeometry, plan: OptimizerPlan, lora: str | None, data: str,
+               geometry: BatchGeometry, plan: OptimizerPlan, grad_clip: float, lora: str | None, data: str,
                restart: str | None = None, here: str | None = None) -> str:
     """The run's header: model size (`n_params`: every parameter, tied ones once, as the optimizer line counts
     them; and what LoRA trains), batch geometry, distribution, precision, compilation, activation checkpointing
     (when on), the loss's path (`model.loss`), device, and `restart` (`restart k of N` under a launch that may
     restart, `training.distributed.elastic.Attempt`); `here`: what a launch runs on this machine, where it differs
     from what a GPU config says (`training.distributed.machine.runs_here`), on a line of its own; which optimizer
-    trains which parameters; `data`,
+    trains which parameters, and "gradient clipping off" where `grad_clip` (--grad_clip) is 0; `data`,
     the data source's own line.
     `engine`: the one train.py checked (with its tensor-parallel degree: geometry's world is then the data-parallel
     ranks); `model`: as prepared."""
@@ -228,6 +228,8 @@ def run_header(accelerator: Accelerator, engine: Engine, model: torch.nn.Module,
     g = geometry
     ranks = "data-parallel rank(s)" if engine.model_parallel > 1 else "process(es)"
     optimizers = describe_optimizers(network, plan, step_placement(accelerator, model))  # Muon: how it splits
+    if not grad_clip:
+        optimizers += "; gradient clipping off (--grad_clip 0)"
     return (f"GPT {n_params / 1e6:.2f}M params{adapters} | {g.world_size} {ranks} x {g.accumulation} "
             f"accumulation x {g.micro_batch_size} x {g.block_size} = {g.tokens_per_step:,} tokens per step | "
             f"distributed: {distributed} | precision: {precision(accelerator)} | "

@@ -21,6 +21,7 @@ from common.errors import UserError
 from common.run_dir import RunDir
 from data.tokenizer import IGNORE
 from training.distributed.pipeline import PipelinedGPT
+from training.optimizers.spec import LR_OF
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,11 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizers: Seq
                next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], grad_accum: int, lrs: Sequence[float],
                grad_clip: float, masked_targets: bool = False,
                skip_nonfinite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step: `grad_accum` micro-steps, clip, update every optimizer (`lrs[i]` is optimizer i's
-    learning rate). Returns the summed micro-batch losses (/ grad_accum, averaged over ranks, it is the step's loss)
-    and the global gradient norm, both on device. With `skip_nonfinite` a step whose norm is not finite is not
-    applied (the norm is read on the host for that); without it the update is applied whatever the norm, and
+    """One optimizer step: `grad_accum` micro-steps, clip to `grad_clip` (0: no clipping, the norm measured all the
+    same), update every optimizer (`lrs[i]` is optimizer i's learning rate). Returns the summed micro-batch losses
+    (/ grad_accum, averaged over ranks, it is the step's loss) and the global gradient norm, both on device. With
+    `skip_nonfinite` a step whose norm is not finite is not applied (the norm is read on the host for that); without
+    it the update is applied whatever the norm, and
     `NonFinitePolicy` stops the run before anything reads its weights.
 
     The step's gradient is that of the mean loss over every target token of the global batch. With
@@ -71,9 +73,7 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizers: Seq
         loss_sum, norm = model.step(accelerator, [next_batch() for _ in range(grad_accum)], lrs, grad_clip,
                                     masked_targets)
         return loss_sum, torch.tensor(norm)
-    for optimizer, lr in zip(optimizers, lrs, strict=True):
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+    set_learning_rates(optimizers, lrs)
     device = accelerator.device
     loss_sum = torch.zeros((), device=device)
     batches = (next_batch() for _ in range(grad_accum))
@@ -93,7 +93,9 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizers: Seq
                 loss = loss * scale
             accelerator.backward(loss)  # divides by grad_accum: the step's gradient is the mean
         loss_sum += loss.detach()
-    grad_norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip)  # global norm, same on all ranks
+    # The global norm, the same on every rank; --grad_clip 0 measures it without clipping (a max norm of inf scales
+    # every gradient by exactly 1; under DeepSpeed, which clipped inside backward, its `gradient_clipping` 0 is off).
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
     if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
         grad_norm = grad_norm.full_tensor()
     apply = not skip_nonfinite or math.isfinite(float(grad_norm))
@@ -102,6 +104,19 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizers: Seq
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return loss_sum, torch.as_tensor(grad_norm)
+
+
+def set_learning_rates(optimizers: Sequence[torch.optim.Optimizer], lrs: Sequence[float]) -> None:
+    """`lrs[i]` into the param groups of optimizer i of the plan (`OptimizerPlan.names`); one optimizer standing for
+    several (DeepSpeed's Muon under ZeRO: `OptimizerSpec.zero_build`) gives each group the rate of the one it names
+    (`LR_OF`)."""
+    if len(optimizers) == 1 and len(lrs) > 1:
+        for group in optimizers[0].param_groups:
+            group["lr"] = lrs[group[LR_OF]]
+        return
+    for optimizer, lr in zip(optimizers, lrs, strict=True):
+        for group in optimizer.param_groups:
+            group["lr"] = lr
 
 
 def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -108,6 +108,12 @@ def checkpoint_move(point: ResumePoint | None, engine: Engine, world_size: int, 
     if saved.kind not in (DDP, FSDP, DEEPSPEED):
         raise UserError(f"{point.path} records an engine this version does not know ({saved.kind!r}); resume it "
                         "with the version that saved it")
+    if DEEPSPEED in (saved.kind, engine.kind) and plan.spec.zero_build is not None:
+        raise UserError(f"{point.path.name} was saved under {saved.name} on {point.world_size} process(es), this "
+                        f"launch runs {engine.name} on {world_size}: --optimizer {plan.kind}'s state does not move "
+                        f"to or from DeepSpeed's ZeRO, whose {plan.spec.display} keeps it in its own flat partitions "
+                        f"(training.optimizers.muon_deepspeed); resume it under {saved.name} on {point.world_size} "
+                        "process(es)")
     return Move(saved, point.world_size, engine, world_size, plan)
 
 

@@ -27,7 +27,7 @@ from accelerate.utils import DistributedType
 from common.engine_names import DDP, DEEPSPEED, FAMILY_NAMES, FSDP, degrees, engine_name
 from common.errors import UserError
 from model.unwrap import unwrapped
-from training.distributed.support import refusal
+from training.distributed.support import conditions, refusal
 
 
 def _env_flag(name: str) -> bool:
@@ -66,10 +66,11 @@ class Engine:
         schedule = f" (1F1B; this stage: {stage})" if self.pipeline_parallel > 1 else ""
         return f"{distributed_type}{zero}{degrees(self.tensor_parallel, self.pipeline_parallel)}{schedule}"
 
-    def refusal(self, feature: str) -> str | None:
-        """`training.distributed.support`'s refusal of `feature` under this engine, or None where it runs."""
+    def refusal(self, feature: str, settings: frozenset[str] = frozenset()) -> str | None:
+        """`training.distributed.support`'s refusal of `feature` under this engine with the run's `settings`
+        (`support.conditions`), or None where it runs."""
         return refusal(feature, self.kind, self.zero_stage, self.tensor_parallel,
-                       pipeline_parallel=self.pipeline_parallel)
+                       pipeline_parallel=self.pipeline_parallel, settings=settings)
 
     @classmethod
     def of(cls, accelerator: Accelerator, tensor_parallel: int = 1) -> Engine:
@@ -176,12 +177,14 @@ def deepspeed_missing() -> str | None:
 
 
 def refuse_unsupported(engine: Engine, accelerator: Accelerator, optimizer: str, lora: bool, on_nan: str,
-                       activation_checkpointing: bool) -> None:
+                       activation_checkpointing: bool, grad_clip: float = 1.0) -> None:
     """What this project does not run under `engine`, refused in one line before anything is built: the features
-    of `training.distributed.support`'s table, then what a config's contents rule out."""
+    of `training.distributed.support`'s table (with the run's `--grad_clip`, on which Muon under ZeRO hangs), then
+    what a config's contents rule out."""
+    settings = conditions(grad_clip)
     for feature, asked in ((f"--optimizer {optimizer}", True), ("--lora_rank", lora),
                            ("--on_nan skip", on_nan == "skip")):
-        if asked and (line := engine.refusal(feature)):
+        if asked and (line := engine.refusal(feature, settings)):
             raise UserError(line)
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     if activation_checkpointing and engine.kind == FSDP and plugin is not None and plugin.activation_checkpointing:
@@ -203,11 +206,13 @@ def refuse_unsupported(engine: Engine, accelerator: Accelerator, optimizer: str,
 
 
 def fit_deepspeed(accelerator: Accelerator, micro_batch_size: int, accumulation: int, grad_clip: float,
-                  n_embd: int) -> None:
+                  n_embd: int, muon: bool = False) -> None:
     """Write the run's batch geometry and clipping into the DeepSpeed config before `accelerator.prepare` (train.py
     passes no DataLoader from which accelerate could read them); the config's own values, where set, must agree.
     ZeRO-3's bucket sizes follow the width (accelerate reads them from a Hugging Face config, which our GPT has
-    not), and ZeRO-3 gathers the full weights for `final/`. Nothing under another engine."""
+    not), and ZeRO-3 gathers the full weights for `final/`; with DeepSpeed's Muon as the client optimizer (`muon`:
+    `training.optimizers.muon_deepspeed`), ZeRO-3 reduces gradients without reduce-scatter, which it refuses beside
+    that Muon. Nothing under another engine."""
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return
     plugin = accelerator.state.deepspeed_plugin
@@ -215,7 +220,7 @@ def fit_deepspeed(accelerator: Accelerator, micro_batch_size: int, accumulation:
     ours = {"train_micro_batch_size_per_gpu": (micro_batch_size, "--micro_batch_size"),
             "gradient_accumulation_steps": (accumulation, "--total_batch_size (the accumulation it implies)"),
             "train_batch_size": (micro_batch_size * accumulation * accelerator.num_processes, "--total_batch_size"),
-            "gradient_clipping": (grad_clip, "--grad_clip")}
+            "gradient_clipping": (grad_clip, "--grad_clip")}  # 0: DeepSpeed's "no clipping", as ours
     for key, (value, flag) in ours.items():
         given = config.get(key, "auto")
         if given not in ("auto", None) and given != value:
@@ -230,6 +235,11 @@ def fit_deepspeed(accelerator: Accelerator, micro_batch_size: int, accumulation:
             if zero.get(key, "auto") == "auto":
                 zero[key] = value
         zero["stage3_gather_16bit_weights_on_model_save"] = True
+        if muon:
+            if zero.get("reduce_scatter") is True:
+                raise UserError("the DeepSpeed config sets zero_optimization.reduce_scatter true, which ZeRO-3 does "
+                                "not run beside DeepSpeed's Muon (--optimizer muon); remove it from the config")
+            zero["reduce_scatter"] = False
 
 
 def full_state_dict(accelerator: Accelerator, model) -> dict | None:

@@ -35,7 +35,9 @@ class Asked:
     """What a launch asks for, as accelerate's launcher tells each process: `processes` in all (`WORLD_SIZE`; 1 for
     a process started alone), `per_machine` of them on this machine, `several_in_one`: accelerate's single-process
     launcher was asked for more than one (it sets MASTER_PORT only then, and starts one); the engine; the precision
-    (`ACCELERATE_MIXED_PRECISION`) and the compile backend (`ACCELERATE_DYNAMO_BACKEND`)."""
+    (`ACCELERATE_MIXED_PRECISION`) and the compile backend (`ACCELERATE_DYNAMO_BACKEND`); `cpu`: the CPU asked for
+    (`--cpu`, ACCELERATE_USE_CPU, which accelerate's multi-process launcher never passes on: `use_cpu` of
+    cpu_2proc.yaml reaches no process)."""
 
     processes: int = 1
     per_machine: int = 1
@@ -43,6 +45,7 @@ class Asked:
     engine: str = DDP
     precision: str = "no"
     compile: str = "no"
+    cpu: bool = False
 
     @classmethod
     def of_environment(cls) -> Asked:
@@ -54,7 +57,8 @@ class Asked:
         processes = int(env.get("WORLD_SIZE", "1"))
         return cls(processes, int(env.get("LOCAL_WORLD_SIZE", processes)), several_in_one, requested_engine(),
                    env.get("ACCELERATE_MIXED_PRECISION", "no").lower(),
-                   env.get("ACCELERATE_DYNAMO_BACKEND", "no").lower())
+                   env.get("ACCELERATE_DYNAMO_BACKEND", "no").lower(),
+                   env.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes"))
 
 
 @dataclass(frozen=True)
@@ -81,10 +85,15 @@ def accelerate_runs_engines(machine: Machine) -> bool:
     return machine.gpus > 0
 
 
+def engine_without_a_gpu(asked: Asked, machine: Machine) -> bool:
+    """The launch asks for FSDP or DeepSpeed, which accelerate does not run on `machine` (no GPU)."""
+    return asked.engine != DDP and not accelerate_runs_engines(machine)
+
+
 # What a machine cannot give, in the order they are checked: (when, the line, `{engine}`: the engine's family name).
 # The first that applies is said.
 REFUSALS: tuple[tuple[Callable[[Asked, Machine], bool], str], ...] = (
-    (lambda asked, machine: asked.engine != DDP and not accelerate_runs_engines(machine),
+    (engine_without_a_gpu,
      f"the accelerate config asks for {{engine}}, and this machine has no GPU; {CPU_FIX}"),
     (lambda asked, machine: asked.several_in_one,
      "accelerate launch started 1 process where several were asked (accelerate's single-process launcher, which "
@@ -100,6 +109,16 @@ def refusal(asked: Asked, machine: Machine) -> str | None:
     """The one line for what `machine` cannot give of `asked`, or None where it gives all."""
     return next((line.format(engine=FAMILY_NAMES[asked.engine]) for applies, line in REFUSALS
                  if applies(asked, machine)), None)
+
+
+def trains_on(asked: Asked, machine: Machine) -> str | None:
+    """The device the processes of launch `asked` train on, on `machine`: "cpu" where the launch asks for the CPU or
+    the machine has no GPU (accelerate then puts one process, or a DDP launch over gloo, there), else "cuda"; None
+    for an FSDP or DeepSpeed launch on a machine without a GPU (`engine_without_a_gpu`), which trains nowhere here
+    and is refused (`REFUSALS`). What `train.py --plan` plans for (`planner.cli.exit_after_plan`)."""
+    if engine_without_a_gpu(asked, machine):
+        return None
+    return "cpu" if asked.cpu or not machine.gpus else "cuda"
 
 
 def runs_here(asked: Asked, machine: Machine) -> str | None:

@@ -156,7 +156,7 @@ class PipelinedGPT(nn.Module):
 
     def _clip(self, max_norm: float) -> float:
         """The whole model's gradient norm (the tied weight counted once, on the first stage), and every gradient
-        scaled by max_norm / norm when it is larger (torch's `clip_grad_norm_` rule)."""
+        scaled by max_norm / norm when it is larger (torch's `clip_grad_norm_` rule); `max_norm` 0: not clipped."""
         ranks = self.pipeline
         counted = [g for name, g in self._grads() if not (name == TIED and ranks.last and not ranks.first)]
         squares = torch.zeros((), device=self._device(), dtype=torch.float32)
@@ -164,9 +164,10 @@ class PipelinedGPT(nn.Module):
             squares += grad.detach().float().pow(2).sum()
         dist.all_reduce(squares, group=ranks.group)
         norm = squares.sqrt()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for _, grad in self._grads():
-            grad.mul_(coef.to(grad.dtype))
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for _, grad in self._grads():
+                grad.mul_(coef.to(grad.dtype))
         return float(norm)
 
     # ---- evaluation: the stages one after another, without gradients ---------------------------------------------

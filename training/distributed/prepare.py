@@ -50,9 +50,13 @@ def step_placement(accelerator: Accelerator, model: torch.nn.Module) -> StepPlac
     """Where the optimizers' step runs in this run, read from `model` as `prepare` returns it: the process group DDP
     averages the gradients over, or a pipeline stage's replicas (`PipelinedGPT`, which averages them itself), and
     torch.compile's backend where the run compiles (accelerate's dynamo backend). FSDP2 (tensor parallelism
-    included), ZeRO and one process: no group. The run's header says what it reads (`training.metrics`)."""
+    included), ZeRO and one process: no group; ZeRO: its stage (the client optimizer steps inside its engine). The
+    run's header says what it reads (`training.metrics`)."""
     backend = accelerator.state.dynamo_plugin.backend
     compile_backend = None if backend == DynamoBackend.NO else backend.value.lower()
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return StepPlacement(compile_backend=compile_backend,
+                             zero_stage=int(accelerator.state.deepspeed_plugin.zero_stage))
     while isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         model = model._orig_mod
     if isinstance(model, DistributedDataParallel):

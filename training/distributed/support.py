@@ -6,6 +6,9 @@ The refusals before a run (`training.distributed.engines.refuse_unsupported`,
 the memory planner's (`planner.Launch`) and the support table of the README and docs/engines.md all read `support()`; a
 test holds both tables equal to `support_table()`. A feature that starts to run under an engine is one cell here.
 
+A refusal may hang on a setting of the run as well (`Refusal.unless`): Muon under ZeRO runs with `--grad_clip 0` and
+is refused otherwise; the run's settings that such a refusal reads are `conditions(...)`.
+
 Refusals that hang on a config's contents rather than on the engine (a DeepSpeed config's own optimizer block;
 accelerate's activation checkpointing beside ours) stay beside the config reading, in `training.distributed.engines`.
 """
@@ -77,14 +80,21 @@ def costs() -> dict[str, dict[str, str]]:
     return {f"--optimizer {name}": dict(spec.costs_under) for name, spec in OPTIMIZERS.items() if spec.costs_under}
 
 
+def conditions(grad_clip: float) -> frozenset[str]:
+    """The settings of a run that a refusal may hang on (`Refusal.unless`), as the table spells them: "--grad_clip 0"
+    where clipping is off."""
+    return frozenset({"--grad_clip 0"} if grad_clip == 0 else ())
+
+
 def refusal(feature: str, kind: str, zero_stage: int = 0, tensor_parallel: int = 1, asked: str | None = None,
-            pipeline_parallel: int = 1) -> str | None:
+            pipeline_parallel: int = 1, settings: frozenset[str] = frozenset()) -> str | None:
     """The one-line refusal of `feature` under this launch's engine, or None where it runs. `asked`: the flag as
-    the user gave it, when it says more than the feature's name (`--tensor_parallel 4`). A DeepSpeed launch whose
+    the user gave it, when it says more than the feature's name (`--tensor_parallel 4`); `settings`: the run's
+    (`conditions`), under which a refusal that names one in its `unless` lets it run. A DeepSpeed launch whose
     stage is not known yet (0) is read in the ZeRO-1 column: no feature here is refused by one ZeRO stage only."""
     where_column = column(kind, zero_stage or (1 if kind == DEEPSPEED else 0), tensor_parallel, pipeline_parallel)
     refused = support().get(feature, {}).get(where_column)
-    if refused is None:
+    if refused is None or refused.unless in settings:
         return None
     where = (f"with --pipeline_parallel {pipeline_parallel}" if pipeline_parallel > 1
              else f"with --tensor_parallel {tensor_parallel}" if tensor_parallel > 1
@@ -94,11 +104,16 @@ def refusal(feature: str, kind: str, zero_stage: int = 0, tensor_parallel: int =
 
 def support_table() -> str:
     """The support table (README, docs/engines.md): every feature refused somewhere, against every column ("runs",
-    "runs (what it costs there)" or "refused")."""
+    "runs (what it costs there)", "refused", or "with --grad_clip 0" where it runs with that setting only, and its
+    cost)."""
     lines = ["| feature | " + " | ".join(COLUMNS) + " |", "| --- |" + " --- |" * len(COLUMNS)]
     notes = costs()
+
+    def cell(refused: Refusal | None, cost: str | None) -> str:
+        runs = "runs" if refused is None else f"runs with `{refused.unless}`" if refused.unless else "refused"
+        return f"{runs} ({cost})" if cost and runs != "refused" else runs
+
     for feature, refused in support().items():
-        cost = notes.get(feature, {})
-        cells = ["refused" if c in refused else f"runs ({cost[c]})" if c in cost else "runs" for c in COLUMNS]
+        cells = [cell(refused.get(c), notes.get(feature, {}).get(c)) for c in COLUMNS]
         lines.append(f"| `{feature}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -5,13 +5,17 @@ whole update in a few launches instead of one per tensor."""
 from __future__ import annotations
 
 import inspect
-
-import torch
+from typing import TYPE_CHECKING
 
 from training.optimizers.spec import BASE_STATE_BYTES, EVERY_PARAMETER, OptimizerPlan, OptimizerSpec, StepPlacement
 
+if TYPE_CHECKING:
+    import torch
+
 
 def build(params: list[torch.nn.Parameter], plan: OptimizerPlan, device_type: str) -> torch.optim.Optimizer:
+    import torch  # here, not above: train.py's command line reads the optimizers' flags before torch is imported
+
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": plan.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},

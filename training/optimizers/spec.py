@@ -9,11 +9,12 @@ rest. `OptimizerPlan` is `--optimizer` resolved for one run.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from common.engine_names import Refusal
+
+if TYPE_CHECKING:  # annotations only: the specs are read by train.py's command line before torch is imported
+    import torch
 
 # What an optimizer may claim: every trainable parameter (it trains alone), or the 2-D weights inside the
 # transformer blocks (`transformer.h.*`: the attention and MLP projections; the planner's
@@ -21,16 +22,21 @@ from common.engine_names import Refusal
 EVERY_PARAMETER = "every parameter"
 BLOCK_MATRICES = "the blocks' 2-D weights"
 BASE_STATE_BYTES = 8  # AdamW's, on what a part-claiming optimizer leaves to it: two fp32 moments
+# A param group's key in one optimizer that stands for several of the plan's (`OptimizerSpec.zero_build`): the index,
+# in `OptimizerPlan.names`, of the optimizer whose learning rate the group takes (`training.step.set_learning_rates`).
+LR_OF = "lr_of"
 
 
 def claimed_names(model: torch.nn.Module, claims: str) -> list[str]:
-    """The names of the trainable parameters `claims` means in `model` (a tied weight once)."""
+    """The names of the trainable parameters `claims` means in `model` (a tied weight once); a parameter ZeRO-3 has
+    partitioned (an empty 1-D tensor on every rank) by the shape it keeps in `ds_shape`."""
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if claims == EVERY_PARAMETER:
         return [name for name, _ in trainable]
     if claims != BLOCK_MATRICES:
         raise ValueError(f"unknown parameter set {claims!r}")
-    return [name for name, p in trainable if p.dim() == 2 and name.startswith("transformer.h.")]
+    return [name for name, p in trainable
+            if len(getattr(p, "ds_shape", p.shape)) == 2 and name.startswith("transformer.h.")]
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,7 @@ class StepPlacement:
     group: object = None
     ranks: int = 1  # the group's size
     compile_backend: str | None = None  # torch.compile's backend where the run compiles its model; None: eager
+    zero_stage: int = 0  # DeepSpeed's ZeRO stage where the step runs inside its engine (`OptimizerSpec.zero_build`)
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,11 @@ class OptimizerSpec:
     # the header's "(lr 0.02, ...)", given the device type, the parameters it trains and the step's placement
     describe: Callable[[OptimizerPlan, str, list[torch.Tensor], StepPlacement], str] | None = None
     place: Callable[[torch.optim.Optimizer, StepPlacement], None] | None = None  # told where its step runs (prepare)
+    # Under DeepSpeed's ZeRO, which takes one client optimizer: one over every parameter, standing for AdamW and this
+    # one (each param group names which: `LR_OF`), given (claimed, the rest, plan,
+    # device type); None: built as elsewhere (AdamW alone), or refused there (`refused_under`)
+    zero_build: Callable[[list[torch.nn.Parameter], list[torch.nn.Parameter], OptimizerPlan, str],
+                         torch.optim.Optimizer] | None = None
     refused_under: Mapping[str, Refusal] = field(default_factory=dict)  # support-table column -> why not
     # support-table column -> what running there costs beyond the engine's own work, in a few words (the cell's note)
     costs_under: Mapping[str, str] = field(default_factory=dict)
