@@ -37,7 +37,6 @@ def train(cfg: TrainConfig) -> None:
     from accelerate.utils import set_seed
 
     from common.console import TerminalBar
-    from common.engine_names import DEEPSPEED
     from common.run_dir import RunDir
     from data.source import open_source
     from planner import exit_after_plan
@@ -136,7 +135,7 @@ def train(cfg: TrainConfig) -> None:
         # The model as this launch holds it: split, staged, prepared; then the state it resumes from.
         model = split(model, layout, accelerator)
         model = pipelined(model, layout, geometry.accumulation, geometry.micro_batch_size, accelerator)
-        optimizers = build_optimizer(model, plan, accelerator.device.type, zero=engine.kind == DEEPSPEED)
+        optimizers = build_optimizer(model, plan, accelerator.device.type, one_client=layout.one_client_optimizer)
         model, *optimizers = prepare(accelerator, model, optimizers, plan)
         # Each data-parallel rank draws its own dropout masks from here on.
         torch.manual_seed(cfg.training.seed + data_rank)

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from common.engine_names import DEEPSPEED
 from common.errors import UserError
 from configs import EvalConfig
 from model.config import GPTConfig
@@ -302,7 +301,7 @@ def _whole_matrix(config: GPTConfig, launch: Launch) -> list[Item]:
     polynomial and the product: 4 of its size, fp32 at most), one matrix at a time. Under ZeRO, DeepSpeed's Muon
     (`training.optimizers.muon_deepspeed`) orthogonalises each whole gradient as it fills the partitions: the same
     allowance (its Gram iteration's working copies are no larger)."""
-    zero = launch.layout.kind == DEEPSPEED
+    zero = launch.layout.one_client_optimizer
     if not launch.optimizer_spec.whole_matrices or not (launch.layout.dtensor_matrices or zero):
         return []
     largest = 4 * config.n_embd * config.n_embd

@@ -216,7 +216,7 @@ def run_header(accelerator: Accelerator, engine: Engine, model: torch.nn.Module,
     network = unwrapped(model)
     if getattr(network, "activation_checkpointing", False):  # a LoRA model is our GPT with peft's layers inside
         compiled += " | activation checkpointing"
-    holder = network.stage if engine.pipeline_parallel > 1 else network  # a pipeline's loss: its stage's setting
+    holder = getattr(network, "stage", network)  # a pipeline's stage holds its loss's setting
     rows = getattr(holder, "loss_chunk_rows", None)
     compiled += " | " + describe_loss_path(default_loss_chunk_rows(accelerator.device.type) if rows is None else rows)
     adapters = ""

@@ -118,6 +118,12 @@ class Layout:
         return self.kind == FSDP
 
     @property
+    def one_client_optimizer(self) -> bool:
+        """The engine takes one client optimizer and hands it flat partitions of the parameters, in which no matrix
+        is whole: DeepSpeed's ZeRO. An optimizer that needs whole matrices runs there as DeepSpeed's own."""
+        return self.kind == DEEPSPEED
+
+    @property
     def pipelined(self) -> bool:
         """The blocks run in stages, one per process of a pipeline (`training.distributed.pipeline`)."""
         return self.pipeline_parallel > 1

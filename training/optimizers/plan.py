@@ -55,13 +55,14 @@ def plan_optimizers(cfg: OptimConfig, model: ModelConfig, flags: Mapping[str, An
 
 
 def build_optimizer(model: torch.nn.Module, plan: OptimizerPlan, device_type: str,
-                    zero: bool = False) -> list[torch.optim.Optimizer]:
-    """[the optimizer alone] or [AdamW, the claiming optimizer] (`plan.names`); under DeepSpeed's ZeRO (`zero`), which
-    takes one client optimizer, a claiming optimizer's `zero_build`: [one optimizer standing for both]."""
+                    one_client: bool = False) -> list[torch.optim.Optimizer]:
+    """[the optimizer alone] or [AdamW, the claiming optimizer] (`plan.names`). Where the engine takes one client
+    optimizer and hands it flat partitions (`one_client`: DeepSpeed's ZeRO), a claiming optimizer's `zero_build`:
+    [one optimizer standing for both]."""
     named = dict(model.named_parameters())  # a tied weight appears once, under its first name
     claimed = claimed_names(model, plan.spec.claims)
     rest = [p for name, p in named.items() if p.requires_grad and name not in set(claimed)]
-    if zero and not plan.spec.alone and plan.spec.zero_build is not None:
+    if one_client and not plan.spec.alone and plan.spec.zero_build is not None:
         return [plan.spec.zero_build([named[name] for name in sorted(claimed)], rest, plan, device_type)]
     if plan.spec.alone:  # in the model's order, as checkpoints number them
         return [plan.spec.build([named[name] for name in claimed], plan, device_type)]
