@@ -30,6 +30,8 @@ from conftest import (
 
 import train
 from common.errors import UserError
+from common.manifest import weights_file
+from common.weights import resolve_weights
 from training.checkpoints.manifest import verify_checkpoint
 from training.checkpoints.resume import find_resume_point
 
@@ -109,6 +111,14 @@ def test_every_damaged_checkpoint_file_is_refused_by_name(run_copy, tmp_path, na
     assert "\n" not in message and name in message
     if name != "manifest.json":  # the advice names the checkpoint to fall back to
         assert f"--resume {run_copy / 'checkpoints' / 'step_000002'}" in message
+    # Every command that reads the weights (export, sample, eval.*, publish.hub, --init_from) checks the same
+    # checkpoint: the weights' own files as a resume does, naming the newest intact one; a resume's alone not at all.
+    if weights_file(name):
+        with pytest.raises(UserError, match=rf"{name}.*; the newest intact checkpoint before it is "
+                                            rf"{run_copy / 'checkpoints' / 'step_000002'}: pass that folder instead$"):
+            resolve_weights(newest)
+    else:
+        assert resolve_weights(newest).folder == newest
     assert not marker.exists()
 
 
