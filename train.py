@@ -50,7 +50,7 @@ from training.evaluations.runner import TrainingEvals
 from training.metrics import StepReport, run_header, trackers_for
 from training.network import build_model
 from training.optimizers.plan import build_optimizer, plan_optimizers, release_optimizer_state
-from training.preemption import PreemptionFlag
+from training.preemption import PreemptionFlag, what_was_kept
 from training.recipe import resume_recipe
 from training.run_folder import (
     claim_run_folder,
@@ -145,7 +145,7 @@ def main() -> None:
         # The loop: one optimizer step, then what is due after it (a log line, evaluations, a checkpoint, a stop).
         # Pretrained weights load in eval mode, as for inference: dropout goes back on here.
         model.train()
-        preempted = PreemptionFlag(announce=accelerator.is_main_process)
+        preempted = PreemptionFlag(announce=accelerator.is_main_process, kept=partial(what_was_kept, run))
         with TerminalBar(total=max_steps, initial=progress.step, show=accelerator.is_main_process, unit="step",
                          dynamic_ncols=True) as bar:
             while progress.step < max_steps:
