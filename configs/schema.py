@@ -140,9 +140,9 @@ class ModelConfig:
         _non_empty(self, "init_from")
         _finite(self)
         if self.n_embd % self.n_head:
-            raise UserError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+            raise UserError(f"--n_embd ({self.n_embd}) must be divisible by --n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
-            raise UserError(f"dropout must be in [0, 1), got {self.dropout}; use e.g. 0.0 or 0.1")
+            raise UserError(f"--dropout must be in [0, 1), got {self.dropout}; use e.g. 0.0 or 0.1")
         init_from = Path(self.init_from).expanduser()
         if init_from.is_file():
             raise UserError(f"--init_from {self.init_from} is a file; pass 'scratch', a Hub id (e.g. gpt2), an HF "
@@ -209,7 +209,7 @@ class TrainingConfig:
             raise UserError(f"--grad_clip must be positive (the max gradient norm), got {self.grad_clip}; "
                             "use e.g. 1.0")
         if self.on_nan not in ON_NAN:
-            raise UserError(f"on_nan must be 'stop' or 'skip', got {self.on_nan!r}")
+            raise UserError(f"--on_nan must be 'stop' or 'skip', got {self.on_nan!r}")
         if not 0 <= self.seed <= MAX_SEED:
             raise UserError(f"--seed must be in [0, {MAX_SEED}], got {self.seed}")
         if self.loss_chunk_rows is not None and self.loss_chunk_rows < 0:
@@ -314,7 +314,7 @@ class LogConfig:
         _non_empty(self, "wandb_project", "run_name")
         _finite(self)
         if self.report_to not in REPORT_TO:
-            raise UserError(f"report_to must be one of {', '.join(REPORT_TO)}, got {self.report_to!r}")
+            raise UserError(f"--report_to must be one of {', '.join(REPORT_TO)}, got {self.report_to!r}")
         if self.mfu_peak_flops is not None and not self.mfu_peak_flops > 0:
             raise UserError(f"--mfu_peak_flops must be positive (FLOP/s, e.g. 989e12 for an H100), "
                             f"got {self.mfu_peak_flops}; leave it out to use the accelerator's own")
