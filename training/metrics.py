@@ -227,7 +227,8 @@ def run_header(accelerator: Accelerator, engine: Engine, model: torch.nn.Module,
     distributed = engine.header_words(accelerator.distributed_type.value, stage_line(model))
     g = geometry
     ranks = "data-parallel rank(s)" if engine.model_parallel > 1 else "process(es)"
-    optimizers = describe_optimizers(network, plan, step_placement(accelerator, model))  # Muon: how it splits
+    optimizers = describe_optimizers(network, plan, step_placement(accelerator, model),  # Muon: how it splits
+                                     stage=stage_line(model))  # a pipeline's: this stage's parameters
     return (f"GPT {n_params / 1e6:.2f}M params{adapters} | {g.world_size} {ranks} x {g.accumulation} "
             f"accumulation x {g.micro_batch_size} x {g.block_size} = {g.tokens_per_step:,} tokens per step | "
             f"distributed: {distributed} | precision: {precision(accelerator)} | "
