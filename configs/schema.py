@@ -24,6 +24,8 @@ from data.settings import DataConfig, check_val_tokens
 REPORT_TO = ("none", "tensorboard", "wandb", "trackio", "all")  # training.metrics.TRACKERS: what each starts
 ON_NAN = ("stop", "skip")
 MAX_SEED = 2**32 - 1  # numpy's seed range (accelerate's set_seed seeds numpy too)
+# --val_tokens as shipped: a validation cap left at it leaves the block size as what a too-long window changed
+DEFAULT_VAL_TOKENS = next(f.default for f in fields(DataConfig) if f.name == "val_tokens")
 # --collective_timeout's default: GPT-2 1.5B's checkpoint (1.56e9 parameters x 16 bytes = 25 GB) is written, then read
 # back for its manifest's hashes, while the other processes wait in a barrier: 50 GB at 30 MB/s, a slow shared
 # filesystem, is 28 minutes. (torch's defaults: 30 minutes on gloo, 10 on NCCL.)
@@ -393,7 +395,8 @@ class TrainConfig:
     added: dict[str, Any] = field(default_factory=lambda: {name: group() for name, group in ADDED.items()})
 
     def __post_init__(self) -> None:
-        check_val_tokens(self.data.val_tokens, self.model.block_size)
+        check_val_tokens(self.data.val_tokens, self.model.block_size, block_flag="--block_size",
+                         block_changed=self.data.val_tokens == DEFAULT_VAL_TOKENS)
         if self.eval.eval_batch_size is None:  # resolved once: config.yaml records the number (eval.val_loss reads it)
             self.eval.eval_batch_size = self.training.micro_batch_size
 

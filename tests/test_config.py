@@ -67,7 +67,10 @@ BAD_VALUES = [
     (["--max_steps", "0"], "--max_steps must be positive, got 0"),
     (["--keep_last", "0"], "--keep_last must be positive"),
     (["--seed", "-1"], "--seed must be in [0, 4294967295], got -1"),
-    (["--val_tokens", "100", "--block_size", "128"], "--val_tokens 100 is less than one validation window"),
+    (["--val_tokens", "100", "--block_size", "128"], "--val_tokens 100 is less than one validation window (block_size "
+     "+ 1 = 129); pass --val_tokens 129 or more, or a --block_size of at most 99"),
+    (["--block_size", "100000"], "--block_size 100000 needs a validation window of block_size + 1 = 100001 tokens, "
+     "more than --val_tokens 8192; pass a --block_size of at most 8191, or --val_tokens 100001 or more"),  # issue 55
     (["--n_embd", "130"], "--n_embd (130) must be divisible by --n_head (4)"),
     (["--text_column", ""], "--text_column is empty"),
     (["--dataset", " "], "--dataset is empty"),
