@@ -21,7 +21,7 @@ from model import GPTConfig
 from training.checkpoints.manifest import verify_checkpoint
 from training.checkpoints.preflight import check_out_dir_writable, saves_ahead, warn_if_low_disk
 from training.checkpoints.resume import Progress, ResumePoint, find_resume_point, set_aside_superseded
-from training.metrics import MetricsLog, tracker_run_name
+from training.metrics import MetricsLog, tracker_run_name, trackers_in_plain_text
 from training.optimizers.plan import OptimizerPlan
 from training.recipe import Recipe
 
@@ -129,11 +129,13 @@ def open_run_folder(accelerator: Accelerator, run: RunDir, resume: ResumePoint |
     # TensorBoard hides the steps past the checkpoint that an earlier attempt logged (purge_step), so that the steps
     # this run logs again replace them: each step once, as in metrics.jsonl.
     # trackio (its runs in the SQLite of its own folder, $TRACKIO_DIR) continues its run as wandb does, by the run id.
-    accelerator.init_trackers(wandb_project, config=recipe.values,
-                              init_kwargs={"wandb": {"id": progress.run_id, "resume": "allow",
-                                                     "name": run_name or run.path.name, "dir": str(run.path)},
-                                           "trackio": {"name": tracker_run_name(run_name, run, progress.run_id),
-                                                       "resume": "allow"},
-                                           "tensorboard": {"purge_step": progress.step + 1} if progress.step else {}})
+    with trackers_in_plain_text():  # trackio's banner, without its colour codes in a log
+        accelerator.init_trackers(wandb_project, config=recipe.values,
+                                  init_kwargs={"wandb": {"id": progress.run_id, "resume": "allow",
+                                                         "name": run_name or run.path.name, "dir": str(run.path)},
+                                               "trackio": {"name": tracker_run_name(run_name, run, progress.run_id),
+                                                           "resume": "allow"},
+                                               "tensorboard": {"purge_step": progress.step + 1} if progress.step
+                                               else {}})
     return MetricsLog(accelerator, run.path, resume_step=progress.step)
 
