@@ -267,6 +267,23 @@ def test_the_header_says_how_muon_stacks_compiles_and_splits_its_work():
         Muon.stacked = True
 
 
+def test_muon_fine_tuning_at_its_from_scratch_lr_says_so():
+    """`--optimizer muon --init_from ...` keeps Muon's 0.02, measured from scratch, where AdamW takes the fine-tuning
+    default: the header says so (issue 55: it kept it without a word); a --muon_lr of one's own, or a run from
+    scratch, says nothing more."""
+    from training.optimizers.muon import MuonFlags
+
+    model = GPT(SMALL)
+    fine_tune = plan_optimizers(OptimConfig(optimizer="muon"), ModelConfig(init_from="gpt2"))
+    line = describe_optimizers(model, fine_tune)
+    assert "Muon (lr 0.02, its from-scratch default: none is measured for full fine-tuning; --muon_lr sets it, " \
+           "Newton-Schulz in" in line and "AdamW (lr 0.0001, the default for full fine-tuning)" in line
+    own = plan_optimizers(OptimConfig(optimizer="muon"), ModelConfig(init_from="gpt2"),
+                          {"muon": MuonFlags(muon_lr=0.005)})
+    assert "Muon (lr 0.005, Newton-Schulz in" in describe_optimizers(model, own)
+    assert "from-scratch default" not in describe_optimizers(model, MUON)
+
+
 def test_the_step_placement_is_the_ranks_that_average_the_gradients():
     """`training.distributed.prepare.step_placement`, read from the prepared model: a pipeline stage's replicas split
     Muon's

@@ -21,7 +21,7 @@ not hidden matrices.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
@@ -51,6 +51,10 @@ class MuonFlags:
             raise UserError(f"--muon_momentum must be in [0, 1), got {self.muon_momentum}; use e.g. 0.95")
         if not 0 <= self.muon_weight_decay < math.inf:
             raise UserError(f"--muon_weight_decay must be 0 or more, got {self.muon_weight_decay}; use e.g. 0 or 0.01")
+
+
+# --muon_lr as shipped: measured from scratch (docs/benchmarks.md), said as such where a run fine-tunes with it
+DEFAULT_MUON_LR = next(f.default for f in fields(MuonFlags) if f.name == "muon_lr")
 
 
 def newton_schulz_dtype(device_type: str) -> torch.dtype:
@@ -249,7 +253,10 @@ def describe(plan: OptimizerPlan, device_type: str, matrices: list[torch.Tensor]
     orthogonalises (`place` and `Muon.step`). Sharded matrices (DTensors) are one at a time, as the header says
     (`training.optimizers.plan.describe_optimizers`)."""
     ns_dtype = str(newton_schulz_dtype(device_type)).removeprefix("torch.")
-    about = f"lr {plan.flags.muon_lr:g}, Newton-Schulz in {ns_dtype}"
+    about = f"lr {plan.flags.muon_lr:g}"
+    if not plan.job.startswith("from scratch") and plan.flags.muon_lr == DEFAULT_MUON_LR:
+        about += f", its from-scratch default: none is measured for {plan.job}; --muon_lr sets it"
+    about += f", Newton-Schulz in {ns_dtype}"
     if not Muon.stacked or any(isinstance(m, DTensor) for m in matrices):
         return about
     about += f", stacked by shape ({len({tuple(m.shape) for m in matrices})} groups)"
