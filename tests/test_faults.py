@@ -156,6 +156,18 @@ def test_train_py_refuses_a_damaged_checkpoint_then_resumes_from_the_earlier_one
 
 
 @pytest.mark.slow
+def test_resuming_a_finished_run_says_it_had_finished(run_copy):
+    """`--resume latest` of a finished run with its own --max_steps (a requeued job, a command run twice): it trains
+    nothing and writes final/ again, and now says the run had finished (it said only `resumed from ... at step 4`)."""
+    logged = read_metrics(run_copy)
+    stdout, _ = train_in_process(RUN + ["--out_dir", str(run_copy), "--resume", "latest"])
+    assert (f"resumed from {run_copy / 'checkpoints' / 'step_000004'} at step 4 (256 tokens)\nthe run had already "
+            "finished: step 4 is its --max_steps, so nothing is trained; final/ is written again from the same weights "
+            "(pass a larger --max_steps to train on)\n") in stdout
+    assert read_metrics(run_copy) == logged  # no step trained or logged again
+
+
+@pytest.mark.slow
 def test_a_checkpoint_past_max_steps_is_refused(run_copy, monkeypatch, capsys):
     before = tree_digest(run_copy)
     args = RUN + ["--out_dir", str(run_copy), "--resume", "latest", "--max_steps", "3"]

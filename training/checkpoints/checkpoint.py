@@ -242,9 +242,11 @@ class Checkpointer:
 
 def restore(accelerator: Accelerator, resume: ResumePoint | None, cfg: RunConfig, gpt_config: GPTConfig,
             optimizers: tuple[str, ...], loader: Any, model: torch.nn.Module | None = None,
-            trained: list[torch.optim.Optimizer] = (), move: Move | None = None) -> Progress:
+            trained: list[torch.optim.Optimizer] = (), move: Move | None = None,
+            max_steps: int | None = None) -> Progress:
     """Load the resume point into the prepared model and optimizers, the RNGs and the data loader; the run's
-    progress (a new run's when there is nothing to resume)."""
+    progress (a new run's when there is nothing to resume). A resume point at `max_steps` is a finished run's, and
+    the line says so (a requeued job, a `--resume latest` run again): nothing is trained."""
     if resume is None:
         if cfg.resume:
             accelerator.print(f"no checkpoint in {cfg.out_dir} yet: starting a new run")
@@ -252,4 +254,8 @@ def restore(accelerator: Accelerator, resume: ResumePoint | None, cfg: RunConfig
     loader.load_state_dict(load_checkpoint(accelerator, resume, gpt_config, optimizers, model, trained, move))
     progress = resume.progress
     accelerator.print(f"resumed from {resume.path} at step {progress.step} ({progress.tokens:,} tokens)")
+    if progress.step == max_steps:
+        accelerator.print(f"the run had already finished: step {progress.step} is its --max_steps, so nothing is "
+                          "trained; final/ is written again from the same weights (pass a larger --max_steps to train "
+                          "on)")
     return progress
