@@ -196,6 +196,8 @@ def test_a_refusal_after_the_processes_start_is_the_first_line_and_the_reports_r
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1, proc.stderr
     assert lines[0] == TP_ON_THIS_CPU
+    # docs/faults.md's "what to read": the one line that starts with `error:` (grep -m1 '^error:') is the project's
+    assert [line for line in lines if line.startswith("error:")] == [TP_ON_THIS_CPU]
     assert lines[-1].startswith("=====") and lines[-2] == f"  traceback : {TP_ON_THIS_CPU}", proc.stderr
     assert lines[-4].startswith("  exitcode  : 2") and lines[-5] == "  rank      : 0 (local_rank: 0)"
     assert not out.exists()
