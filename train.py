@@ -65,7 +65,7 @@ def train(cfg: TrainConfig) -> None:
     from training.metrics import StepReport, run_header, trackers_for
     from training.network import build_model
     from training.optimizers.plan import build_optimizer, plan_optimizers, release_optimizer_state
-    from training.preemption import PreemptionFlag
+    from training.preemption import PreemptionFlag, what_was_kept
     from training.recipe import resume_recipe
     from training.run_folder import (
         claim_run_folder,
@@ -139,7 +139,7 @@ def train(cfg: TrainConfig) -> None:
         model, *optimizers = prepare(accelerator, model, optimizers, plan)
         # Each data-parallel rank draws its own dropout masks from here on.
         torch.manual_seed(cfg.training.seed + data_rank)
-        progress = restore(accelerator, resume, cfg.run, arch, plan.names, loader, model, optimizers, move)
+        progress = restore(accelerator, resume, cfg.run, arch, plan.names, loader, model, optimizers, move, max_steps)
         peers.follow(progress)
 
         metrics = open_run_folder(accelerator, run, resume, progress, recipe, cfg.log.wandb_project, cfg.log.run_name)
@@ -159,7 +159,7 @@ def train(cfg: TrainConfig) -> None:
         # The loop: one optimizer step, then what is due after it (a log line, evaluations, a checkpoint, a stop).
         # Pretrained weights load in eval mode, as for inference: dropout goes back on here.
         model.train()
-        preempted = PreemptionFlag(announce=accelerator.is_main_process)
+        preempted = PreemptionFlag(announce=accelerator.is_main_process, kept=partial(what_was_kept, run))
         with TerminalBar(total=max_steps, initial=progress.step, show=accelerator.is_main_process, unit="step",
                          dynamic_ncols=True) as bar:
             while progress.step < max_steps:

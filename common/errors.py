@@ -102,8 +102,8 @@ def run_cli(main: Callable[[], object]) -> None:
         if err.on_every_rank or rank == 0:
             fail(str(err), quiet=rank != 0)
         fail(f"(rank {rank}) {err}")
-    except KeyboardInterrupt:
-        fail("interrupted")
+    except KeyboardInterrupt as err:  # Ctrl-C; a run's second Ctrl-C says what it kept (training.preemption)
+        fail(str(err) or "interrupted")
 
 
 # The longest a quiet rank waits for rank 0 to print an error they share; rank 0 normally prints it within a second

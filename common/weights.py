@@ -13,8 +13,11 @@ evaluations and publishing act on that answer and never look at the path again. 
     (`common.hub_ids`), downloaded (config and safetensors only: a pickle can run code when loaded) to a
     snapshot folder in the Hub cache, named after the commit it holds: `HUB`.
 
-Every way a spec can name no weights is one `UserError` line here, and only here (what can be wrong inside
-the files is the loader's: `model/pretrained.py`). Imports nothing above `common/`.
+Every way a spec can name no weights is one `UserError` line here, and only here, and so is a checkpoint whose
+weights' files are no longer those its manifest records (`common.manifest`: every command that reads a checkpoint
+passes here, and checks it as a resume does, naming the newest intact checkpoint to read instead). What can be
+wrong inside files that no manifest vouches for is the loader's (`model/pretrained.py`). Imports nothing above
+`common/`.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from huggingface_hub.constants import (
 
 from common.errors import UserError
 from common.hub_ids import is_repo_id, split_revision
+from common.manifest import damage, weights_file
 from common.network import reaching_the_hub
 from common.run_dir import ADAPTER_CONFIG, GPT_CONFIG, RunDir, checkpoint_step
 
@@ -92,6 +96,21 @@ class Weights:
         """The optimizer step of a run's checkpoint, None for anything else."""
         return checkpoint_step(self.folder) if self.run is not None else None
 
+    @property
+    def described(self) -> str:
+        """Which weights these are, as a command that read them says: the folder (or Hub id at its commit), and for
+        a run's weights whether they are its final/ or which checkpoint."""
+        if self.kind is Kind.HUB:
+            return f"{self.pinned} (from the Hub)"
+        if self.run is None:
+            return f"{self.folder} ({self.kind.value})"
+        if self.folder == self.run.final:
+            return f"{self.folder} (the finished run's final weights)"
+        newest = self.run.latest_checkpoint()
+        which = "the run's newest checkpoint" if newest == self.folder else "a checkpoint of the run"
+        finished = ", which has no final/ yet" if which.startswith("the") and not self.run.has_final() else ""
+        return f"{self.folder} (step {self.step}: {which}{finished})"
+
 
 def resolve_weights(spec: str | Path, revision: str | None = None, *, download: bool = True) -> Weights:
     """The weights `spec` names (see the module docstring); a one-line `UserError` when it names none.
@@ -125,6 +144,8 @@ def _local(path: Path, spec: str) -> Weights:
     """The weights in an existing local folder: a checkpoint, an HF folder, or a run's newest weights."""
     if (path / GPT_CONFIG).is_file():
         run = RunDir(path.parent.parent) if _in_checkpoints(path) else None
+        if (problem := damage(path, weights_file)) is not None:
+            raise UserError(f"{problem}; {_intact_instead(path, run)}")
         if (path / ADAPTER_CONFIG).is_file():
             return Weights(Kind.LORA_CHECKPOINT, spec, path, run, base=_lora_base(path))
         return Weights(Kind.CHECKPOINT, spec, path, run)
@@ -144,6 +165,20 @@ def _local(path: Path, spec: str) -> Weights:
         f"{path} is neither a model folder (config.json or gpt_config.json) nor a run folder "
         f"(final/ or checkpoints/); point at one of those"
     )
+
+
+def _intact_instead(checkpoint: Path, run: RunDir | None) -> str:
+    """The way out of a damaged checkpoint: the newest earlier checkpoint of its run whose weights are intact (each
+    checked as this one was, newest first), else the run's final/, else what is left to do."""
+    if run is None:
+        return "restore the checkpoint from a copy, or pass another one"
+    step = checkpoint_step(checkpoint)
+    for earlier in reversed(run.list_checkpoints()):
+        if checkpoint_step(earlier) < step and damage(earlier, weights_file) is None:
+            return f"the newest intact checkpoint before it is {earlier}: pass that folder instead"
+    if run.has_final():
+        return f"the run's final weights are intact: pass {run.final} instead"
+    return f"no earlier checkpoint of {run.path} is intact: restore the file from a copy, or train anew"
 
 
 def _in_checkpoints(path: Path) -> bool:

@@ -140,10 +140,10 @@ def _load_preset(path: str) -> dict[str, Any]:
     names = field_names()
     unknown = sorted(set(values) - set(names))
     if unknown:
-        hints = [f"{name} -> {guess}" for name in unknown
+        hints = [f"{guess} for {name}, the flag --{guess}" for name in unknown
                  if (guess := suggest(str(name), names, FIELD_ALIASES)) is not None]
         raise UserError(f"--config {path}: unknown field(s) {', '.join(map(str, unknown))}"
-                        + (f" (did you mean {', '.join(hints)}?)" if hints else "")
+                        + (f" (did you mean {'; '.join(hints)}?)" if hints else "")
                         + "; see `python train.py --help`")
     types = field_types()
     typed = {}

@@ -24,6 +24,8 @@ from data.settings import DataConfig, check_val_tokens
 REPORT_TO = ("none", "tensorboard", "wandb", "trackio", "all")  # training.metrics.TRACKERS: what each starts
 ON_NAN = ("stop", "skip")
 MAX_SEED = 2**32 - 1  # numpy's seed range (accelerate's set_seed seeds numpy too)
+# --val_tokens as shipped: a validation cap left at it leaves the block size as what a too-long window changed
+DEFAULT_VAL_TOKENS = next(f.default for f in fields(DataConfig) if f.name == "val_tokens")
 # --collective_timeout's default: GPT-2 1.5B's checkpoint (1.56e9 parameters x 16 bytes = 25 GB) is written, then read
 # back for its manifest's hashes, while the other processes wait in a barrier: 50 GB at 30 MB/s, a slow shared
 # filesystem, is 28 minutes. (torch's defaults: 30 minutes on gloo, 10 on NCCL.)
@@ -140,9 +142,9 @@ class ModelConfig:
         _non_empty(self, "init_from")
         _finite(self)
         if self.n_embd % self.n_head:
-            raise UserError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+            raise UserError(f"--n_embd ({self.n_embd}) must be divisible by --n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
-            raise UserError(f"dropout must be in [0, 1), got {self.dropout}; use e.g. 0.0 or 0.1")
+            raise UserError(f"--dropout must be in [0, 1), got {self.dropout}; use e.g. 0.0 or 0.1")
         init_from = Path(self.init_from).expanduser()
         if init_from.is_file():
             raise UserError(f"--init_from {self.init_from} is a file; pass 'scratch', a Hub id (e.g. gpt2), an HF "
@@ -210,7 +212,7 @@ class TrainingConfig:
             raise UserError(f"--grad_clip must be 0 (no clipping) or more (the max gradient norm), got "
                             f"{self.grad_clip}; use e.g. 1.0")
         if self.on_nan not in ON_NAN:
-            raise UserError(f"on_nan must be 'stop' or 'skip', got {self.on_nan!r}")
+            raise UserError(f"--on_nan must be 'stop' or 'skip', got {self.on_nan!r}")
         if not 0 <= self.seed <= MAX_SEED:
             raise UserError(f"--seed must be in [0, {MAX_SEED}], got {self.seed}")
         if self.loss_chunk_rows is not None and self.loss_chunk_rows < 0:
@@ -315,7 +317,7 @@ class LogConfig:
         _non_empty(self, "wandb_project", "run_name")
         _finite(self)
         if self.report_to not in REPORT_TO:
-            raise UserError(f"report_to must be one of {', '.join(REPORT_TO)}, got {self.report_to!r}")
+            raise UserError(f"--report_to must be one of {', '.join(REPORT_TO)}, got {self.report_to!r}")
         if self.mfu_peak_flops is not None and not self.mfu_peak_flops > 0:
             raise UserError(f"--mfu_peak_flops must be positive (FLOP/s, e.g. 989e12 for an H100), "
                             f"got {self.mfu_peak_flops}; leave it out to use the accelerator's own")
@@ -394,7 +396,8 @@ class TrainConfig:
     added: dict[str, Any] = field(default_factory=lambda: {name: group() for name, group in ADDED.items()})
 
     def __post_init__(self) -> None:
-        check_val_tokens(self.data.val_tokens, self.model.block_size)
+        check_val_tokens(self.data.val_tokens, self.model.block_size, block_flag="--block_size",
+                         block_changed=self.data.val_tokens == DEFAULT_VAL_TOKENS)
         if self.eval.eval_batch_size is None:  # resolved once: config.yaml records the number (eval.val_loss reads it)
             self.eval.eval_batch_size = self.training.micro_batch_size
 

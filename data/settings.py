@@ -56,9 +56,21 @@ def require_a_window(n_tokens: int, block_size: int, fix: str) -> None:
                         f"{block_size + 1}; {fix}")
 
 
-def check_val_tokens(val_tokens: int, block_size: int, flag: str = "--val_tokens") -> None:
+def check_val_tokens(val_tokens: int, block_size: int, flag: str = "--val_tokens", block_flag: str | None = None,
+                     block_changed: bool = False) -> None:
     """The same rule for the cap, before any data is read: a cap below one window could never be scored,
-    whatever the dataset (configs calls this when it parses the flags; `flag` names the cap's flag)."""
-    if count_windows(val_tokens, block_size) < 1:
+    whatever the dataset (configs calls this when it parses the flags; `flag` names the cap's flag). `block_flag`:
+    the flag that sets the block size, where the caller has one, also named as a way out; `block_changed`: the
+    block size is what the user changed (the cap is its default), so its line leads with it."""
+    if count_windows(val_tokens, block_size) >= 1:
+        return
+    more = f"{flag} {block_size + 1} or more"
+    if block_flag is None or val_tokens < 2:
         raise UserError(f"{flag} {val_tokens} is less than one validation window (block_size + 1 = "
-                        f"{block_size + 1}); pass {flag} {block_size + 1} or more")
+                        f"{block_size + 1}); pass {more}")
+    less = f"a {block_flag} of at most {val_tokens - 1}"
+    if block_changed:
+        raise UserError(f"{block_flag} {block_size} needs a validation window of block_size + 1 = {block_size + 1} "
+                        f"tokens, more than {flag} {val_tokens}; pass {less}, or {more}")
+    raise UserError(f"{flag} {val_tokens} is less than one validation window (block_size + 1 = {block_size + 1}); "
+                    f"pass {more}, or {less}")

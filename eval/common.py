@@ -9,6 +9,7 @@ from typing import Any, Iterator
 import torch
 
 from common.errors import UserError
+from common.launch import grouped_on_this_cpu, launched_processes
 from common.weights import Weights
 from model.unwrap import unwrapped
 
@@ -61,16 +62,25 @@ def broadcast_from_main(values: torch.Tensor, accelerator: Any | None) -> torch.
 
 
 @contextlib.contextmanager
-def cli_accelerator(cpu: bool) -> Iterator[Any]:
-    """The Accelerator of a command-line run, ended in order.
+def cli_accelerator(cpu: bool, command: str) -> Iterator[Any]:
+    """The Accelerator of a command-line run (`command`, e.g. "python -m eval.hellaswag"), ended in order.
 
-    On success every rank waits at a barrier, so none tears the process group down while another
-    still uses it; then, success or not, `end_training` destroys the group: a process that exits
-    with it open can abort at interpreter exit ("terminate called without an active exception").
+    Under `accelerate launch` of several processes the ranks form one group and split the work, on this CPU over
+    gloo where the machine has no CUDA (`common.launch`: the rule train.py runs under; accelerate's launcher never
+    passes `use_cpu` to them). A launch whose ranks still come up alone, which would each evaluate everything and
+    write the same `--output`, is one line naming the plain command. On success every rank waits at a barrier,
+    so none tears the process group down while another still uses it; then, success or not, `end_training`
+    destroys the group: a process that exits with it open can abort at interpreter exit ("terminate called
+    without an active exception").
     """
     from accelerate import Accelerator
 
-    accelerator = Accelerator(cpu=cpu)
+    accelerator = Accelerator(cpu=cpu or grouped_on_this_cpu())
+    if accelerator.num_processes != launched_processes():
+        raise UserError(f"this launch started {launched_processes()} processes but accelerate brought up "
+                        f"{accelerator.num_processes} as a group, so each would evaluate everything alone and write "
+                        f"the same output; run `{command}` with the same flags as one process, without accelerate "
+                        "launch", on_every_rank=True)
     try:
         yield accelerator
         accelerator.wait_for_everyone()

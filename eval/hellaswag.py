@@ -269,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser().parse_args(argv)
 
     items = load_items(args.data, args.limit)  # before the model: bad data fails fast
-    with cli_accelerator(cpu=args.device == "cpu") as accelerator:
+    with cli_accelerator(cpu=args.device == "cpu", command="python -m eval.hellaswag") as accelerator:
         model = load_model(args.model, pick_device(args.device, accelerator))
         bf16 = {"auto": None, "bf16": True, "fp32": False}[args.dtype]
         start = time.perf_counter()

@@ -155,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> float:
     weights = resolve_weights(args.model)  # once: the run's settings and the model both come from it
     chosen, run = settings(args, weights)
     source = open_source(DataConfig(**{name: chosen[name] for name in _DATA_FLAGS}, val_tokens=chosen["max_tokens"]))
-    with cli_accelerator(cpu=args.device == "cpu") as accelerator:
+    with cli_accelerator(cpu=args.device == "cpu", command="python -m eval.val_loss") as accelerator:
         model = load_model(weights, pick_device(args.device, accelerator))
         block_size = chosen["block_size"] or model_block_size(model)
         check_val_tokens(chosen["max_tokens"], block_size, flag="--max_tokens")

@@ -11,7 +11,9 @@ analogue of DeepSpeed's `zero_to_fp32.py`, for every engine; `publish.hub --run_
 same way.
 
 Invariants: an existing non-empty `--out_dir` is never written over; the folder appears whole or not at all (built
-under a temporary name, renamed into place).
+under a temporary name, renamed into place); a checkpoint whose weights' files differ from its manifest is one line
+naming the newest intact one (`common.weights`), never exported; the command says which weights it read (a run
+folder: its final/, else its newest checkpoint).
 """
 from __future__ import annotations
 
@@ -21,20 +23,23 @@ from typing import Sequence
 from common.atomic import fresh_temp_dir, rename_into_place
 from common.cli import CliParser
 from common.errors import UserError, run_cli
+from common.weights import Weights, resolve_weights
 from model.gpt import GPT
 
 
-def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
-    """Write the weights `checkpoint` names (see the module docstring) to the new folder `out_dir`; returns it."""
+def export(checkpoint: str | Path, out_dir: str | Path) -> tuple[Path, Weights]:
+    """Write the weights `checkpoint` names (see the module docstring) to the new folder `out_dir`; returns it and
+    the weights it read."""
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out_dir {out} already exists and is not an empty folder; an export never writes over "
                         "files: choose a new folder")
-    model = GPT.from_pretrained(checkpoint)
+    weights = resolve_weights(checkpoint)
+    model = GPT.from_pretrained(weights)
     tmp = fresh_temp_dir(out)
     model.save_pretrained(tmp, overwrite=True)
     rename_into_place(tmp, out)
-    return out
+    return out, weights
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -44,7 +49,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                              "its final/")
     parser.add_argument("--out_dir", required=True, help="the new Hugging Face folder to write (absent or empty)")
     args = parser.parse_args(argv)
-    out = export(args.checkpoint, args.out_dir)
+    out, weights = export(args.checkpoint, args.out_dir)
+    print(f"read {weights.described}")
     print(f"wrote {out}: transformers' AutoModelForCausalLM.from_pretrained({str(out)!r}) loads it")
 
 

@@ -24,6 +24,7 @@ from safetensors import SafetensorError
 from common.atomic import rename_into_place, temp_path, write_failure
 from common.cli import CliParser
 from common.errors import UserError, run_cli
+from common.manifest import damage
 from common.network import network_failure
 from common.run_dir import RunDir
 from common.weights import Weights, is_repo_id, resolve_weights
@@ -190,6 +191,9 @@ def upload_export(
     state = RunDir(run_dir).latest_checkpoint() if include_state else None
     if include_state and state is None:
         raise UserError(f"--include_state: {run_dir} has no checkpoints/step_* folder to upload; push without it")
+    if state is not None and (problem := damage(state)) is not None:  # every file: the state is what a resume reads
+        raise UserError(f"--include_state: {problem}, so it would not resume; push without --include_state, or "
+                        f"resume the run from the checkpoint before it to save an intact one")
     write_model_card(run_dir, export, hub_model_id, source=what, revision=revision,
                      state_step=state.name if state else None)
 

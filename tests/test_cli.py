@@ -133,7 +133,7 @@ def test_unknown_preset_fields_suggest_the_field(tmp_path: Path):
     preset = tmp_path / "p.yaml"
     preset.write_text("learning_rate: 1e-3\nzzz: 1\n")
     with pytest.raises(UserError, match=re.escape("unknown field(s) learning_rate, zzz (did you mean "
-                                                  "learning_rate -> lr?)")):
+                                                  "lr for learning_rate, the flag --lr?)")):  # issue 55: no --
         parse_config(["--config", str(preset)])
 
 

@@ -68,8 +68,11 @@ BAD_VALUES = [
     (["--max_steps", "0"], "--max_steps must be positive, got 0"),
     (["--keep_last", "0"], "--keep_last must be positive"),
     (["--seed", "-1"], "--seed must be in [0, 4294967295], got -1"),
-    (["--val_tokens", "100", "--block_size", "128"], "--val_tokens 100 is less than one validation window"),
-    (["--n_embd", "130"], "n_embd (130) must be divisible by n_head (4)"),
+    (["--val_tokens", "100", "--block_size", "128"], "--val_tokens 100 is less than one validation window (block_size "
+     "+ 1 = 129); pass --val_tokens 129 or more, or a --block_size of at most 99"),
+    (["--block_size", "100000"], "--block_size 100000 needs a validation window of block_size + 1 = 100001 tokens, "
+     "more than --val_tokens 8192; pass a --block_size of at most 8191, or --val_tokens 100001 or more"),  # issue 55
+    (["--n_embd", "130"], "--n_embd (130) must be divisible by --n_head (4)"),
     (["--text_column", ""], "--text_column is empty"),
     (["--dataset", " "], "--dataset is empty"),
     (["--out_dir", ""], "--out_dir is empty"),
@@ -98,6 +101,19 @@ def test_bad_values_are_one_line_user_errors(tmp_path: Path, flags, fragment):
     message = str(err.value)
     assert fragment in message and "\n" not in message
     assert not (tmp_path / "run").exists()
+
+
+def test_every_bad_value_names_its_flag(tmp_path: Path):
+    """Each refusal above spells the flag it refuses as the user types it, `--name` (issue 55: "report_to must be one
+    of", "dropout must be in", without their --)."""
+    paths = _bad_paths(tmp_path)
+    unnamed = []
+    for flags, _ in BAD_VALUES:
+        with pytest.raises(UserError) as err:
+            parse_config(["--out_dir", str(tmp_path / "run"), *[f.format(**paths) for f in flags]])
+        if flags[0].split("=")[0] not in str(err.value):
+            unnamed.append(str(err.value))
+    assert unnamed == []
 
 
 @pytest.mark.parametrize("yaml_text,fragment", [

@@ -7,6 +7,11 @@ known: SIGINT to the process, or, under `accelerate launch`, to the launcher, wh
 """
 from __future__ import annotations
 
+import os
+import signal
+import sys
+from functools import partial
+
 import pytest
 from conftest import DDP_ARGS, RESUME_ARGS, assert_same_weights, launch, read_metrics
 
@@ -35,7 +40,9 @@ def test_a_second_ctrl_c_stops_at_once_keeping_the_last_checkpoint(uninterrupted
     out = tmp_path / "run"
     stopped = launch(RESUME_ARGS + ["--out_dir", str(out)], fault="ctrl_c_twice_in_step:4", check=False)
     assert stopped.returncode == 2, stopped.stderr[-3000:]
-    assert stopped.stderr.strip().splitlines()[-1] == "error: interrupted" and "Traceback" not in stopped.stderr
+    assert stopped.stderr.strip().splitlines()[-1] == (
+        "error: interrupted (Ctrl-C twice): stopped at once; the last saved checkpoint is kept whole, step 2 "
+        f"({out / 'checkpoints' / 'step_000002'}); continue with --resume latest") and "Traceback" not in stopped.stderr
     assert saved_steps(out) == [2]  # step 4 never ran: nothing after the last checkpoint was kept or half-written
     assert not list((out / "checkpoints").glob(".tmp-*"))
     launch(RESUME_ARGS + ["--out_dir", str(out), "--resume", "latest"])
@@ -54,3 +61,40 @@ def test_ctrl_c_to_accelerate_launch_on_two_processes_saves_and_resumes_bit_exac
     assert 2 <= last < 4 and not (out / "final").exists()  # both ranks stopped after the same step
     launch(DDP_ARGS + ["--out_dir", str(out), "--resume", "latest"], nproc=2)
     assert_same_weights(ddp_run, out)
+
+
+def test_a_second_ctrl_c_says_what_the_run_kept(tmp_path, monkeypatch, capsys):
+    """The second Ctrl-C's one line (in this process: the flag as train.py makes it, two real SIGINTs, run_cli) says
+    what was kept and how to go on; it said only `error: interrupted`."""
+    from common.errors import run_cli
+    from common.run_dir import RunDir
+    from training.preemption import PreemptionFlag, what_was_kept
+
+    run = RunDir(tmp_path / "run")
+    monkeypatch.setattr(sys, "stdout", sys.stdout)  # the flag wraps both streams: put them back afterwards
+    monkeypatch.setattr(sys, "stderr", sys.stderr)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+
+    def ctrl_c_twice() -> None:
+        PreemptionFlag(announce=False, kept=partial(what_was_kept, run))
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGINT)
+        raise AssertionError("the second Ctrl-C did not stop the run")
+
+    def line() -> str:
+        with pytest.raises(SystemExit) as exit_info:
+            run_cli(ctrl_c_twice)
+        assert exit_info.value.code == 2
+        return capsys.readouterr().err.strip()
+
+    try:
+        assert line() == ("error: interrupted (Ctrl-C twice): stopped at once; no checkpoint was saved yet; "
+                          f"--resume latest --out_dir {run.path} starts the run over")
+        run.checkpoint(4).mkdir(parents=True)
+        (run.checkpoint(4) / "gpt_config.json").write_text("{}")
+        (run.checkpoint(6)).mkdir()  # a save the Ctrl-C cut short: never published, not named
+        assert line() == ("error: interrupted (Ctrl-C twice): stopped at once; the last saved checkpoint is kept "
+                          f"whole, step 4 ({run.checkpoint(4)}); continue with --resume latest")
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)

@@ -196,24 +196,74 @@ def test_metric_gets_every_item_once_in_order_on_the_main_process(single_process
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_cli_two_processes_match_one(tmp_path):
-    """The CLI on a saved tiny model: `accelerate launch` with 2 real gloo ranks over 7 items
-    gives the totals that one process computes."""
+    """The CLI on a saved tiny model: `accelerate launch --config_file accelerate_configs/cpu_2proc.yaml` with 2
+    real gloo ranks over 7 items gives the totals that one process computes, printed and written once."""
     tiny_gpt(seed=3, block_size=128).save_pretrained(tmp_path / "tiny")
     one = evaluate_hellaswag(GPT.from_pretrained(tmp_path / "tiny"), load_items(TINY), batch_size=3)
     args = ["-m", "eval.hellaswag", "--model", str(tmp_path / "tiny"), "--data", str(TINY),
             "--batch_size", "2"]
     root = Path(__file__).resolve().parents[1]
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-              "--main_process_port", str(free_port())]
+    # The README's CPU config as shipped, no ACCELERATE_USE_CPU: the command groups its ranks itself (issue 55: two
+    # independent copies, each printing, each writing --output with world size 1).
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+              str(root / "accelerate_configs" / "cpu_2proc.yaml"), "--main_process_port", str(free_port())]
     two = subprocess.run([*launch, *args, "--output", str(tmp_path / "two.json")], cwd=root,
-                         env={**os.environ, "ACCELERATE_USE_CPU": "1"},
+                         env={k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"},
                          capture_output=True, text=True)
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout.count("HellaSwag  n=7") == 1  # only the main process prints
     two = json.loads((tmp_path / "two.json").read_text())
     assert two["world_size"] == 2
     assert {key: two[key] for key in one} == one
+
+
+class FakeAccelerator:
+    """Stands in for accelerate's Accelerator: records what it was told, reports `joined` processes as its group."""
+
+    joined = 1
+    told: list[bool] = []
+
+    def __init__(self, cpu: bool) -> None:
+        FakeAccelerator.told.append(cpu)
+        self.num_processes = FakeAccelerator.joined
+
+    def wait_for_everyone(self) -> None:
+        pass
+
+    def end_training(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_a_cli_launched_on_several_processes_groups_them_or_refuses_in_one_line(monkeypatch, cuda):
+    """Under `accelerate launch` of several processes the evaluations' CLIs form one group, on the CPU over gloo where
+    the machine has no CUDA (accelerate's launcher never passes cpu_2proc.yaml's use_cpu: each rank came up alone,
+    evaluated everything, printed it and wrote the same --output, recording world size 1); ranks that still come up
+    alone are one line naming the plain command, printed by rank 0."""
+    import accelerate
+    import torch
+
+    from eval.common import cli_accelerator
+
+    monkeypatch.setattr(accelerate, "Accelerator", FakeAccelerator)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(FakeAccelerator, "told", [])
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with cli_accelerator(cpu=False, command="python -m eval.hellaswag") as one:
+        assert one.num_processes == 1
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(FakeAccelerator, "joined", 2)
+    with cli_accelerator(cpu=False, command="python -m eval.hellaswag"):
+        pass
+    assert FakeAccelerator.told == [False, not cuda]  # a single process as it asked; two grouped on the CPU
+    monkeypatch.setattr(FakeAccelerator, "joined", 1)
+    with pytest.raises(UserError, match=r"^this launch started 2 processes but accelerate brought up 1 as a group, "
+                                        r"so each would evaluate everything alone and write the same output; run "
+                                        r"`python -m eval.hellaswag` with the same flags as one process, without "
+                                        r"accelerate launch$") as err:
+        with cli_accelerator(cpu=False, command="python -m eval.hellaswag"):
+            raise AssertionError("the body ran")
+    assert err.value.on_every_rank
 
 
 def test_cli_bad_input_exits_2(tmp_path, capsys):

@@ -30,6 +30,8 @@ from conftest import (
 
 import train
 from common.errors import UserError
+from common.manifest import weights_file
+from common.weights import resolve_weights
 from training.checkpoints.manifest import verify_checkpoint
 from training.checkpoints.resume import find_resume_point
 
@@ -109,6 +111,14 @@ def test_every_damaged_checkpoint_file_is_refused_by_name(run_copy, tmp_path, na
     assert "\n" not in message and name in message
     if name != "manifest.json":  # the advice names the checkpoint to fall back to
         assert f"--resume {run_copy / 'checkpoints' / 'step_000002'}" in message
+    # Every command that reads the weights (export, sample, eval.*, publish.hub, --init_from) checks the same
+    # checkpoint: the weights' own files as a resume does, naming the newest intact one; a resume's alone not at all.
+    if weights_file(name):
+        with pytest.raises(UserError, match=rf"{name}.*; the newest intact checkpoint before it is "
+                                            rf"{run_copy / 'checkpoints' / 'step_000002'}: pass that folder instead$"):
+            resolve_weights(newest)
+    else:
+        assert resolve_weights(newest).folder == newest
     assert not marker.exists()
 
 
@@ -143,6 +153,18 @@ def test_train_py_refuses_a_damaged_checkpoint_then_resumes_from_the_earlier_one
     assert_same_weights(reference, run_copy)
     assert [r["step"] for r in read_metrics(run_copy)] == [r["step"] for r in read_metrics(reference)]
     assert len(list((run_copy / "superseded").glob("*/step_000004"))) == 1
+
+
+@pytest.mark.slow
+def test_resuming_a_finished_run_says_it_had_finished(run_copy):
+    """`--resume latest` of a finished run with its own --max_steps (a requeued job, a command run twice): it trains
+    nothing and writes final/ again, and now says the run had finished (it said only `resumed from ... at step 4`)."""
+    logged = read_metrics(run_copy)
+    stdout, _ = train_in_process(RUN + ["--out_dir", str(run_copy), "--resume", "latest"])
+    assert (f"resumed from {run_copy / 'checkpoints' / 'step_000004'} at step 4 (256 tokens)\nthe run had already "
+            "finished: step 4 is its --max_steps, so nothing is trained; final/ is written again from the same weights "
+            "(pass a larger --max_steps to train on)\n") in stdout
+    assert read_metrics(run_copy) == logged  # no step trained or logged again
 
 
 @pytest.mark.slow

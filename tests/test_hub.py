@@ -181,6 +181,23 @@ def test_interrupted_run_goes_to_a_branch_with_its_training_state(hub, run_dir, 
     torch.testing.assert_close(theirs_loss, ours_loss, atol=1e-5, rtol=1e-5)
 
 
+def test_a_training_state_that_would_not_resume_is_not_pushed(hub, run_dir):
+    """--include_state uploads the newest checkpoint for a later resume: each of its files is checked against its
+    manifest as a resume checks it (a lost optimizer state stops the push, not only the weights' files), one line,
+    nothing pushed."""
+    from common.manifest import write_manifest
+
+    shutil.rmtree(run_dir / "final")
+    newest = run_dir / "checkpoints" / "step_000020"
+    write_manifest(newest)
+    (newest / "optimizer.bin").write_bytes(b"optimizer state stand-In")  # other bytes, the same size
+    with pytest.raises(UserError, match=r"^--include_state: checkpoint file \S+/step_000020/optimizer.bin is damaged "
+                                        r"\(its sha256 differs from the one saved\), so it would not resume; push "
+                                        r"without --include_state"):
+        push_to_hub(run_dir, REPO, include_state=True)
+    assert hub.commits == []
+
+
 @pytest.mark.parametrize("repo_exists", [False, True], ids=["new-repo", "someone-elses-repo"])
 def test_forbidden_push_keeps_the_export_and_a_retry_only_uploads(hub, run_dir, monkeypatch, repo_exists):
     shutil.rmtree(run_dir / "final")

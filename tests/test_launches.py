@@ -196,6 +196,8 @@ def test_a_refusal_after_the_processes_start_is_the_first_line_and_the_reports_r
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1, proc.stderr
     assert lines[0] == TP_ON_THIS_CPU
+    # docs/faults.md's "what to read": the one line that starts with `error:` (grep -m1 '^error:') is the project's
+    assert [line for line in lines if line.startswith("error:")] == [TP_ON_THIS_CPU]
     assert lines[-1].startswith("=====") and lines[-2] == f"  traceback : {TP_ON_THIS_CPU}", proc.stderr
     assert lines[-4].startswith("  exitcode  : 2") and lines[-5] == "  rank      : 0 (local_rank: 0)"
     assert not out.exists()
@@ -256,3 +258,45 @@ def test_a_run_and_a_cli_that_do_not_use_deepspeed_never_import_it(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout.strip().splitlines()[-1] == "deepspeed imported: False", (target, proc.stderr[-3000:])
         assert "Setting accelerator to CPU" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_multi_node_config_alone_waits_in_torchs_rendezvous_before_train_py_starts(tmp_path):
+    """docs/faults.md's answer for `multinode_2x8.yaml` launched on one machine (issue 55): machine rank 0's launcher
+    waits for machine 1 inside torch's static rendezvous (900 s at 127.0.0.1:<port>) before it starts any process,
+    so no code of the project runs and none can say a word; `LOGLEVEL=INFO` makes torch say what it waits for;
+    Ctrl-C (SIGINT to the group) does not end the wait, SIGTERM does. Each claim the row makes is read here from
+    the installed torch and accelerate: a release that changes one fails this test, and the row is rewritten."""
+    import signal
+    import time
+
+    from conftest import free_port
+
+    port, out, log = free_port(), tmp_path / "run", tmp_path / "launcher.log"
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "multinode_2x8.yaml"),
+             "--main_process_port", str(port), "train.py", *TINY, "--max_steps", "1", "--out_dir", str(out)],
+            cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO"}, stdout=sink,
+            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "Rendezvous'ing worker group" not in log.read_text() and proc.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.5)
+        text = log.read_text()
+        assert "Rendezvous'ing worker group" in text, text[-3000:]
+        for line in ("min_nodes                : 2", "rdzv_backend             : static",
+                     f"rdzv_endpoint            : 127.0.0.1:{port}", "rdzv_configs             : {'rank': 0, "
+                     "'timeout': 900}"):
+            assert line in text, text[-3000:]
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal sends
+        time.sleep(5)
+        assert proc.poll() is None, "Ctrl-C ended the wait: docs/faults.md says it does not"
+        assert not out.exists()  # train.py never started: no process of the launch ran it
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=30) != 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -37,8 +37,9 @@ def pipeline_run(tmp_path_factory):
     """DDP_ARGS as 2 stages on 2 processes (one pipeline, 4 micro-batches a step), each rank's parameters probed."""
     def build(folder):
         (folder / "probe").mkdir()
-        launch(PP_ARGS + ["--out_dir", str(folder / "run")], nproc=2,
-               extra_env={"PIPELINE_PROBE": str(folder / "probe")})
+        proc = launch(PP_ARGS + ["--out_dir", str(folder / "run")], nproc=2,
+                      extra_env={"PIPELINE_PROBE": str(folder / "probe")})
+        (folder / "output.txt").write_text(proc.stdout + proc.stderr)  # what it printed, for the tests to read
     return shared_once(tmp_path_factory, "pipeline", build)
 
 
@@ -139,6 +140,9 @@ def test_each_rank_holds_only_its_stage(pipeline_run):
     whole = sum(p.numel() for p in GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32)).parameters())
     tied = 50304 * 32  # the output layer's copy of the token embedding, on the last stage
     assert sum(held[0]["params"].values()) + sum(held[1]["params"].values()) == whole + tied
+    # The header's optimizer line counts rank 0's stage, and says so (issue 55: it counted one stage unsaid).
+    assert f"optimizer (this stage's, blocks 0-0 of 2; each stage steps its own): AdamW (lr 0.001) on all " \
+           f"{sum(held[0]['params'].values()) / 1e6:.2f}M trainable params" in (pipeline_run / "output.txt").read_text()
 
 
 @pytest.mark.slow

@@ -18,7 +18,13 @@ import pytest
 
 from common.errors import UserError
 from training.checkpoints import preflight
-from training.checkpoints.preflight import check_out_dir_writable, checkpoint_bytes, nearest_existing, warn_if_low_disk
+from training.checkpoints.preflight import (
+    check_out_dir_writable,
+    checkpoint_bytes,
+    nearest_existing,
+    saves_ahead,
+    warn_if_low_disk,
+)
 
 
 def test_writable_folder_passes_and_is_left_as_it_was(tmp_path: Path):
@@ -76,17 +82,31 @@ def test_low_disk_warns_with_the_estimate(tmp_path: Path, monkeypatch, capsys):
     per_checkpoint = checkpoint_bytes(124_000_000)  # GPT-2 124M: about 2 GB a checkpoint
     assert per_checkpoint == 16 * 124_000_000
     _free(monkeypatch, 5 * per_checkpoint - 1)  # keep_last 3 + 2 checkpoints need 5
-    message = warn_if_low_disk(tmp_path / "run", per_checkpoint, keep_last=3)
-    assert message is not None and "need about 9.92 GB (1.98 GB each)" in message and str(tmp_path) in message
+    message = warn_if_low_disk(tmp_path / "run", per_checkpoint, keep_last=3, saves=10)
+    assert message is not None and str(tmp_path) in message
+    assert "but 3 kept checkpoints (of 10 saved, --keep_last 3) + 1 while a save replaces the oldest + final/ need " \
+           "about 9.92 GB (1.98 GB each)" in message
     assert capsys.readouterr().err == f"warning: {message}\n"
+
+
+def test_the_low_disk_estimate_counts_only_the_checkpoints_the_run_saves(tmp_path: Path, monkeypatch, capsys):
+    """A short run never reaches --keep_last (issue 55: the default run saves once, and the warning counted
+    keep_last 3 + 2 more): it holds the checkpoints it saves, and final/."""
+    assert [saves_ahead(*args) for args in [(0, 100, 100), (0, 6, 2), (0, 7, 2), (4, 6, 2), (6, 6, 2), (0, 50, 1000)]] \
+        == [1, 3, 4, 1, 0, 1]
+    _free(monkeypatch, 2 * 1000)
+    assert warn_if_low_disk(tmp_path, 1000, keep_last=3, saves=1) is None  # one checkpoint and final/
+    message = warn_if_low_disk(tmp_path, 1000, keep_last=3, saves=2)
+    assert message is not None and "but 2 kept checkpoints (of 2 saved, --keep_last 3) + final/ need about" in message
+    capsys.readouterr()
 
 
 def test_enough_disk_is_silent(tmp_path: Path, monkeypatch, capsys):
     _free(monkeypatch, 5 * 1000)
-    assert warn_if_low_disk(tmp_path, 1000, keep_last=3) is None
+    assert warn_if_low_disk(tmp_path, 1000, keep_last=3, saves=100) is None
     assert capsys.readouterr().err == ""
     monkeypatch.undo()  # the real filesystem has room for five 1-byte checkpoints
-    assert warn_if_low_disk(tmp_path / "new" / "run", 1, keep_last=3) is None
+    assert warn_if_low_disk(tmp_path / "new" / "run", 1, keep_last=3, saves=100) is None
 
 
 # ---- the validation split: refused when the run starts, not at its first evaluation ----------------------

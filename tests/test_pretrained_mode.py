@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import REPO_ROOT, TINY, train_in_process
 
@@ -53,3 +54,23 @@ def test_a_fine_tune_from_loaded_weights_trains_with_dropout(tiny_hf_gpt2: Path,
                       "--micro_batch_size", "2", "--total_batch_size", "64", "--eval_every", "1",
                       "--out_dir", str(tmp_path / "run")])
     assert modes == [{True}, {True}]
+
+
+@pytest.mark.slow  # two interpreters importing torch: 6-20 s on 2 cores
+def test_the_python_api_imports_from_the_repository_root_or_with_it_on_pythonpath(tmp_path):
+    """docs/faults.md's answer (issue 55): the packages are imported from the clone, never installed (`pip install -e
+    .` installs the dependencies only), so the Python API's snippet (docs/generate.md) run from another folder stops
+    at its first import of ours; with the repository root on PYTHONPATH it imports. Its import lines, in a new
+    interpreter in another folder."""
+    import os
+    import subprocess
+    import sys
+
+    imports = "\n".join(line for line in python_api_snippet().splitlines() if line.startswith(("import ", "from ")))
+    assert "from model import GPT" in imports
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    elsewhere = subprocess.run([sys.executable, "-c", imports], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert elsewhere.returncode == 1 and "ModuleNotFoundError: No module named 'data'" in elsewhere.stderr
+    rooted = subprocess.run([sys.executable, "-c", imports], cwd=tmp_path, env={**env, "PYTHONPATH": str(REPO_ROOT)},
+                            capture_output=True, text=True)
+    assert rooted.returncode == 0, rooted.stderr[-2000:]

@@ -32,8 +32,10 @@ def test_a_run_and_its_resume_log_one_trackio_run_equal_to_metrics_jsonl(tmp_pat
     pytest.importorskip("trackio", reason="trackio is not installed (pip install -e \".[trackio]\")")
     out, project = tmp_path / "run", f"test-{tmp_path.name}"  # a project (one SQLite file) of this test's own
     args = RUN_ARGS + ["--out_dir", str(out), "--wandb_project", project]
-    train_in_process(args + ["--max_steps", "2"])
+    first, _ = train_in_process(args + ["--max_steps", "2"])
     train_in_process(args + ["--max_steps", "4", "--resume", "latest"])
+    # trackio's banner, into a log: its lines without their colour codes (issue 55: ESC[1m ESC[38;5;208m in the log)
+    assert f'trackio show --project "{project}"' in first and "\x1b[" not in first
     run_id = (out / "checkpoints" / "step_000004" / "run_state.json").read_text()
     (name,) = trackio_runs(project)  # the resume continued the run: one run, named with the run's id
     assert name.startswith("run-") and name.removeprefix("run-") in run_id
@@ -44,6 +46,21 @@ def test_a_run_and_its_resume_log_one_trackio_run_equal_to_metrics_jsonl(tmp_pat
         assert logged[row["step"]]["loss"] == row["loss"]  # the same float, stored as JSON by both
         if "val_loss" in row:
             assert any(r.get("val_loss") == row["val_loss"] for r in trackio_logs(project, name))
+
+
+def test_the_trackers_banner_reaches_a_log_without_terminal_codes(monkeypatch, capsys):
+    """What trackio prints when it starts (its colour codes: ESC[1m ESC[38;5;208m ... ESC[0m) reaches a log or a
+    pipe as plain text; a terminal gets it as it is."""
+    from training.metrics import trackers_in_plain_text
+
+    banner = '* View dashboard by running in your terminal:\n\x1b[1m\x1b[38;5;208mtrackio show --project "p"\x1b[0m\n'
+    with trackers_in_plain_text():
+        print(banner, end="")
+    assert capsys.readouterr().out == '* View dashboard by running in your terminal:\ntrackio show --project "p"\n'
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    with trackers_in_plain_text():
+        print(banner, end="")
+    assert capsys.readouterr().out == banner
 
 
 def test_the_trackio_run_is_named_by_the_run_and_its_id(tmp_path):

@@ -5,6 +5,7 @@ cache, or its download function replaced to see what it is asked for."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -265,3 +266,128 @@ def test_a_lora_checkpoint_whose_base_is_gone_or_whose_adapter_config_is_damaged
     with pytest.raises(UserError, match=r"^step_000002/adapter_config.json is damaged \(JSONDecodeError: .*\); "
                                         r"restore it from the run$"):
         resolve_weights("step_000002")
+
+
+# --- a damaged checkpoint: every command that reads one checks it as a resume does ----------------------------
+
+
+def saved_checkpoint(folder: Path, model: GPT, step: int) -> Path:
+    """A checkpoint as a run saves one, for what its readers check: the weights, run_state.json (format 2), an
+    optimizer state and random states (read by a resume only), and manifest.json written last."""
+    from common.manifest import write_manifest
+
+    write_checkpoint(folder, model)
+    (folder / "run_state.json").write_text(json.dumps({"format": 2, "step": step, "tokens": 64 * step,
+                                                       "run_id": "abcd", "world_size": 1}))
+    torch.save({"state": {}, "param_groups": []}, folder / "optimizer.bin")
+    torch.save({"step": step}, folder / "random_states_0.pkl")
+    write_manifest(folder)
+    return folder
+
+
+def flip_a_byte(file: Path) -> None:
+    """Other bytes, the same size: only the manifest's sha256 can tell (an altered weights file)."""
+    data = bytearray(file.read_bytes())
+    data[-9] ^= 0x55
+    file.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def damaged_run(tmp_path) -> Path:
+    """An unfinished run of two checkpoints whose newest (step 4) holds an altered model.safetensors."""
+    run = tmp_path / "run"
+    for step in (2, 4):
+        saved_checkpoint(RunDir(run).checkpoint(step), tiny_gpt(step), step)
+    flip_a_byte(RunDir(run).checkpoint(4) / "model.safetensors")
+    return run
+
+
+DAMAGED = (r"^checkpoint file \S+/step_000004/model.safetensors is damaged \(its sha256 differs from the one "
+           r"saved\); the newest intact checkpoint before it is \S+/step_000002: pass that folder instead$")
+
+
+def test_a_checkpoint_whose_weights_changed_is_refused_naming_the_newest_intact_one(damaged_run):
+    """resolve_weights checks a checkpoint's weights against its manifest, for a checkpoint and for a run folder
+    whose newest it is; the line names the newest earlier checkpoint that is intact, which then reads."""
+    for spec in (damaged_run, RunDir(damaged_run).checkpoint(4)):
+        with pytest.raises(UserError, match=DAMAGED):
+            resolve_weights(spec)
+    assert same_weights(GPT.from_pretrained(RunDir(damaged_run).checkpoint(2)), tiny_gpt(2))
+    flip_a_byte(RunDir(damaged_run).checkpoint(2) / "gpt_config.json")  # both damaged: no way out within the run
+    with pytest.raises(UserError, match=r"gpt_config.json was cut short or overwritten|gpt_config.json is damaged"):
+        resolve_weights(RunDir(damaged_run).checkpoint(2))
+    with pytest.raises(UserError, match=r"step_000004/model.safetensors is damaged .*; no earlier checkpoint of \S+ "
+                                        r"is intact: restore the file from a copy, or train anew$"):
+        resolve_weights(damaged_run)
+
+
+def test_what_only_a_resume_reads_does_not_stop_a_read_of_the_weights(tmp_path):
+    """A lost optimizer or random state stops a resume, not an export: the weights' own files are intact. A manifest
+    gone from a checkpoint saved with one, or cut short, is refused; a checkpoint from before manifests reads."""
+    checkpoint = saved_checkpoint(RunDir(tmp_path / "run").checkpoint(2), tiny_gpt(2), 2)
+    flip_a_byte(checkpoint / "optimizer.bin")
+    (checkpoint / "random_states_0.pkl").unlink()
+    assert same_weights(GPT.from_pretrained(checkpoint), tiny_gpt(2))
+    manifest = (checkpoint / "manifest.json").read_text()
+    (checkpoint / "manifest.json").write_text(manifest[:40])
+    with pytest.raises(UserError, match=r"^checkpoint file \S+/manifest.json is damaged; no earlier checkpoint"):
+        resolve_weights(checkpoint)
+    (checkpoint / "manifest.json").unlink()
+    with pytest.raises(UserError, match=r"^checkpoint \S+/step_000002 is incomplete: manifest.json is missing; "):
+        resolve_weights(checkpoint)
+    (checkpoint / "run_state.json").write_text(json.dumps({"step": 2}))  # format 1: saved before manifests
+    assert resolve_weights(checkpoint).kind is Kind.CHECKPOINT
+
+
+def _sample(spec: str) -> list[str]:
+    return ["model.sample", "--model", spec, "--prompt", "hi", "--max_new_tokens", "2"]
+
+
+COMMANDS = {  # every command that reads a checkpoint, as a user runs it on a run folder
+    "model.export": lambda run, tmp: ["model.export", "--checkpoint", run, "--out_dir", str(tmp / "hf")],
+    "model.sample": lambda run, tmp: _sample(run),
+    "eval.val_loss": lambda run, tmp: ["eval.val_loss", "--model", run, "--dataset", "shakespeare"],
+    "eval.hellaswag": lambda run, tmp: ["eval.hellaswag", "--model", run, "--data", HELLASWAG_TINY],
+    "eval.harness": lambda run, tmp: ["eval.harness", "--model", run, "--tasks", "hellaswag"],
+    "publish.hub": lambda run, tmp: ["publish.hub", "--run_dir", run, "--hub_model_id", "someone/run"],
+    "train.py --init_from": lambda run, tmp: ["train", "--init_from", run, "--out_dir", str(tmp / "ft"),
+                                              "--max_steps", "1"],
+}
+HELLASWAG_TINY = str(Path(__file__).parent / "fixtures" / "eval" / "hellaswag_tiny.jsonl")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_that_reads_a_checkpoint_refuses_a_damaged_one_in_one_line(command, damaged_run, tmp_path,
+                                                                                 monkeypatch, capsys):
+    """The issue's probe: export, sample, the evaluations and the Hub push of an unfinished run read an altered
+    weights file and exited 0 (weights 0.025 off); each now prints the one line and exits 2, writing nothing."""
+    import importlib
+    import sys
+
+    from common.errors import run_cli
+
+    module, *args = COMMANDS[command](str(damaged_run), tmp_path)
+    monkeypatch.setenv("HF_TOKEN", "hf_fake")  # the push gets as far as reading the run
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(sys, "argv", [module, *args])
+    main = importlib.import_module(module).main
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(main if module == "train" else lambda: main(args))
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert re.match(DAMAGED, err.removeprefix("error: ")), err
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "ft").exists()
+    assert not (damaged_run / "hub_export").exists()
+
+
+def test_the_export_says_which_weights_it_read(damaged_run, tmp_path, capsys):
+    """A run folder means its final/, else its newest checkpoint: the export names which (a finished run whose newest
+    checkpoint is damaged took final/ silently)."""
+    from model.export import main
+
+    tiny_gpt(5).save_pretrained(damaged_run / "final")
+    main(["--checkpoint", str(damaged_run), "--out_dir", str(tmp_path / "a")])
+    assert capsys.readouterr().out.splitlines()[0] == f"read {damaged_run / 'final'} (the finished run's final weights)"
+    main(["--checkpoint", str(RunDir(damaged_run).checkpoint(2)), "--out_dir", str(tmp_path / "b")])
+    assert capsys.readouterr().out.splitlines()[0] == \
+        f"read {RunDir(damaged_run).checkpoint(2)} (step 2: a checkpoint of the run)"

@@ -9,8 +9,12 @@ are dropped, so the file reads as one uninterrupted run. Only the main process w
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
+import re
+import sys
 import time
 from contextlib import contextmanager
 from datetime import timedelta
@@ -49,6 +53,27 @@ def trackers_for(report_to: str) -> list[str] | None:
             raise UserError(f"--report_to {report_to} needs {name}, which is not installed; pip install -e "
                             f"\".[{EXTRA_OF[name]}]\" (or pip install {name}), or choose another --report_to")
     return TRACKERS[report_to] or None
+
+
+# A terminal's colour and style codes (ESC [ ... m), as trackio prints its banner's command whatever stdout is.
+_TERMINAL_CODES = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@contextmanager
+def trackers_in_plain_text() -> Iterator[None]:
+    """What the trackers print while they start or finish, without terminal codes where stdout is not a terminal (a
+    log, a pipe): trackio's banner colours its `trackio show --project ...` line (ESC[1m ESC[38;5;208m ... ESC[0m),
+    noise in a run's log. On a terminal their output passes as it is."""
+    if sys.stdout is None or sys.stdout.isatty():
+        yield
+        return
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            yield
+    finally:
+        sys.stdout.write(_TERMINAL_CODES.sub("", printed.getvalue()))
+        sys.stdout.flush()
 
 
 def tracker_run_name(run_name: str | None, run: RunDir, run_id: str) -> str:
@@ -227,7 +252,8 @@ def run_header(accelerator: Accelerator, engine: Engine, model: torch.nn.Module,
     distributed = engine.header_words(accelerator.distributed_type.value, stage_line(model))
     g = geometry
     ranks = "data-parallel rank(s)" if engine.model_parallel > 1 else "process(es)"
-    optimizers = describe_optimizers(network, plan, step_placement(accelerator, model))  # Muon: how it splits
+    optimizers = describe_optimizers(network, plan, step_placement(accelerator, model),  # Muon: how it splits
+                                     stage=stage_line(model))  # a pipeline's: this stage's parameters
     if not grad_clip:
         optimizers += "; gradient clipping off (--grad_clip 0)"
     return (f"GPT {n_params / 1e6:.2f}M params{adapters} | {g.world_size} {ranks} x {g.accumulation} "

@@ -1,7 +1,7 @@
 """Stopping a run without losing it: SIGTERM / SIGUSR1 (a cluster's preemption) and the first Ctrl-C (SIGINT)
 become a flag the loop checks after each step, so every rank checkpoints at the same step and the run exits
-cleanly, ready for `--resume latest`. A second Ctrl-C stops at once (KeyboardInterrupt): what was saved stays,
-a save it interrupts was never published (checkpoints are renamed into place whole).
+cleanly, ready for `--resume latest`. A second Ctrl-C stops at once (KeyboardInterrupt, whose one line says what
+was kept): what was saved stays, a save it interrupts was never published (checkpoints are renamed into place whole).
 
 Under `accelerate launch` a terminal's Ctrl-C reaches the launcher only (torch's elastic agent starts the
 workers in sessions of their own); the agent forwards it to every worker once, and kills them 30 s later if
@@ -16,23 +16,36 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from typing import TextIO
+from typing import Callable, TextIO
 
 from accelerate import Accelerator
 
+from common.run_dir import RunDir, checkpoint_step
 from training.distributed.processes import any_rank
+
+
+def what_was_kept(run: RunDir) -> str:
+    """What a run stopped at once (a second Ctrl-C) has kept, and how to go on: its newest complete checkpoint."""
+    newest = run.latest_checkpoint()
+    if newest is None:
+        return f"no checkpoint was saved yet; --resume latest --out_dir {run.path} starts the run over"
+    return (f"the last saved checkpoint is kept whole, step {checkpoint_step(newest)} ({newest}); continue with "
+            "--resume latest")
 
 
 class PreemptionFlag:
     """Records SIGTERM/SIGUSR1/SIGINT from the moment it is created (handlers are installed then, not at import).
-    `announce`: say on stderr, at the first Ctrl-C, what happens next (one process of a launch says it).
+    `announce`: say on stderr, at the first Ctrl-C, what happens next (one process of a launch says it); `kept`:
+    what the run has kept when a second Ctrl-C stops it at once (the KeyboardInterrupt's message, which `run_cli`
+    prints as the run's one line).
 
     It also puts `sys.stdout`/`sys.stderr` behind `_DropAfterSignal`; create it before anything that keeps
     a reference to them (a tqdm bar does)."""
 
-    def __init__(self, announce: bool = True) -> None:
+    def __init__(self, announce: bool = True, kept: Callable[[], str] | None = None) -> None:
         self.signal: int | None = None
         self.announce = announce
+        self.kept = kept
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._handle)
         if sys.stdout is not None and not isinstance(sys.stdout, _DropAfterSignal):
@@ -44,11 +57,15 @@ class PreemptionFlag:
         if signum == signal.SIGINT:
             if self.signal == signal.SIGINT:  # the second Ctrl-C: stop now, as Python's own handler would
                 signal.signal(signal.SIGINT, signal.default_int_handler)
-                raise KeyboardInterrupt
+                raise KeyboardInterrupt(self.stopped_at_once())
             if self.announce:
                 print("\nCtrl-C: the run stops after this step and saves it (Ctrl-C again stops at once, keeping the "
                       "last saved checkpoint)", file=sys.stderr, flush=True)
         self.signal = signum
+
+    def stopped_at_once(self) -> str:
+        """The line of a run that a second Ctrl-C stopped, saying what it kept."""
+        return "interrupted (Ctrl-C twice): stopped at once" + (f"; {self.kept()}" if self.kept else "")
 
     def received(self) -> bool:
         return self.signal is not None

@@ -19,9 +19,9 @@ from common.weights import Weights
 from configs import RunConfig, TrainConfig, write_run_config
 from model import GPTConfig
 from training.checkpoints.manifest import verify_checkpoint
-from training.checkpoints.preflight import check_out_dir_writable, warn_if_low_disk
+from training.checkpoints.preflight import check_out_dir_writable, saves_ahead, warn_if_low_disk
 from training.checkpoints.resume import Progress, ResumePoint, find_resume_point, set_aside_superseded
-from training.metrics import MetricsLog, tracker_run_name
+from training.metrics import MetricsLog, tracker_run_name, trackers_in_plain_text
 from training.optimizers.plan import OptimizerPlan
 from training.recipe import Recipe
 
@@ -70,9 +70,9 @@ def claim_run_folder(accelerator: Accelerator, cfg: RunConfig, resume: ResumePoi
 
     The main process checks that the folder can be written, takes its lock, sees that the folder still resumes
     the same way, checks the resume point file by file and warns when the disk looks too small for the
-    `--keep_last` checkpoints of `checkpoint_size` bytes; it returns the held lock, to be entered into the
-    run's context, which lets it go when the run ends (other processes: a context that holds nothing). Call
-    inside `training.distributed.processes.shared_across_ranks`."""
+    checkpoints of `checkpoint_size` bytes the run will hold (those it saves, at most `--keep_last`); it returns
+    the held lock, to be entered into the run's context, which lets it go when the run ends (other processes: a
+    context that holds nothing). Call inside `training.distributed.processes.shared_across_ranks`."""
     run = RunDir(cfg.out_dir)
     if resume is not None and resume.progress.step > max_steps:
         raise UserError(f"{resume.path} is at step {resume.progress.step}, past --max_steps {max_steps}; "
@@ -91,7 +91,8 @@ def claim_run_folder(accelerator: Accelerator, cfg: RunConfig, resume: ResumePoi
     except UserError as err:
         lock.__exit__(type(err))
         raise
-    warn_if_low_disk(run.path, checkpoint_size, cfg.keep_last)
+    start = resume.progress.step if resume is not None else 0
+    warn_if_low_disk(run.path, checkpoint_size, cfg.keep_last, saves_ahead(start, max_steps, cfg.save_every))
     return lock
 
 
@@ -128,11 +129,13 @@ def open_run_folder(accelerator: Accelerator, run: RunDir, resume: ResumePoint |
     # TensorBoard hides the steps past the checkpoint that an earlier attempt logged (purge_step), so that the steps
     # this run logs again replace them: each step once, as in metrics.jsonl.
     # trackio (its runs in the SQLite of its own folder, $TRACKIO_DIR) continues its run as wandb does, by the run id.
-    accelerator.init_trackers(wandb_project, config=recipe.values,
-                              init_kwargs={"wandb": {"id": progress.run_id, "resume": "allow",
-                                                     "name": run_name or run.path.name, "dir": str(run.path)},
-                                           "trackio": {"name": tracker_run_name(run_name, run, progress.run_id),
-                                                       "resume": "allow"},
-                                           "tensorboard": {"purge_step": progress.step + 1} if progress.step else {}})
+    with trackers_in_plain_text():  # trackio's banner, without its colour codes in a log
+        accelerator.init_trackers(wandb_project, config=recipe.values,
+                                  init_kwargs={"wandb": {"id": progress.run_id, "resume": "allow",
+                                                         "name": run_name or run.path.name, "dir": str(run.path)},
+                                               "trackio": {"name": tracker_run_name(run_name, run, progress.run_id),
+                                                           "resume": "allow"},
+                                               "tensorboard": {"purge_step": progress.step + 1} if progress.step
+                                               else {}})
     return MetricsLog(accelerator, run.path, resume_step=progress.step)
 

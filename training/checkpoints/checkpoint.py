@@ -3,7 +3,7 @@
 A checkpoint is `<out_dir>/checkpoints/step_000100/` (layout in `common.run_dir`) holding accelerate's
 files (model, one file per optimizer, per-rank RNG and accumulation step), `gpt_config.json`,
 `run_state.json` (step, tokens seen, tracker run id, world size, the optimizers by name), one
-`data_state_rank{r}.json` per rank and, written last, `manifest.json` (`training.checkpoints.manifest`). Everything is
+`data_state_rank{r}.json` per rank and, written last, `manifest.json` (`common.manifest`). Everything is
 first written to `.tmp-step_000100/` and renamed into place only once every rank has finished
 (`common.atomic`), so a crash in the middle of a save leaves a temp folder that `RunDir.latest_checkpoint`
 never picks (it is cleared by the next save). Which checkpoint to resume is `training.checkpoints.resume`'s decision.
@@ -26,13 +26,13 @@ from safetensors import SafetensorError
 
 from common.atomic import fresh_temp_dir, rename_into_place, temp_path, write_failure
 from common.errors import UserError
+from common.manifest import FORMAT, write_manifest
 from common.run_dir import ADAPTER_WEIGHTS, GPT_CONFIG, RUN_STATE, RunDir, checkpoint_step, data_state_file
 from configs import RunConfig
 from model import GPTConfig
 from model.lora import adapter_state, has_adapters, load_adapter_state, save_adapter_config
 from model.unwrap import unwrapped
 from training.checkpoints.ddp_files import load_into_stage, save_from_stages
-from training.checkpoints.manifest import FORMAT, write_manifest
 from training.checkpoints.moving import Move, load_moved
 from training.checkpoints.resume import Progress, ResumePoint, read_json
 from training.distributed.engines import Engine
@@ -243,9 +243,11 @@ class Checkpointer:
 
 def restore(accelerator: Accelerator, resume: ResumePoint | None, cfg: RunConfig, gpt_config: GPTConfig,
             optimizers: tuple[str, ...], loader: Any, model: torch.nn.Module | None = None,
-            trained: list[torch.optim.Optimizer] = (), move: Move | None = None) -> Progress:
+            trained: list[torch.optim.Optimizer] = (), move: Move | None = None,
+            max_steps: int | None = None) -> Progress:
     """Load the resume point into the prepared model and optimizers, the RNGs and the data loader; the run's
-    progress (a new run's when there is nothing to resume)."""
+    progress (a new run's when there is nothing to resume). A resume point at `max_steps` is a finished run's, and
+    the line says so (a requeued job, a `--resume latest` run again): nothing is trained."""
     if resume is None:
         if cfg.resume:
             accelerator.print(f"no checkpoint in {cfg.out_dir} yet: starting a new run")
@@ -253,4 +255,8 @@ def restore(accelerator: Accelerator, resume: ResumePoint | None, cfg: RunConfig
     loader.load_state_dict(load_checkpoint(accelerator, resume, gpt_config, optimizers, model, trained, move))
     progress = resume.progress
     accelerator.print(f"resumed from {resume.path} at step {progress.step} ({progress.tokens:,} tokens)")
+    if progress.step == max_steps:
+        accelerator.print(f"the run had already finished: step {progress.step} is its --max_steps, so nothing is "
+                          "trained; final/ is written again from the same weights (pass a larger --max_steps to train "
+                          "on)")
     return progress

@@ -1,20 +1,17 @@
-"""A checkpoint's integrity: the manifest written last into it, and the check of every file before a resume.
+"""A checkpoint's integrity before a resume: every file a resume reads is there and unchanged.
 
-`manifest.json` holds the size and sha256 of every other file of the checkpoint. Before a resume loads
-anything, `verify_checkpoint` checks that every file a resume reads is there and unchanged: a damaged
-checkpoint is one line naming the file and the earlier checkpoint to resume from, never a traceback or a
-silently inexact resume. Checkpoints written before manifests existed (run_state format 1) are checked for
-the presence of every file and for readable RNG states.
+Before a resume loads anything, `verify_checkpoint` checks that every file a resume reads is present and, against the
+checkpoint's manifest (`common.manifest`, the one home of the manifest and of its check, which every command that
+reads a checkpoint's weights runs too), unchanged: a damaged checkpoint is one line naming the file and the earlier
+checkpoint to resume from, never a traceback or a silently inexact resume. Checkpoints written before manifests
+existed (run_state format 1) are checked for the presence of every file and for readable RNG states.
 """
 from __future__ import annotations
-
-import hashlib
-import json
-from pathlib import Path
 
 from accelerate.utils import load as accelerate_load
 
 from common.errors import UserError
+from common.manifest import FORMAT, damage
 from common.run_dir import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -30,24 +27,7 @@ from common.run_dir import (
     optimizer_file,
     rng_state_file,
 )
-from training.checkpoints.resume import ResumePoint, fallback_advice, read_json
-
-FORMAT = 2  # run_state.json's "format": 2 = the checkpoint has a manifest (format 1, without, still resumes)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def write_manifest(folder: Path) -> None:
-    """Record the size and sha256 of every file in `folder` (the last file written into a checkpoint)."""
-    files = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
-    (folder / MANIFEST).write_text(json.dumps({"version": 1, "files": files}, indent=1))
+from training.checkpoints.resume import ResumePoint, fallback_advice
 
 
 def _required_files(point: ResumePoint) -> list[str]:
@@ -74,8 +54,8 @@ def verify_checkpoint(point: ResumePoint) -> None:
     for name in _required_files(point):
         if not (point.path / name).exists():
             raise UserError(f"checkpoint {point.path} is incomplete: {name} is missing; {advice}")
-    if (point.path / MANIFEST).is_file():
-        _check_against_manifest(point.path, advice)
+    if (point.path / MANIFEST).is_file() and (problem := damage(point.path)) is not None:
+        raise UserError(f"{problem}; {advice}")
     # accelerate swallows a failed RNG load (it logs at info level and goes on: a silently inexact resume),
     # so read the RNG states here first, the way it will: weights_only, which never runs pickled code.
     for rank in range(point.world_size):
@@ -84,21 +64,3 @@ def verify_checkpoint(point: ResumePoint) -> None:
             accelerate_load(file)
         except Exception as err:  # noqa: BLE001 - any failure to unpickle is a damaged file here
             raise UserError(f"checkpoint file {file} cannot be read ({type(err).__name__}); {advice}") from None
-
-
-def _check_against_manifest(folder: Path, advice: str) -> None:
-    files = read_json(folder / MANIFEST).get("files")
-    if not isinstance(files, dict) or not all(isinstance(e, dict) and {"bytes", "sha256"} <= e.keys()
-                                              for e in files.values()):
-        raise UserError(f"{folder / MANIFEST} is damaged; {advice}")
-    for name, entry in files.items():
-        file = folder / name
-        if not file.is_file():
-            raise UserError(f"checkpoint {folder} is incomplete: {name} is missing; {advice}")
-        if file.stat().st_size != entry["bytes"]:
-            raise UserError(f"checkpoint file {file} was cut short or overwritten ({file.stat().st_size} bytes, "
-                            f"{entry['bytes']} when saved); {advice}")
-        if _sha256(file) != entry["sha256"]:
-            raise UserError(f"checkpoint file {file} is damaged (its sha256 differs from the one saved); {advice}")
-
-

@@ -17,6 +17,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import ProjectConfiguration, gather_object
 
 from common.errors import UserError
+from common.launch import grouped_on_this_cpu
 from common.run_dir import RunDir
 from configs import TrainingConfig
 from training.distributed.engines import (
@@ -92,11 +93,11 @@ def process_state(**process_group: Any) -> PartialState:
 
 
 def _cpu_launch() -> bool:
-    """Whether to tell accelerate that a launch runs on the CPU: a multi-process launch on a machine without CUDA,
-    unless its config asks for an engine, which accelerate would then silently replace by DDP (the engine's own
-    launch is left to accelerate, and checked: `training.distributed.engines`)."""
-    return (int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
-            and requested_engine() == "ddp")
+    """Whether to tell accelerate that a launch runs on the CPU: a multi-process launch on a machine without CUDA
+    (`common.launch`, the rule the evaluations' command lines share), unless its config asks for an engine, which
+    accelerate would then silently replace by DDP (the engine's own launch is left to accelerate, and checked:
+    `training.distributed.engines`)."""
+    return grouped_on_this_cpu() and requested_engine() == "ddp"
 
 
 def start_accelerator(accumulation: int, trackers: list[str] | None, run: RunDir) -> Accelerator:

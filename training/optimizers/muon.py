@@ -18,7 +18,7 @@ with clipping off. So its ZeRO cells of the support table are refusals lifted by
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from common.engine_names import DEEPSPEED, FSDP_COLUMN, TP_COLUMN, ZERO_COLUMNS, Refusal, engine_name
@@ -51,6 +51,10 @@ class MuonFlags:
             raise UserError(f"--muon_weight_decay must be 0 or more, got {self.muon_weight_decay}; use e.g. 0 or 0.01")
 
 
+# --muon_lr as shipped: measured from scratch (docs/benchmarks.md), said as such where a run fine-tunes with it
+DEFAULT_MUON_LR = next(f.default for f in fields(MuonFlags) if f.name == "muon_lr")
+
+
 def build(params: list[torch.nn.Parameter], plan: OptimizerPlan, device_type: str) -> torch.optim.Optimizer:
     from training.optimizers.muon_optimizer import Muon, newton_schulz_dtype
 
@@ -79,7 +83,10 @@ def describe(plan: OptimizerPlan, device_type: str, matrices: list[torch.Tensor]
     from training.optimizers.muon_optimizer import Muon, newton_schulz_dtype
 
     ns_dtype = str(newton_schulz_dtype(device_type)).removeprefix("torch.")
-    about = f"lr {plan.flags.muon_lr:g}, Newton-Schulz in {ns_dtype}"
+    about = f"lr {plan.flags.muon_lr:g}"
+    if not plan.job.startswith("from scratch") and plan.flags.muon_lr == DEFAULT_MUON_LR:
+        about += f", its from-scratch default: none is measured for {plan.job}; --muon_lr sets it"
+    about += f", Newton-Schulz in {ns_dtype}"
     if not Muon.stacked or any(isinstance(m, DTensor) for m in matrices):
         return about
     about += f", stacked by shape ({len({tuple(m.shape) for m in matrices})} groups)"

@@ -70,10 +70,12 @@ def build_optimizer(model: torch.nn.Module, plan: OptimizerPlan, device_type: st
                                                                   device_type)]
 
 
-def describe_optimizers(model: torch.nn.Module, plan: OptimizerPlan, placement: StepPlacement | None = None) -> str:
+def describe_optimizers(model: torch.nn.Module, plan: OptimizerPlan, placement: StepPlacement | None = None,
+                        stage: str | None = None) -> str:
     """Which optimizer trains which parameters, for the run's header, with what each says of itself on the device
     that holds the model and where its step runs (`placement`; Muon: the dtype it orthogonalises in, how it stacks
-    and splits the work)."""
+    and splits the work). `stage`: the blocks of a pipeline's stage whose parameters `model` holds (its counts are
+    that stage's, and the line says so)."""
     total = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
     device_type = next(model.parameters()).device.type
     placement = placement or StepPlacement()  # one process, eager
@@ -81,13 +83,14 @@ def describe_optimizers(model: torch.nn.Module, plan: OptimizerPlan, placement: 
     names = claimed_names(model, plan.spec.claims)
     about = plan.spec.describe(plan, device_type, [named[name] for name in names], placement) if plan.spec.describe \
         else f"lr {plan.spec.peak_lr(plan):g}"
+    head = "optimizer" if stage is None else f"optimizer (this stage's, {stage}; each stage steps its own)"
     if plan.spec.alone:
-        return f"optimizer: {plan.spec.display} ({about}) on all {total / 1e6:.2f}M trainable params"
+        return f"{head}: {plan.spec.display} ({about}) on all {total / 1e6:.2f}M trainable params"
     claimed = sum(full_numel(named[name]) for name in names)
     if any(isinstance(named[name], DTensor) for name in names):  # FSDP2's shards, tensor parallelism's pieces
         about += ", each matrix gathered whole on every rank"
     base = adamw.describe(plan, device_type, [], placement)
-    return (f"optimizer: {plan.spec.display} ({about}) on {plan.spec.claims} ({claimed / 1e6:.2f}M params), "
+    return (f"{head}: {plan.spec.display} ({about}) on {plan.spec.claims} ({claimed / 1e6:.2f}M params), "
             f"AdamW ({base}) on embeddings/output layer, biases, LayerNorms ({(total - claimed) / 1e6:.2f}M)")
 
 
