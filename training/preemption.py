@@ -1,15 +1,13 @@
-"""Stopping a run without losing it: SIGTERM / SIGUSR1 (a cluster's preemption) and the first Ctrl-C (SIGINT)
-become a flag the loop checks after each step, so every rank checkpoints at the same step and the run exits
-cleanly, ready for `--resume latest`. A second Ctrl-C stops at once (KeyboardInterrupt): what was saved stays,
-a save it interrupts was never published (checkpoints are renamed into place whole).
+"""Stopping a run without losing it. SIGTERM / SIGUSR1 (a cluster's preemption) and the first Ctrl-C become a flag
+the loop checks after each step. So every rank checkpoints at the same step, and the run exits ready for
+`--resume latest`. A second Ctrl-C stops at once; a save it interrupts was never published.
 
-Under `accelerate launch` a terminal's Ctrl-C reaches the launcher only (torch's elastic agent starts the
-workers in sessions of their own); the agent forwards it to every worker once, and kills them 30 s later if
-they are still running: the step and the checkpoint must fit in that time, or the run resumes from the one before.
+Under `accelerate launch` a terminal's Ctrl-C reaches the launcher only: the workers run in sessions of their own.
+torch's elastic agent forwards it to every worker once, and kills them 30 s later. The step and the save must fit
+in that time, or the run resumes from the checkpoint before.
 
-A scheduler signals the whole job, so whatever reads our output (`| tee log`, a log shipper) usually
-dies with us, before us: after a signal, output that can no longer be written is dropped instead of
-raising `BrokenPipeError` out of a progress-bar update and losing the checkpoint.
+A scheduler signals the whole job, so whatever reads our output (`| tee log`) usually dies first. After a signal,
+output that can no longer be written is dropped, rather than raising `BrokenPipeError` and losing the checkpoint.
 """
 from __future__ import annotations
 
@@ -24,11 +22,10 @@ from training.distributed.processes import any_rank
 
 
 class PreemptionFlag:
-    """Records SIGTERM/SIGUSR1/SIGINT from the moment it is created (handlers are installed then, not at import).
-    `announce`: say on stderr, at the first Ctrl-C, what happens next (one process of a launch says it).
+    """Records SIGTERM/SIGUSR1/SIGINT from its creation on. With `announce`, the first Ctrl-C says what happens next.
 
-    It also puts `sys.stdout`/`sys.stderr` behind `_DropAfterSignal`; create it before anything that keeps
-    a reference to them (a tqdm bar does)."""
+    It puts `sys.stdout`/`sys.stderr` behind `_DropAfterSignal`, so create it before anything that keeps a reference
+    to them (a tqdm bar does)."""
 
     def __init__(self, announce: bool = True) -> None:
         self.signal: int | None = None
@@ -59,18 +56,17 @@ class PreemptionFlag:
         return f"{what}: checkpoint saved at step {step}; continue with --resume latest"
 
     def any_rank(self, accelerator: Accelerator) -> bool:
-        """True on every rank if a signal reached any rank (so all ranks stop at the same step), without waiting
-        for the device."""
+        """True on every rank if a signal reached any rank, so all stop at the same step. Does not wait for the
+        device."""
         return any_rank(self.signal is not None, accelerator)
 
 
 class _DropAfterSignal:
     """A text stream that, once a preemption signal has arrived, drops what it cannot write.
 
-    Before a signal every error is raised as usual (a dead log is not ours to hide then). After one, the
-    first failed write or flush points the stream's file descriptor at /dev/null, so that the later writes
-    from anywhere (C code, tqdm's close, the interpreter flushing the original stream at exit, which would
-    otherwise print "Exception ignored ... BrokenPipeError" and exit 120) go nowhere instead of failing.
+    Before a signal every error is raised as usual: a dead log is not ours to hide then. After one, the first failed
+    write points the stream's file descriptor at /dev/null. Later writes from anywhere (C code, tqdm, the interpreter
+    at exit, which would otherwise exit 120) then go nowhere instead of failing.
     """
 
     def __init__(self, stream: TextIO, flag: PreemptionFlag) -> None:
@@ -91,18 +87,18 @@ class _DropAfterSignal:
             self._drop_unless_preempted(error)
 
     def _drop_unless_preempted(self, error: OSError) -> None:
-        # A method call, not an attribute read: entering it lets Python run a signal handler that is still
-        # pending (the signal that killed our reader may have arrived during the failed write).
+        # A method call, not an attribute read, so that Python runs a pending signal handler first: the signal that
+        # killed our reader may have arrived during the failed write.
         if not self._flag.received():
             raise error
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, self._stream.fileno())
             os.close(devnull)
-        except (OSError, ValueError):  # no file descriptor behind it (pytest's capture, a StringIO): just drop
+        except (OSError, ValueError):  # no file descriptor behind it (a StringIO): just drop
             pass
 
     def __getattr__(self, name: str) -> object:  # encoding, isatty, fileno, ... of the real stream
-        if name == "_stream":  # not set yet (an instance made without __init__, e.g. by copy): no recursion
+        if name == "_stream":  # not set yet (made without __init__, e.g. by copy): no recursion
             raise AttributeError(name)
         return getattr(self._stream, name)
