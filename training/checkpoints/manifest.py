@@ -1,10 +1,9 @@
 """A checkpoint's integrity: the manifest written last into it, and the check of every file before a resume.
 
-`manifest.json` holds the size and sha256 of every other file of the checkpoint. Before a resume loads
-anything, `verify_checkpoint` checks that every file a resume reads is there and unchanged: a damaged
-checkpoint is one line naming the file and the earlier checkpoint to resume from, never a traceback or a
-silently inexact resume. Checkpoints written before manifests existed (run_state format 1) are checked for
-the presence of every file and for readable RNG states.
+`manifest.json` holds the size and sha256 of every other file. Before a resume loads anything, `verify_checkpoint`
+checks that every file it reads is there and unchanged. A damaged checkpoint is one line naming the file and the
+earlier checkpoint, never a traceback or a silently inexact resume. Checkpoints from before manifests (run_state
+format 1) are checked for every file's presence and for readable RNG states.
 """
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ from common.run_dir import (
 )
 from training.checkpoints.resume import ResumePoint, fallback_advice, read_json
 
-FORMAT = 2  # run_state.json's "format": 2 = the checkpoint has a manifest (format 1, without, still resumes)
+FORMAT = 2  # run_state.json's "format": 2 has a manifest; format 1 still resumes
 
 
 def _sha256(path: Path) -> str:
@@ -44,15 +43,15 @@ def _sha256(path: Path) -> str:
 
 
 def write_manifest(folder: Path) -> None:
-    """Record the size and sha256 of every file in `folder` (the last file written into a checkpoint)."""
+    """Record the size and sha256 of every file in `folder`. Write it last into a checkpoint."""
     files = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
              for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
     (folder / MANIFEST).write_text(json.dumps({"version": 1, "files": files}, indent=1))
 
 
 def _required_files(point: ResumePoint) -> list[str]:
-    """What a resume reads: our state files (and the manifest, for checkpoints that have one), every saved
-    rank's RNG and data state, the model and each optimizer (files, or folders of FSDP's sharded state)."""
+    """What a resume reads: our state files and manifest, every saved rank's RNG and data state, the model and
+    each optimizer."""
     names = [GPT_CONFIG, RUN_STATE] + ([MANIFEST] if point.run_state.get("format", 1) >= FORMAT else [])
     names += [rng_state_file(rank) for rank in range(point.world_size)]
     names += [data_state_file(rank) for rank in range(point.data_ranks)]
@@ -66,18 +65,15 @@ def _required_files(point: ResumePoint) -> list[str]:
 
 
 def verify_checkpoint(point: ResumePoint) -> None:
-    """Check that everything `load_checkpoint` will read is present and unchanged since it was saved.
-
-    Checkpoints written before manifests existed are checked for the presence of every file and readable RNG
-    states only."""
+    """Check that everything `load_checkpoint` will read is present and unchanged since it was saved."""
     advice = fallback_advice(point.path)
     for name in _required_files(point):
         if not (point.path / name).exists():
             raise UserError(f"checkpoint {point.path} is incomplete: {name} is missing; {advice}")
     if (point.path / MANIFEST).is_file():
         _check_against_manifest(point.path, advice)
-    # accelerate swallows a failed RNG load (it logs at info level and goes on: a silently inexact resume),
-    # so read the RNG states here first, the way it will: weights_only, which never runs pickled code.
+    # accelerate logs a failed RNG load at info level and goes on, an inexact resume. So read the RNG states here
+    # first, as it will: weights_only, which never runs pickled code.
     for rank in range(point.world_size):
         file = point.path / rng_state_file(rank)
         try:

@@ -1,9 +1,8 @@
 """Checks of the run folder's filesystem before any training time is spent.
 
-`check_out_dir_writable` refuses a run whose `--out_dir` cannot be written (one line naming the folder);
-`warn_if_low_disk` warns when the free space looks too small for the checkpoints the run will keep.
-Neither creates or leaves anything: the write test removes its own temporary file, and `out_dir`
-itself is not created (the run folder is made only once a resume was accepted).
+`check_out_dir_writable` refuses an `--out_dir` that cannot be written; `warn_if_low_disk` warns when the free space
+looks too small for the checkpoints the run keeps. Neither leaves anything behind, and neither creates `out_dir`:
+the run folder is made only once a resume is accepted.
 """
 from __future__ import annotations
 
@@ -15,11 +14,10 @@ from pathlib import Path
 
 from common.errors import UserError
 
-# A checkpoint holds fp32 weights (4 bytes per parameter) and AdamW's two fp32 moments (8 bytes); 4 more
-# bytes per parameter cover the RNG and data states and the file formats' overhead.
+# fp32 weights (4 bytes a parameter) and AdamW's two fp32 moments (8); 4 more cover the other files and overhead.
 BYTES_PER_PARAM = 16
-# Besides the `keep_last` checkpoints kept, a save needs room for the one being written and for the older
-# `step_N` it replaces (set aside until the rename), and the end of the run for `final/`: about two more.
+# Room beyond the `keep_last` kept: the checkpoint being written (and the one it replaces, until the rename) and
+# `final/`, about two more.
 EXTRA_CHECKPOINTS = 2
 
 
@@ -32,10 +30,8 @@ def nearest_existing(path: str | Path) -> Path:
 
 
 def check_out_dir_writable(out_dir: str | Path) -> None:
-    """Raise UserError unless a file can be created in `out_dir` (or, while it does not exist yet, in the
-    nearest existing folder above it, where it will be created). Tested by creating and deleting a
-    temporary file, which catches read-only mounts and missing permissions alike (also for root, whom
-    `os.access` does not refuse)."""
+    """Raise UserError unless a file can be created in `out_dir`, or in the nearest existing folder above it. A
+    temporary file is created and deleted: unlike `os.access`, that catches read-only mounts, also for root."""
     folder = nearest_existing(out_dir)
     if not folder.is_dir():
         raise UserError(f"--out_dir {out_dir}: {folder} is a file, so the run folder cannot be created there; "
@@ -55,10 +51,10 @@ def checkpoint_bytes(n_params: int) -> int:
 
 
 def warn_if_low_disk(out_dir: str | Path, bytes_per_checkpoint: int, keep_last: int) -> str | None:
-    """Print (to stderr) and return a warning when the filesystem of `out_dir` has less free space than
-    `keep_last + EXTRA_CHECKPOINTS` checkpoints need; None when there is enough. Never raises for low
-    space: the estimate is rough (it also ignores checkpoints a resumed run already holds), so the run
-    goes on. Call it on one process per filesystem, e.g. the main one."""
+    """Print to stderr and return a warning when `out_dir`'s filesystem has less free space than
+    `keep_last + EXTRA_CHECKPOINTS` checkpoints need; None when there is enough. Never raises: the estimate is
+    rough (it ignores checkpoints a resumed run already holds), so the run goes on. Call it on one process per
+    filesystem."""
     folder = nearest_existing(out_dir)
     free = shutil.disk_usage(folder).free
     needed = (keep_last + EXTRA_CHECKPOINTS) * bytes_per_checkpoint
