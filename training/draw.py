@@ -1,10 +1,9 @@
 """A step's batches, drawn before its first forward, and what every rank does when one rank cannot read its data.
 
-A streamed dataset can fail to be read after its retries (`data.streaming.DataUnavailable`: the Hub down for
-minutes). Drawn inside the step, the failure would stop one rank between micro-steps while the others wait
-in the gradient all-reduce. Drawn first, it is known before any collective of the step; the ranks agree on it
-(`any_rank`: one host-side all-reduce per step, none on one process) and all stop after the last completed step,
-which they save first.
+A streamed dataset can fail after its retries (`data.streaming.DataUnavailable`: the Hub down for minutes). Inside
+the step, that would stop one rank between micro-steps while the others wait in the gradient all-reduce. Drawn
+first, the failure is known before any collective. The ranks agree on it (one host-side all-reduce per step) and
+all stop after saving the last completed step.
 """
 from __future__ import annotations
 
@@ -30,9 +29,8 @@ class Loader(Protocol):
 
 def draw_step(accelerator: Accelerator, loader: Loader, n: int, progress: Progress,
               save: Callable[[dict], Path]) -> list[Batch]:
-    """The step's `n` micro-batches of this rank. When any rank's data could not be read, every rank saves the
-    last completed step (`save(data_state)`, the loader's state before this step: the step not begun) and raises
-    the one line that ends the run."""
+    """This rank's `n` micro-batches for the step. If any rank's data could not be read, every rank saves the last
+    completed step, with the loader's state from before this step, and raises the line that ends the run."""
     before = loader.state_dict()
     batches: list[Batch] = []
     try:

@@ -1,11 +1,10 @@
-"""Where a run's numbers go: `metrics.jsonl` in the run folder, accelerate's trackers, the run's header and
-one plain console line per logged step (`StepLine`).
+"""Where a run's numbers go: `metrics.jsonl` in the run folder, accelerate's trackers, the run's header and one
+console line per logged step (`StepLine`).
 
-`metrics.jsonl` has one JSON object per logged step (`step`, `loss`, `lr`, `grad_norm`, `tokens`,
-`tok_per_sec`, `mfu`, `data_wait_s`), and on the steps they happen `val_loss` / `hellaswag_*` with `eval_s`, and
-`checkpoint_s` (a step with an evaluation or a save and no log line has a line with those alone; the time keys:
-`training.timing`). Scripts outside the repo read these keys. After a resume, lines past the checkpoint's step
-are dropped, so the file reads as one uninterrupted run. Only the main process writes.
+`metrics.jsonl` holds one JSON object per logged step: `step`, `loss`, `lr`, `grad_norm`, `tokens`, `tok_per_sec`,
+`mfu`, `data_wait_s`. On the steps they happen it adds `val_loss` / `hellaswag_*` with `eval_s`, and `checkpoint_s`;
+such a step without a log line gets a line with those alone. Scripts outside the repo read these keys. After a
+resume, lines past the checkpoint's step are dropped, so the file reads as one run. Only the main process writes.
 """
 from __future__ import annotations
 
@@ -46,8 +45,8 @@ EXTRA_OF = {"trackio": "trackio"}
 
 
 def trackers_for(report_to: str) -> list[str] | None:
-    """`--report_to` value -> accelerate's `log_with` list; a tracker whose extra is not installed is one line
-    naming the install (before accelerate would warn and run on without it)."""
+    """`--report_to` value -> accelerate's `log_with` list. A tracker that is not installed is one line naming the
+    install; accelerate would warn and run on without it."""
     for name in TRACKERS[report_to]:
         if name in EXTRA_OF and find_spec(name) is None:
             raise UserError(f"--report_to {report_to} needs {name}, which is not installed; pip install -e "
@@ -77,8 +76,8 @@ def trackers_in_plain_text() -> Iterator[None]:
 
 
 def tracker_run_name(run_name: str | None, run: RunDir, run_id: str) -> str:
-    """The trackio run of this training run: `--run_name` (default: the run folder's name) and the run's id, kept
-    in its checkpoints, so that a resume continues it and another run of the same name starts its own."""
+    """The trackio run's name: `--run_name` (default: the folder's name) and the run's id. The id is kept in the
+    checkpoints, so a resume continues the trackio run and another run of the same name starts its own."""
     return f"{run_name or run.path.name}-{run_id}"
 
 
@@ -113,8 +112,7 @@ class MetricsLog:
             self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
 
     def log(self, step: int, values: dict[str, Any]) -> None:
-        """Record `values` for `step` (nothing when there are none); NaN/inf become null in the JSON (which has no
-        NaN)."""
+        """Record `values` for `step`, if any. NaN and inf become null, since JSON has no NaN."""
         if not self.accelerator.is_main_process or not values:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()}
@@ -155,16 +153,15 @@ class StepLine:
 
         step 30/150 | loss 6.412 | lr 9.6e-04 | grad 0.81 | 1,120 tok/s | mfu - | 0:00:31 elapsed, 0:02:04 left
 
-    Elapsed is wall time since this process started training (evaluations and saves included, so the ETA,
-    extrapolated from the steps done since then, includes them too); `mfu -` where the peak is unknown."""
+    Elapsed is wall time since this process started training, evaluations and saves included, so the ETA includes
+    them too. `mfu -` where the peak is unknown."""
 
     def __init__(self, max_steps: int, start_step: int) -> None:
         self.max_steps, self.start_step = max_steps, start_step
         self.start = time.monotonic()
 
     def format(self, step: int, record: dict[str, Any], data_share: float = 0.0) -> str:
-        """`data_share`: the part of the logged steps' time spent waiting for data, named above
-        `SHOW_DATA_ABOVE` (` | data 7%` after the MFU)."""
+        """`data_share` is the logged steps' share of time waiting for data, shown above `SHOW_DATA_ABOVE`."""
         elapsed = time.monotonic() - self.start
         done = step - self.start_step
         left = elapsed / done * (self.max_steps - step) if done else 0.0
@@ -176,10 +173,9 @@ class StepLine:
 
 
 class StepReport:
-    """What a logged step reports: the step's loss (averaged over ranks), learning rate, gradient norm, tokens
-    seen, tokens/s, MFU and the data wait (the slowest rank's, from `clock`), as a console line (main process) and
-    a `metrics.jsonl` record. Steps are timed with `timing()`; every `log_every` steps and at the last, `of_step`
-    reads them."""
+    """What a logged step reports, as a console line and a `metrics.jsonl` record: loss averaged over ranks, LR,
+    gradient norm, tokens, tokens/s, MFU and the slowest rank's data wait. Steps are timed with `timing()`;
+    `of_step` reads them every `log_every` steps and at the last."""
 
     def __init__(self, cfg: LogConfig, accelerator: Accelerator, max_steps: int, start_step: int,
                  tokens_per_step: int, flops_per_token: float, clock: RunClock) -> None:
@@ -193,15 +189,14 @@ class StepReport:
         return last or step % self.log_every == 0
 
     def timing(self, step: int, last: bool):
-        """Time the optimizer step that will be `step`. A logged step waits for the device at its end, so that the
-        time read at it holds every step's device work (the others never wait for it)."""
+        """Time the optimizer step that will be `step`. Only a logged step waits for the device at its end, so the
+        time read there holds every step's device work."""
         return self.throughput.timing(self.accelerator.device if self.logs(step, last) else None)
 
     def of_step(self, step: int, last: bool, mean_loss: torch.Tensor, lr: float, grad_norm: torch.Tensor,
                 tokens: int, write: Callable[[str], None]) -> dict[str, Any]:
-        """The record of optimizer step `step` if it is a logged one (printed with `write`), else {}.
-        `mean_loss` (this rank's mean micro-batch loss of the step) and `grad_norm` are on the device, read here
-        (the loss averaged over the ranks, on every rank)."""
+        """The record of step `step` if it is logged (printed with `write`), else {}. `mean_loss` (this rank's) and
+        `grad_norm` are read from the device here; the loss is averaged over the ranks."""
         if not self.logs(step, last):
             return {}
         loss = self.accelerator.reduce(mean_loss, reduction="mean").item()
@@ -226,15 +221,11 @@ def _clock(seconds: float) -> str:
 def run_header(accelerator: Accelerator, engine: Engine, model: torch.nn.Module, n_params: int,
                geometry: BatchGeometry, plan: OptimizerPlan, grad_clip: float, lora: str | None, data: str,
                restart: str | None = None, here: str | None = None) -> str:
-    """The run's header: model size (`n_params`: every parameter, tied ones once, as the optimizer line counts
-    them; and what LoRA trains), batch geometry, distribution, precision, compilation, activation checkpointing
-    (when on), the loss's path (`model.loss`), device, and `restart` (`restart k of N` under a launch that may
-    restart, `training.distributed.elastic.Attempt`); `here`: what a launch runs on this machine, where it differs
-    from what a GPU config says (`training.distributed.machine.runs_here`), on a line of its own; which optimizer
-    trains which parameters, and "gradient clipping off" where `grad_clip` (--grad_clip) is 0; `data`,
-    the data source's own line.
-    `engine`: the one train.py checked (with its tensor-parallel degree: geometry's world is then the data-parallel
-    ranks); `model`: as prepared."""
+    """The run's header. Its first line: model size (`n_params`, tied weights once; what LoRA trains), batch
+    geometry, engine, precision, compilation, activation checkpointing, the loss's path, device and `restart`. Then
+    `here` (what a launch runs on this machine, where it differs from the config), the optimizers' line (with
+    "gradient clipping off" at `--grad_clip 0`) and `data`, the data source's line. `model` is the prepared model;
+    under model parallelism the geometry's world counts data-parallel ranks."""
     # accelerate wraps the prepared model in torch.compile's OptimizedModule when a dynamo backend is set.
     compiled = f"torch.compile ({accelerator.state.dynamo_plugin.backend.value.lower()})" \
         if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else "eager"

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-# Dense (no sparsity) bf16 tensor-core peaks from the vendors' data sheets, in FLOP/s. Matched
-# against torch.cuda.get_device_name() in order, so more specific names come first.
+# Dense bf16 tensor-core peaks from the vendors' data sheets, in FLOP/s. Matched against the device name in order,
+# so more specific names come first.
 BF16_PEAK_FLOPS: list[tuple[str, float]] = [
     ("H200", 989e12),
     ("GH200", 989e12),
@@ -29,10 +29,9 @@ BF16_PEAK_FLOPS: list[tuple[str, float]] = [
 
 
 def peak_flops(device: torch.device | str | None = None, override: float | None = None) -> float | None:
-    """Peak bf16 FLOP/s of `device` (default: the current CUDA device); `override` wins.
+    """Peak bf16 FLOP/s of `device` (default: the current CUDA device); `override` (`--mfu_peak_flops`) wins.
 
-    None when the peak is unknown (a CPU, an unlisted GPU): then no MFU is reported rather than a
-    made-up one. Pass `override` (e.g. from a `--peak-flops` flag) for unlisted hardware.
+    None when the peak is unknown (a CPU, an unlisted GPU), so no MFU is reported rather than a made-up one.
     """
     if override is not None:
         return float(override)

@@ -1,8 +1,7 @@
 """The network a run trains: new from the flags, pretrained (`--init_from`), or a fine-tune being resumed.
 
-The architecture that runs is the built model's `config` (a `GPTConfig`); with `--init_from` it comes from
-the weights, not from the architecture flags, which are then unused. It is computed here once; the run
-records it (`training.run_folder.recorded_config`), the parsed flags are never changed.
+The architecture that runs is the built model's `config`. With `--init_from` it comes from the weights, and the
+architecture flags are unused. It is computed here once and the run records it; the parsed flags never change.
 """
 from __future__ import annotations
 
@@ -18,20 +17,19 @@ from training.checkpoints.resume import ResumePoint
 
 def build_model(cfg: ModelConfig, resume: ResumePoint | None, activation_checkpointing: bool = False,
                 loss_chunk_rows: int | None = None) -> tuple[GPT, Weights | None]:
-    """The network: from the flags (`init_from scratch`), from `init_from` weights, or, for a fine-tune being
-    resumed, the checkpoint's architecture (its weights replace init_from's when loaded). With `--lora_rank`,
-    the network gets adapters and only they train (see `model.lora`). With `activation_checkpointing`, each
-    block's activations are recomputed in the backward pass (`GPT.activation_checkpointing`; the weights, the
-    checkpoints and the exports are the same either way). `loss_chunk_rows`: the training loss's path
-    (`GPT.loss_chunk_rows`; None: the default of the device the forward runs on, resolved there, since the model is
-    built on the CPU and moved after). Also what `--init_from` resolved to (None from scratch;
-    not downloaded for a full fine-tune being resumed, whose checkpoint holds every weight)."""
+    """The network, and what `--init_from` resolved to (None from scratch).
+
+    It comes from the flags, from `init_from`'s weights, or for a resumed fine-tune from the checkpoint's
+    architecture, whose weights replace init_from's when loaded. A resumed full fine-tune downloads nothing: its
+    checkpoint holds every weight. With `--lora_rank` only the adapters train (`model.lora`).
+    `activation_checkpointing` and `loss_chunk_rows` set the model's own attributes; a None `loss_chunk_rows`
+    resolves on the device the forward runs on, since the model is built on the CPU."""
     download = resume is None or bool(cfg.lora_rank)
     weights = None if cfg.from_scratch else resolve_weights(cfg.init_from, download=download)
     lora = run_lora_config(cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_list, weights) \
         if cfg.lora_rank else None  # the adapters' settings, on the weights --init_from resolved to
     if resume is not None:
-        check_resume(lora, resume.path)  # a LoRA checkpoint only into the same LoRA run, a full one into a full
+        check_resume(lora, resume.path)  # a LoRA checkpoint resumes a LoRA run only, a full one a full run
     model = _network(cfg, weights, resume)
     model.activation_checkpointing = activation_checkpointing
     model.loss_chunk_rows = loss_chunk_rows
@@ -44,8 +42,8 @@ def build_model(cfg: ModelConfig, resume: ResumePoint | None, activation_checkpo
 
 
 def ignored_shape_flags(cfg: ModelConfig, arch: GPTConfig) -> list[str]:
-    """The architecture flags set (away from their defaults) to values the weights do not have: with --init_from
-    the weights decide, and a user who asked for another shape should hear that it was not built."""
+    """The architecture flags set to values the weights do not have. With --init_from the weights decide, and a user
+    who asked for another shape should hear that it was not built."""
     if cfg.from_scratch:
         return []
     defaults = ModelConfig()
@@ -54,7 +52,7 @@ def ignored_shape_flags(cfg: ModelConfig, arch: GPTConfig) -> list[str]:
 
 
 def scratch_architecture(cfg: ModelConfig) -> GPTConfig:
-    """The architecture the flags describe, for a run from scratch (and the memory plan of one)."""
+    """The architecture the flags describe, for a run from scratch and its memory plan."""
     return GPTConfig(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size,
                      dropout=cfg.dropout, bias=cfg.bias)
 

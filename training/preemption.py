@@ -3,13 +3,12 @@ become a flag the loop checks after each step, so every rank checkpoints at the 
 cleanly, ready for `--resume latest`. A second Ctrl-C stops at once (KeyboardInterrupt, whose one line says what
 was kept): what was saved stays, a save it interrupts was never published (checkpoints are renamed into place whole).
 
-Under `accelerate launch` a terminal's Ctrl-C reaches the launcher only (torch's elastic agent starts the
-workers in sessions of their own); the agent forwards it to every worker once, and kills them 30 s later if
-they are still running: the step and the checkpoint must fit in that time, or the run resumes from the one before.
+Under `accelerate launch` a terminal's Ctrl-C reaches the launcher only: the workers run in sessions of their own.
+torch's elastic agent forwards it to every worker once, and kills them 30 s later. The step and the save must fit
+in that time, or the run resumes from the checkpoint before.
 
-A scheduler signals the whole job, so whatever reads our output (`| tee log`, a log shipper) usually
-dies with us, before us: after a signal, output that can no longer be written is dropped instead of
-raising `BrokenPipeError` out of a progress-bar update and losing the checkpoint.
+A scheduler signals the whole job, so whatever reads our output (`| tee log`) usually dies first. After a signal,
+output that can no longer be written is dropped, rather than raising `BrokenPipeError` and losing the checkpoint.
 """
 from __future__ import annotations
 
@@ -39,8 +38,8 @@ class PreemptionFlag:
     what the run has kept when a second Ctrl-C stops it at once (the KeyboardInterrupt's message, which `run_cli`
     prints as the run's one line).
 
-    It also puts `sys.stdout`/`sys.stderr` behind `_DropAfterSignal`; create it before anything that keeps
-    a reference to them (a tqdm bar does)."""
+    It puts `sys.stdout`/`sys.stderr` behind `_DropAfterSignal`, so create it before anything that keeps a reference
+    to them (a tqdm bar does)."""
 
     def __init__(self, announce: bool = True, kept: Callable[[], str] | None = None) -> None:
         self.signal: int | None = None
@@ -76,18 +75,17 @@ class PreemptionFlag:
         return f"{what}: checkpoint saved at step {step}; continue with --resume latest"
 
     def any_rank(self, accelerator: Accelerator) -> bool:
-        """True on every rank if a signal reached any rank (so all ranks stop at the same step), without waiting
-        for the device."""
+        """True on every rank if a signal reached any rank, so all stop at the same step. Does not wait for the
+        device."""
         return any_rank(self.signal is not None, accelerator)
 
 
 class _DropAfterSignal:
     """A text stream that, once a preemption signal has arrived, drops what it cannot write.
 
-    Before a signal every error is raised as usual (a dead log is not ours to hide then). After one, the
-    first failed write or flush points the stream's file descriptor at /dev/null, so that the later writes
-    from anywhere (C code, tqdm's close, the interpreter flushing the original stream at exit, which would
-    otherwise print "Exception ignored ... BrokenPipeError" and exit 120) go nowhere instead of failing.
+    Before a signal every error is raised as usual: a dead log is not ours to hide then. After one, the first failed
+    write points the stream's file descriptor at /dev/null. Later writes from anywhere (C code, tqdm, the interpreter
+    at exit, which would otherwise exit 120) then go nowhere instead of failing.
     """
 
     def __init__(self, stream: TextIO, flag: PreemptionFlag) -> None:
@@ -108,18 +106,18 @@ class _DropAfterSignal:
             self._drop_unless_preempted(error)
 
     def _drop_unless_preempted(self, error: OSError) -> None:
-        # A method call, not an attribute read: entering it lets Python run a signal handler that is still
-        # pending (the signal that killed our reader may have arrived during the failed write).
+        # A method call, not an attribute read, so that Python runs a pending signal handler first: the signal that
+        # killed our reader may have arrived during the failed write.
         if not self._flag.received():
             raise error
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, self._stream.fileno())
             os.close(devnull)
-        except (OSError, ValueError):  # no file descriptor behind it (pytest's capture, a StringIO): just drop
+        except (OSError, ValueError):  # no file descriptor behind it (a StringIO): just drop
             pass
 
     def __getattr__(self, name: str) -> object:  # encoding, isatty, fileno, ... of the real stream
-        if name == "_stream":  # not set yet (an instance made without __init__, e.g. by copy): no recursion
+        if name == "_stream":  # not set yet (made without __init__, e.g. by copy): no recursion
             raise AttributeError(name)
         return getattr(self._stream, name)

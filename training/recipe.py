@@ -1,31 +1,26 @@
 """What a resume may change of the run it continues, and how `config.yaml` keeps the record of every change.
 
-A resume compares the run's resolved settings (`training.run_folder.recorded_config`: the flags with `--lr` and
-`--optimizer` resolved, the architecture the weights have, Hub data and weights pinned) with the `config.yaml` of
-the checkpoint's run folder, field by field, before anything is written:
+Before anything is written, a resume compares the run's resolved settings (`training.run_folder.recorded_config`)
+with the `config.yaml` of the checkpoint's run folder, field by field:
 
-- REFUSED fields: one line naming the field, the recorded and the new value and the fix (resume with the recorded
-  value, or start a new run in another `--out_dir`, from these weights with `--init_from <checkpoint>`); the run
-  folder is left byte for byte as it was.
-- Every other compared field may change: each change is announced in one line once the checkpoint is loaded and
-  recorded. A change of the learning-rate schedule (`--max_steps`, `--lr`, `--muon_lr`, `--warmup_steps`,
-  `--min_lr_ratio`) changes the LR from the resumed step on (the LR is a function of the step: extending
-  `--max_steps` stretches the cosine, so the LR jumps up); that is announced in one line too, old -> new at the
-  first step the resume trains.
-- NOT_COMPARED fields say how this command was given (`--config`, `--out_dir`, `--resume`, `--plan`), or how long
-  its processes wait for one another (`--collective_timeout`), not what the run does.
+- REFUSED fields: one line naming the field, both values and the fix. The run folder is left byte for byte as it
+  was.
+- Every other compared field may change. Each change is announced in one line and recorded. A change of the LR
+  schedule (`--max_steps`, `--lr`, `--muon_lr`, `--warmup_steps`, `--min_lr_ratio`) changes the LR from the resumed
+  step on: the LR is a function of the step, so a longer `--max_steps` stretches the cosine and the LR jumps up.
+  That jump is announced too, old -> new.
+- NOT_COMPARED fields say how this command was given (`--config`, `--out_dir`, `--resume`, `--plan`) or how long
+  its processes wait (`--collective_timeout`), not what the run does.
 
-`config.yaml` keeps one key per flag (the contract its readers rely on: `eval.val_loss`, the model card), holding
-the settings of the run's latest stretch, and a `resumes:` list, one entry per resume that changed something: the
-step it resumed at, the checkpoint, each changed field `{old, new}`, and the LR jump. The settings of any earlier
-step are the top-level values with the later entries' changes undone; nothing is overwritten without a trace.
+`config.yaml` keeps one key per flag, holding the settings of the run's latest stretch; its readers
+(`eval.val_loss`, the model card) rely on that. Its `resumes:` list has one entry per resume that changed something:
+the step, the checkpoint, each changed field `{old, new}` and the LR jump. Undoing the later entries' changes gives
+the settings of any earlier step, so nothing is overwritten without a trace.
 
-Some fields are refused by the checkpoint's own files rather than here, and pass this check when they pass those:
-the architecture and the optimizers (`gpt_config.json`, `run_state.json`:
-`training.checkpoints.checkpoint.load_checkpoint`),
-the LoRA settings and base (`adapter_config.json`: `model.lora.check_resume`) and the data (the saved data
-position: its kind, shard hash, sequence count, block size, seed and Hub commit, in the loaders' `load_state_dict`;
-a local path spelled another way passes, and is recorded as a change).
+Some fields are checked by the checkpoint's own files instead, and pass here when they pass there: the architecture
+and optimizers (`training.checkpoints.checkpoint.load_checkpoint`), the LoRA settings (`model.lora.check_resume`)
+and the data. The loaders' `load_state_dict` checks the data's kind, shard hash, sequence count, block size, seed
+and Hub commit; a local path spelled another way passes, and is recorded as a change.
 """
 from __future__ import annotations
 
@@ -46,10 +41,8 @@ from training.step import LRSchedule
 
 @dataclass(frozen=True)
 class FlagRules:
-    """Every flag by what a resume may do with it, as each flag declares (`common.resume_rules`), the registered
-    optimizers' own flags included. Accepted flags that the checkpoint's files check (the architecture:
-    gpt_config.json; LoRA: adapter_config.json; the optimizers and the engine: run_state.json; the data: its saved
-    position) pass here when they pass there (the module docstring)."""
+    """Every flag, the optimizers' own included, by what a resume may do with it, as each declares
+    (`common.resume_rules`)."""
 
     refused: dict[str, str]  # flag -> what its value decides, for the refusal's line
     not_compared: frozenset[str]
@@ -85,15 +78,14 @@ class Change:
 
 
 def changed_fields(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
-    """The fields of `new` whose value `old` records otherwise (fields `old` lacks, from an older version, are not
-    compared)."""
+    """The fields of `new` whose value `old` records otherwise. Fields an older `old` lacks are not compared."""
     return [Change(name, old[name], value) for name, value in new.items() if name in old and old[name] != value]
 
 
 @dataclass(frozen=True)
 class Recipe:
-    """What the run records: `values`, one key per flag (the trackers' config too), and `resumes`, what each
-    resume changed, this one's last; `announcements`, the lines that say this resume's changes."""
+    """What the run records: `values`, one key per flag (the trackers' config too), and `resumes`, what each resume
+    changed, this one's last. `announcements` are the lines that say this resume's changes."""
 
     values: dict[str, Any]
     resumes: tuple[dict[str, Any], ...] = ()
@@ -105,16 +97,16 @@ class Recipe:
 
 
 def _same_hub_weights(old: Any, new: str) -> bool:
-    """Whether `--init_from new` may name the weights config.yaml records as `old` (`id@commit`). A resume that
-    downloads no weights (a full fine-tune: its checkpoint holds them) cannot resolve a branch or tag to a commit:
-    without a commit only the repo ids can be compared (a same command, requeued, must resume)."""
+    """Whether `--init_from new` may name the weights config.yaml records as `old` (`id@commit`). A resumed full
+    fine-tune downloads no weights, so it cannot resolve a branch to a commit. Then only the repo ids are compared,
+    so that the same command, requeued, resumes."""
     new_id, _, revision = new.partition("@")
     return isinstance(old, str) and not _COMMIT.fullmatch(revision) and old.partition("@")[0] == new_id
 
 
 def _lrs(values: dict[str, Any], plan: OptimizerPlan, step: int, schedule: tuple[str, ...]) -> list[float] | None:
-    """Each optimizer's learning rate at the 0-based `step` under the schedule `values` record (None when they
-    lack a part of it, as configs from older versions may)."""
+    """Each optimizer's LR at the 0-based `step` under the schedule `values` record; None where an older config lacks
+    a part of it."""
     if not all(isinstance(values.get(name), (int, float)) for name in schedule):
         return None
     factor = LRSchedule(values["warmup_steps"], values["max_steps"], values["min_lr_ratio"]).factor(step)
@@ -123,12 +115,10 @@ def _lrs(values: dict[str, Any], plan: OptimizerPlan, step: int, schedule: tuple
 
 def resume_recipe(record: dict[str, Any], resume: ResumePoint | None, plan: OptimizerPlan,
                   move: Move | None = None) -> Recipe:
-    """The run's `Recipe`: `record` for a new run; for a resume, `record` compared with the config.yaml of the
-    checkpoint's run folder: a refused change is a UserError (nothing written yet), the others are announced and
-    appended to its `resumes`. `plan`: the run's optimizers (whose learning rates the announcement gives). `move`:
-    the checkpoint was saved by another engine or number of processes (`training.checkpoints.moving`), recorded in
-    `resumes`
-    too (its line is the checkpoint loader's)."""
+    """The run's `Recipe`: `record` for a new run. A resume compares `record` with the checkpoint folder's config.yaml:
+    a refused change is a UserError, the others are announced and appended to `resumes`. `plan` gives the LRs the
+    announcement names. A `move` to another engine is recorded in `resumes` too; the checkpoint loader announces
+    it."""
     if resume is None:
         return Recipe(record)
     step, config_file = resume.progress.step, RunDir(resume.path.parent.parent).config_file
@@ -160,8 +150,8 @@ def resume_recipe(record: dict[str, Any], resume: ResumePoint | None, plan: Opti
             changes.append(change)
     if not changes:
         return Recipe(values, (*earlier, entry) if move is not None else tuple(earlier))
-    # A finished run: no step would use the change, yet config.yaml would record it. (A step past --max_steps, and a
-    # change the checkpoint's own files refuse, each have their own line, later.)
+    # A finished run: no step would use the change, yet config.yaml would record it. A step past --max_steps, and a
+    # change the checkpoint's own files refuse, each get their own line later.
     if step == values["max_steps"] and not any(c.name in flags.checked_by_the_checkpoint for c in changes):
         names = ", ".join(f"--{c.name}" for c in changes)
         raise UserError(f"{resume.path} is where this run finished (step {step} of --max_steps {values['max_steps']}): "

@@ -1,9 +1,8 @@
 """The run folder (`--out_dir`) of a training run: claimed once the run is accepted, then recorded.
 
-A refused run leaves the folder as it was: the folder is locked and written only after every check that
-can refuse the run has passed (`training.checkpoints.resume.find_resume_point` decided what may be resumed;
-`claim_run_folder` then takes the lock and checks the checkpoint file by file). One run per folder: the
-lock is held by a `RunLock` for as long as the run's context lasts (the OS drops it if the process dies).
+A refused run leaves the folder as it was: the folder is locked and written only after every check that can refuse
+the run has passed. One run per folder: a `RunLock` holds the lock as long as the run lasts, and the OS drops it if
+the process dies.
 """
 from __future__ import annotations
 
@@ -27,8 +26,8 @@ from training.recipe import Recipe
 
 
 class RunLock:
-    """`<out_dir>/.lock`, taken by `acquire` (or a refusal naming the run that holds it), let go when the `with`
-    (or ExitStack) it is entered into ends."""
+    """`<out_dir>/.lock`, taken by `acquire` or refused naming the run that holds it. Let go when the context it is
+    entered into ends."""
 
     def __init__(self, run: RunDir) -> None:
         self.path = run.lock_file
@@ -48,25 +47,24 @@ class RunLock:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None = None, *exc: object) -> None:
-        # A run refused or stopped by an error leaves the folder as it found it: no .lock it did not find there
-        # (removed while still held; a run starting at that instant fails to lock and is told to retry).
+        # A run that fails leaves no .lock it did not find. It is removed while still held; a run starting at that
+        # instant fails to lock and is told to retry.
         if exc_type is not None and self.created:
             self.path.unlink(missing_ok=True)
         self.lock.release()
 
 
 def refuse_while_another_run_writes(run: RunDir, is_main_process: bool) -> None:
-    """Before the folder's contents are judged: a folder whose lock another process holds is refused as such, since
-    no advice about its contents (`--resume latest`, say) can work while that run writes into it. The main process
-    probes the lock (taken and let go at once; only an existing lock file, so a refused run creates none); call
-    inside `training.distributed.processes.shared_across_ranks`, which gives its refusal to every rank."""
+    """Refuse a folder whose lock another process holds, before its contents are judged: no advice about them can
+    work while that run writes. The main process probes an existing lock file only, so a refused run creates none.
+    Call inside `training.distributed.processes.shared_across_ranks`, which gives the refusal to every rank."""
     if is_main_process and run.lock_file.exists():
         RunLock(run).acquire().__exit__(None)
 
 
 def claim_run_folder(accelerator: Accelerator, cfg: RunConfig, resume: ResumePoint | None, max_steps: int,
                      checkpoint_size: int) -> AbstractContextManager:
-    """Make the folder this run's own, once `find_resume_point` accepted it (so a refused run created nothing).
+    """Make the folder this run's own, once `find_resume_point` accepted it, and return the held lock to enter.
 
     The main process checks that the folder can be written, takes its lock, sees that the folder still resumes
     the same way, checks the resume point file by file and warns when the disk looks too small for the
@@ -98,11 +96,9 @@ def claim_run_folder(accelerator: Accelerator, cfg: RunConfig, resume: ResumePoi
 
 def recorded_config(cfg: TrainConfig, arch: GPTConfig, plan: OptimizerPlan, dataset: str,
                     init_weights: Weights | None) -> dict[str, Any]:
-    """What the run ran with, one key per flag (`config.yaml`, the trackers' config): the flags, except that the
-    architecture is the model's (with `--init_from`, the loaded weights', not the unused flags'), `--optimizer
-    auto` is the optimizer it chose, and a Hub dataset or Hub weights are pinned to the commit read
-    (`id@sha`: `dataset`, the source's `pinned`; `init_weights`, what --init_from resolved to), so that the
-    same command reads the same data and weights again."""
+    """What the run ran with, one key per flag, for config.yaml and the trackers. The architecture is the model's,
+    `--optimizer auto` and `--lr` are resolved, and Hub data and weights are pinned to the commit read (`id@sha`), so
+    the same command reads the same data and weights again."""
     values = cfg.flat()
     values["dataset"] = dataset
     if init_weights is not None and init_weights.commit:
@@ -114,9 +110,9 @@ def recorded_config(cfg: TrainConfig, arch: GPTConfig, plan: OptimizerPlan, data
 
 def open_run_folder(accelerator: Accelerator, run: RunDir, resume: ResumePoint | None, progress: Progress,
                     recipe: Recipe, wandb_project: str, run_name: str | None) -> MetricsLog:
-    """Set aside what an older resume point supersedes, announce what this resume changed, record the config (with
-    the changes each resume made, `training.recipe`) and start the trackers (once the resume was accepted and
-    loaded, so that a refused one leaves the folder untouched); the run's metrics log."""
+    """Set aside what an older resume point supersedes, announce this resume's changes, write config.yaml and start
+    the trackers; return the metrics log. Call once the resume is loaded, so a refused one leaves the folder
+    untouched."""
     if accelerator.is_main_process:
         aside = set_aside_superseded(resume, run) if resume is not None else None
         if aside is not None:

@@ -1,12 +1,12 @@
 """One optimizer step, its learning rate, and what follows a step that was not finite.
 
-The batch is set in tokens (`total_batch_size`); the number of micro-steps follows from the micro batch, the context
-and the number of processes (`training.distributed.processes.BatchGeometry`). The learning rate is a function of the
-step alone: no scheduler object to checkpoint, or to step the wrong number of times under accelerate.
+The batch is set in tokens (`total_batch_size`); the micro-steps follow from the micro-batch, the context and the
+processes (`training.distributed.processes.BatchGeometry`). The learning rate is a function of the step alone: no
+scheduler object to checkpoint, or to step the wrong number of times under accelerate.
 
-A step never waits for the device. The loss and the gradient norm stay on it; the host reads them on the steps that
-show them (a log line, an evaluation, a checkpoint), and the non-finite check reads its flag there too. Only
-`--on_nan skip` reads the norm every step, since it must decide before the update whether to apply it.
+A step never waits for the device. The loss and the gradient norm stay there; the host reads them only on the steps
+that show them (a log line, an evaluation, a checkpoint). Only `--on_nan skip` reads the norm every step, since it
+must decide before the update.
 """
 from __future__ import annotations
 
@@ -26,17 +26,17 @@ from training.optimizers.spec import LR_OF
 
 @dataclass(frozen=True)
 class LRSchedule:
-    """Linear warmup to the peak, then cosine decay to `min_lr_ratio` of it at `max_steps`, as a factor of the
-    peak (each optimizer multiplies its own peak LR by it: `OptimizerPlan.lrs_at`)."""
+    """Linear warmup to the peak, then cosine decay to `min_lr_ratio` of it at `max_steps`. A factor of the peak:
+    each optimizer multiplies its own peak LR by it (`OptimizerPlan.lrs_at`)."""
 
     warmup_steps: int
     max_steps: int
     min_lr_ratio: float
 
     def warmup_warning(self) -> str | None:
-        """What to say when the warmup is longer than the run: its learning rate never reaches the peak it was given
-        (it ends at max_steps / warmup_steps of it). A warning, not a refusal: the default warmup (10 steps)
-        outlasts a short smoke run (`--max_steps 3`), which checks the pipeline, not the schedule. None otherwise."""
+        """The warning for a warmup longer than the run, whose LR then never reaches its peak; None otherwise. Not a
+        refusal: the default warmup outlasts a smoke run (`--max_steps 3`), which checks the pipeline, not the
+        schedule."""
         if self.warmup_steps <= self.max_steps:
             return None
         return (f"--warmup_steps {self.warmup_steps} is longer than the run (--max_steps {self.max_steps}): the "
@@ -56,19 +56,17 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizers: Seq
                next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], grad_accum: int, lrs: Sequence[float],
                grad_clip: float, masked_targets: bool = False,
                skip_nonfinite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step: `grad_accum` micro-steps, clip to `grad_clip` (0: no clipping, the norm measured all the
-    same), update every optimizer (`lrs[i]` is optimizer i's learning rate). Returns the summed micro-batch losses
-    (/ grad_accum, averaged over ranks, it is the step's loss) and the global gradient norm, both on device. With
-    `skip_nonfinite` a step whose norm is not finite is not applied (the norm is read on the host for that); without
-    it the update is applied whatever the norm, and
-    `NonFinitePolicy` stops the run before anything reads its weights.
+    """One optimizer step: `grad_accum` micro-steps, clipping to `grad_clip` (0: none, the norm still measured), and
+    every optimizer's update at `lrs[i]`. Returns the summed micro-batch losses (divided by `grad_accum` and averaged
+    over ranks: the step's loss) and the global gradient norm, both on the device. With `skip_nonfinite` a step with
+    a non-finite norm is not applied, which reads the norm on the host. Otherwise the update is applied whatever the
+    norm, and `NonFinitePolicy` stops the run before anything reads the weights.
 
-    The step's gradient is that of the mean loss over every target token of the global batch. With
-    `masked_targets` (targets may be -100, so micro-batches hold different numbers of targets) the step's
-    batches are drawn first, their targets counted and all-reduced once, and each micro-batch's summed loss
-    is scaled by world_size * grad_accum / global count: accelerate.backward divides by grad_accum and DDP
-    averages over ranks, which leaves sum / count. Without it (every position a target, equal counts) the
-    mean of micro-batch means is that same mean, with no extra collective."""
+    The gradient is that of the mean loss over every target token of the global batch. With `masked_targets` some
+    targets are -100, so micro-batches hold different numbers of targets. The step's targets are then counted and
+    all-reduced once, and each summed loss is scaled by world_size * grad_accum / global count: backward divides by
+    grad_accum and DDP averages over ranks, which leaves sum / count. Without masking, the mean of the micro-batch
+    means is that same mean, with no extra collective."""
     if isinstance(model, PipelinedGPT):  # the schedule runs the micro-batches through the stages
         loss_sum, norm = model.step(accelerator, [next_batch() for _ in range(grad_accum)], lrs, grad_clip,
                                     masked_targets)
@@ -93,8 +91,8 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizers: Seq
                 loss = loss * scale
             accelerator.backward(loss)  # divides by grad_accum: the step's gradient is the mean
         loss_sum += loss.detach()
-    # The global norm, the same on every rank; --grad_clip 0 measures it without clipping (a max norm of inf scales
-    # every gradient by exactly 1; under DeepSpeed, which clipped inside backward, its `gradient_clipping` 0 is off).
+    # The global norm, the same on every rank. --grad_clip 0 measures it without clipping: a max norm of inf scales by
+    # exactly 1. DeepSpeed clipped inside backward already (its `gradient_clipping` 0 is off).
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
     if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
         grad_norm = grad_norm.full_tensor()
@@ -107,9 +105,8 @@ def train_step(accelerator: Accelerator, model: torch.nn.Module, optimizers: Seq
 
 
 def set_learning_rates(optimizers: Sequence[torch.optim.Optimizer], lrs: Sequence[float]) -> None:
-    """`lrs[i]` into the param groups of optimizer i of the plan (`OptimizerPlan.names`); one optimizer standing for
-    several (DeepSpeed's Muon under ZeRO: `OptimizerSpec.zero_build`) gives each group the rate of the one it names
-    (`LR_OF`)."""
+    """Set `lrs[i]` on the param groups of the plan's optimizer i. Where one optimizer stands for several
+    (`OptimizerSpec.zero_build`), each group takes the LR of the one it names (`LR_OF`)."""
     if len(optimizers) == 1 and len(lrs) > 1:
         for group in optimizers[0].param_groups:
             group["lr"] = lrs[group[LR_OF]]
@@ -120,21 +117,20 @@ def set_learning_rates(optimizers: Sequence[torch.optim.Optimizer], lrs: Sequenc
 
 
 def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A batch on `device` without waiting for the copy: from pinned host memory to a GPU (a copy from pageable
-    memory would block the host), as it is elsewhere."""
+    """A batch on `device` without waiting for the copy. To a GPU it goes from pinned memory, since a copy from
+    pageable memory would block the host."""
     if device.type == "cuda" and not batch.is_pinned():
         batch = batch.pin_memory()
     return batch.to(device, non_blocking=True)
 
 
 class NonFinitePolicy:
-    """`--on_nan`: what follows an optimizer step whose loss or gradient norm was not finite: stop, naming the last
-    good checkpoint, or skip it, but never more than `--max_nan_skips` steps in a row (a run whose every step is
-    skipped is broken, not unlucky). The norm is global, so every rank decides alike.
+    """`--on_nan`: what follows a step whose loss or gradient norm was not finite. `stop` names the last good
+    checkpoint. `skip` skips the step, but at most `--max_nan_skips` in a row: a run whose every step is skipped is
+    broken, not unlucky. The norm is global, so every rank decides alike.
 
-    `stop` keeps the first such step on the device and `check` reads it before anything reads the weights or the
-    loss (a log line, an evaluation, a checkpoint): the run stops there, naming that step, as if it had stopped at
-    once. `skip` reads every step's norm (`train_step` has not applied that step)."""
+    `stop` keeps the first bad step on the device, and `check` reads it before anything reads the weights or the
+    loss. The run then stops naming that step, as if it had stopped at once. `skip` reads every step's norm."""
 
     def __init__(self, on_nan: str, max_nan_skips: int, run: RunDir, accelerator: Accelerator) -> None:
         self.on_nan, self.max_nan_skips, self.run, self.accelerator = on_nan, max_nan_skips, run, accelerator
@@ -163,7 +159,7 @@ class NonFinitePolicy:
                                f"row; --on_nan skip stops after {limit})")
 
     def check(self) -> None:
-        """`stop`: end the run if a step since the start was not finite (reads one number from the device)."""
+        """Under `stop`, end the run if any step so far was not finite. Reads one number from the device."""
         if self.first_bad is not None and (step := int(self.first_bad)) > 0:
             self._stop(step, "")
 

@@ -1,12 +1,11 @@
 """Where a run's wall time goes: the step, waiting for data, evaluations, checkpoints, and the rest.
 
-`RunClock` adds up this process's seconds by phase (`with clock.phase(DATA): ...`); what is not inside a phase is
-"other" (setup, logging, the export). It feeds three things, whose names are a contract (README, "Run folder"):
-- `metrics.jsonl` per logged step: `data_wait_s`, the seconds the slowest rank waited for its batches over the
-  steps since the last logged one (the step starts when every rank has its batches, so the slowest one counts);
-  on the steps they happen, `eval_s` (the evaluations after the step) and `checkpoint_s` (its save);
-- the log line: ` | data 7%` when the wait is more than `SHOW_DATA_ABOVE` of the logged steps' time;
-- the end of the run: one line splitting the wall time since the run started into the five.
+`RunClock` adds up this process's seconds by phase; time outside a phase is "other" (setup, logging, the export).
+It feeds three things, whose names are a contract (README, "Run folder"):
+- `metrics.jsonl`: `data_wait_s` per logged step, the slowest rank's wait since the last logged step (the step
+  starts when every rank has its batches). On the steps they happen, `eval_s` and `checkpoint_s`.
+- the log line: ` | data 7%` when the wait is over `SHOW_DATA_ABOVE` of the steps' time;
+- the end of the run: one line splitting its wall time into the five.
 """
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ class RunClock:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[Span]:
-        """Count the time inside the block as `name` (phases do not nest); the `Span` it gives holds the block's
-        seconds once it has ended."""
+        """Count the block's time as `name`; phases do not nest. The `Span` holds the seconds once the block ends."""
         span, start = Span(), time.perf_counter()
         try:
             yield span
@@ -49,7 +47,7 @@ class RunClock:
             self._unread[name] += span.seconds
 
     def since_last(self, name: str) -> float:
-        """Seconds of `name` since the last call for it (since the start for the first), then start over."""
+        """Seconds of `name` since the last call for it, then start over."""
         seconds, self._unread[name] = self._unread[name], 0.0
         return seconds
 

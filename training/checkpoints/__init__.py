@@ -1,2 +1,2 @@
-"""Checkpoints: which one a run resumes from, saving and loading them under every engine, their manifest, a
-checkpoint moved between engines, the disk checks before a run, and the export of `final/`."""
+"""Checkpoints under every engine: saving and loading them, their manifest, which one to resume, moving one between
+engines, the disk checks before a run, and the export of `final/`."""

@@ -41,15 +41,13 @@ from training.distributed.prepare import outside_accelerate
 
 
 def _quiet_tied_weight_warning(record: logging.LogRecord) -> bool:
-    # save_state drops the tied lm_head.weight (it is wte.weight) and warns at every save; the model
-    # re-ties it when loading, so the warning is noise.
+    # save_state drops the tied lm_head.weight and warns at every save; loading re-ties it, so the warning is noise.
     return "Removed shared tensor" not in record.getMessage()
 
 
 def use_adapter_checkpoints(accelerator: Accelerator, lora: bool) -> None:
-    """For a LoRA run (`lora`), make `save_state`/`load_state` save and load a model with adapters as its adapter
-    only (`adapter_model.safetensors`, `adapter_config.json`: `model.lora`), not its frozen base; optimizer, RNG
-    and data states are saved as for any run, and the manifest covers every file. Nothing for any other run."""
+    """For a LoRA run, make `save_state`/`load_state` save and load the adapter only (`model.lora`), not the frozen
+    base. Optimizer, RNG and data states are saved as for any run. A no-op for other runs."""
     if not lora:
         return
 
@@ -58,7 +56,7 @@ def use_adapter_checkpoints(accelerator: Accelerator, lora: bool) -> None:
         return module if has_adapters(module) else None
 
     def save_adapters_only(models: list, weights: list, output_dir: str) -> None:
-        # accelerate saves weights[i] as model(_i).safetensors: a model whose entry is removed is saved here instead.
+        # accelerate saves what is left in `weights`; the adapter is saved here instead.
         from safetensors.torch import save_file
 
         for i in reversed(range(len(models))):
@@ -69,7 +67,7 @@ def use_adapter_checkpoints(accelerator: Accelerator, lora: bool) -> None:
                 weights.pop(i)
 
     def load_adapters(models: list, input_dir: str) -> None:
-        # accelerate loads every model left in `models` from model(_i).safetensors: this one is loaded here.
+        # accelerate loads what is left in `models`; the adapter is loaded here instead.
         from safetensors.torch import load_file
 
         for model in list(models):
@@ -93,12 +91,11 @@ def save_checkpoint(
     model: torch.nn.Module | None = None,
     trained: list[torch.optim.Optimizer] = (),
 ) -> Path:
-    """Save everything needed to resume after optimizer step `progress.step`; call on every rank.
-    `optimizers`: the names of the prepared optimizers, in order; `engine`: the one that runs (recorded, with its
-    tensor-parallel and pipeline degrees); `model`: a pipeline's stage (`PipelinedGPT`) writes the whole model's
-    files itself (accelerate prepares neither it nor its optimizers); `trained`: the run's optimizers, of which those
-    kept out of accelerate under FSDP2 (`training.distributed.prepare`) are saved here. Returns the published
-    checkpoint folder."""
+    """Save what a resume after step `progress.step` needs, and return the published folder. Call on every rank.
+
+    `optimizers` names the prepared optimizers in order; `engine` is recorded with its degrees. A pipeline stage
+    (`model`) writes the whole model's files itself, since accelerate prepares neither it nor its optimizers. Of
+    `trained`, those kept out of accelerate under FSDP2 (`training.distributed.prepare`) are saved here."""
     final = run.checkpoint(progress.step)
     tmp = temp_path(final)
     if accelerator.is_main_process:
@@ -127,7 +124,7 @@ def save_checkpoint(
             (tmp / RUN_STATE).write_text(json.dumps(run_state, indent=2))
             write_manifest(tmp)
             rename_into_place(tmp, final)  # replaces a same-step checkpoint of an earlier attempt
-        # Everything older than the kept ones goes, also a folder a crash left half-deleted (no longer complete).
+        # Delete everything older than the kept ones, also a folder a crash left half-deleted.
         oldest_kept = checkpoint_step(run.list_checkpoints()[-keep_last:][0])  # the one just published, at least
         for old in run.checkpoints.iterdir():
             if (step := checkpoint_step(old)) is not None and step < oldest_kept:
@@ -138,10 +135,9 @@ def save_checkpoint(
 
 @contextmanager
 def _disk_errors_as_user_errors(run: RunDir, tmp: Path, final: Path) -> Iterator[None]:
-    """A full disk or a folder that became unwritable while saving `run`'s checkpoint `final`: remove the partial
-    checkpoint and say so in one line (the published checkpoints are untouched: a save only ever renames a finished
-    folder into place), and what there is to continue from. Under several processes only the rank that failed
-    knows; the others stop at their next collective."""
+    """Turn a full disk or an unwritable folder during a save into one line, after removing the partial checkpoint.
+    Published checkpoints are untouched, since a save only renames a finished folder into place. Under several
+    processes only the failing rank knows; the others stop at their next collective."""
     try:
         yield
     except (OSError, SafetensorError, RuntimeError) as err:
@@ -156,9 +152,9 @@ def _disk_errors_as_user_errors(run: RunDir, tmp: Path, final: Path) -> Iterator
 
 
 def _data_state_index(accelerator: Accelerator, model: torch.nn.Module | None) -> tuple[int, bool]:
-    """Which data_state_rank{i}.json is this rank's, and whether it writes it: its process index; in a pipeline, its
-    data-parallel rank, written by the first stage (the stages read the same batches), so that the files are those
-    of a DDP run of as many processes as there are pipelines."""
+    """This rank's data_state_rank{i}.json, and whether it writes it. In a pipeline, i is the data-parallel rank and
+    the first stage writes it (the stages read the same batches): the files of a DDP run with one process per
+    pipeline."""
     if isinstance(model, PipelinedGPT):
         return model.pipeline.replica, model.pipeline.first
     return accelerator.process_index, True
@@ -172,10 +168,10 @@ def _fsdp_outside(accelerator: Accelerator, trained: list) -> list[tuple[int, to
 def load_checkpoint(accelerator: Accelerator, point: ResumePoint, gpt_config: GPTConfig,
                     optimizers: tuple[str, ...], model: torch.nn.Module | None = None,
                     trained: list[torch.optim.Optimizer] = (), move: Move | None = None) -> dict[str, Any]:
-    """Restore accelerate's state from `point` into the prepared model and `optimizers` (their names, in order),
-    or a pipeline's stage (`model`) from the whole model's files; under `move` (another engine's checkpoint), the
-    checkpoint read whole into the prepared `model` and optimizers (`trained`); return this rank's data-loader
-    state."""
+    """Restore `point` into the prepared model and optimizers, and return this rank's data-loader state.
+
+    A pipeline stage (`model`) reads its part of the whole model's files. Under `move` (another engine's checkpoint)
+    the checkpoint is read whole into `model` and `trained`."""
     current = asdict(gpt_config)
     diffs = [f"{k}: checkpoint {point.gpt_config.get(k)!r} vs now {v!r}" for k, v in current.items()
              if point.gpt_config.get(k) != v]
@@ -187,8 +183,8 @@ def load_checkpoint(accelerator: Accelerator, point: ResumePoint, gpt_config: GP
         raise UserError(f"{point.path} was trained with {saved}, this run has {now}; resume with the optimizer "
                         "it was saved with")
     own = point.path / data_state_file(_data_state_index(accelerator, model)[0])
-    # The strided loaders keep one global cursor, so rank 0's state serves a new rank after a world-size change;
-    # loaders that cannot follow such a change refuse it in their load_state_dict.
+    # The strided loaders keep one global cursor, so rank 0's state serves a rank added by a world-size change.
+    # Loaders that cannot follow such a change refuse it in their load_state_dict.
     data_state = read_json(own if own.is_file() else point.path / data_state_file(0))
     saved_world = point.world_size
     if move is not None:
@@ -208,21 +204,20 @@ def load_checkpoint(accelerator: Accelerator, point: ResumePoint, gpt_config: GP
                 load_fsdp_optimizer(accelerator.state.fsdp_plugin, accelerator, optimizer, model, str(point.path),
                                     index)
     except (OSError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as err:
-        # verify_checkpoint found every file intact: what is left is a checkpoint of another kind of run
-        # (e.g. another optimizer or parameter layout) or a file changed since.
+        # verify_checkpoint found every file intact, so this is another kind of run's checkpoint or a changed file.
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise UserError(f"cannot load checkpoint {point.path} ({type(err).__name__}: {first[:200]}); resume it with "
                         "the settings it was saved with, or from another checkpoint") from None
-    # load_state restores accelerate's micro-step counter, which decides when `accumulate` syncs. Checkpoints
-    # sit on optimizer-step boundaries, so the right count is 0: a restored count with another accumulation
-    # (after a change of world size or micro-batch) would put every sync mid-window and silently stop updates.
+    # load_state restores accelerate's micro-step counter, which decides when `accumulate` syncs. Checkpoints sit on
+    # optimizer-step boundaries, so the count is 0. A restored count under another accumulation (a new world size
+    # or micro-batch) would put every sync mid-window and silently stop updates.
     accelerator.step = 0
     return data_state
 
 
 class Checkpointer:
-    """Saves a run's checkpoints, and never one whose weights no longer compute a finite loss (so the
-    newest checkpoint is always one a resume can continue from, and rotation never removes the last good one)."""
+    """Saves a run's checkpoints, never one whose weights give a non-finite loss. So the newest checkpoint can always
+    be resumed, and rotation never removes the last good one."""
 
     def __init__(self, accelerator: Accelerator, run: RunDir, gpt_config: GPTConfig, optimizers: tuple[str, ...],
                  keep_last: int, healthy: Callable[[torch.nn.Module], bool], engine: Engine,
@@ -231,8 +226,7 @@ class Checkpointer:
         self.optimizers, self.healthy, self.engine, self.trained = optimizers, healthy, engine, list(trained)
 
     def save(self, model: torch.nn.Module, progress: Progress, data_state: dict[str, Any]) -> Path:
-        """Check the weights (on every rank: `healthy` may run collectives), then `save_checkpoint`; returns the
-        checkpoint folder."""
+        """Check the weights, then `save_checkpoint`. Call on every rank: `healthy` may run collectives."""
         if not self.healthy(model):
             raise UserError(f"the weights after step {progress.step} give a non-finite loss, so they were not saved; "
                             f"last good checkpoint: {self.run.latest_checkpoint()}. Lower --lr (or lengthen "

@@ -1,9 +1,9 @@
-"""A DDP run's checkpoint files: the format a pipeline writes and the one a move into a pipeline goes through.
+"""A DDP run's checkpoint files, which a pipeline writes too, and which a move into a pipeline goes through.
 
 `model.safetensors` holds the whole model under our names, without the tied output layer. `optimizer.bin` (and
-`optimizer_1.bin`) is torch's optimizer state dict, its parameters numbered as one process's optimizers number the
-whole model (`whole_groups`). accelerate's `save_state` writes these files for DDP and one process; a pipeline's
-stages gather their parts and write the same files, so any of them resumes another.
+`optimizer_1.bin`) is torch's optimizer state dict, numbered as one process's optimizers number the whole model
+(`whole_groups`). accelerate writes these files for DDP and one process. A pipeline's stages gather their parts and
+write the same files, so each of these runs resumes the others.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ _GROUPS: dict[tuple[str, str], Groups] = {}
 
 
 def whole_groups(config: GPTConfig, plan: OptimizerPlan) -> Groups:
-    """How one process's optimizers number the whole model's parameters (a model on the meta device and its
-    optimizers), computed once per model and optimizer."""
+    """How one process's optimizers number the whole model's parameters, computed once per model and optimizer on
+    the meta device."""
     key = (repr(config), plan.kind)
     if key not in _GROUPS:
         with torch.device("meta"):
@@ -38,9 +38,9 @@ def whole_groups(config: GPTConfig, plan: OptimizerPlan) -> Groups:
 
 def write(folder: Path, weights: dict[str, torch.Tensor], states: list[dict[str, dict[str, Any]]], groups: Groups,
           settings: list[list[dict[str, Any]]] | None = None) -> None:
-    """Write the whole model: `weights` by name (the tied output layer left out here), each optimizer's state by
-    parameter name, numbered by `groups`; `settings`: each optimizer's param groups' hyper-parameters (None: none
-    saved, a loader keeps its own)."""
+    """Write the whole model: `weights` by name, without the tied output layer, and each optimizer's state by name,
+    numbered by `groups`. `settings` holds each param group's hyper-parameters; None saves none, and a loader keeps
+    its own."""
     from safetensors.torch import save_file
 
     kept = {name: t.contiguous() for name, t in weights.items() if name != "lm_head.weight"}
@@ -63,8 +63,8 @@ def load_into_stage(model: PipelinedGPT, folder: Path) -> None:
 
 
 def save_from_stages(model: PipelinedGPT, folder: Path) -> None:
-    """Write a pipeline's whole model and optimizer state, gathered from its stages, into `folder` (on the main
-    process; call on every rank)."""
+    """Write a pipeline's whole model and optimizer state, gathered from its stages, into `folder`. Call on every
+    rank; the main process writes."""
     gathered = model.gather_whole()
     if gathered is not None:
         weights, states, settings = gathered
@@ -78,8 +78,8 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def read_optimizer(folder: Path, index: int, groups: list[list[str]]) -> tuple[dict[str, dict], list[dict]]:
-    """Optimizer `index`'s state by parameter name (`groups`: its param groups' names, as `whole_groups` gives
-    them), and its param groups' saved hyper-parameters."""
+    """Optimizer `index`'s state by parameter name, and its param groups' saved hyper-parameters. `groups` is what
+    `whole_groups` gives for it."""
     path = folder / optimizer_file(index)
     saved = torch.load(path, map_location="cpu", weights_only=True)
     flat = [name for group in groups for name in group]

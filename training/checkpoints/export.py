@@ -1,5 +1,5 @@
-"""The end of a finished run: `final/`, the model as a Hugging Face GPT-2 folder; for a LoRA run also
-`final_adapter/`, the adapter as a PEFT folder (`final/` then holds the base with the adapter merged in)."""
+"""The end of a finished run: `final/`, the model as a Hugging Face GPT-2 folder. A LoRA run also writes
+`final_adapter/`, the adapter as a PEFT folder; its `final/` holds the base with the adapter merged in."""
 from __future__ import annotations
 
 import os
@@ -28,12 +28,12 @@ from training.distributed.pipeline import PipelinedGPT
 def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConfig, run: RunDir,
                  last_val: tuple[int, float] | None = None, init_weights: Weights | None = None,
                  tensor_parallel: int = 1, hellaswag_data: str | None = None) -> None:
-    """Write `final/` from the trained weights (gathered from every rank under FSDP and ZeRO), atomically; call on
-    every rank. Then say where it is, the run's last validation loss (`last_val`: step, loss) and what to run next.
-    `init_weights`: what `--init_from` resolved to, the base a LoRA run's `final_adapter/` names.
-    `hellaswag_data`: the run's local HellaSwag file, if any, for the next line's HellaSwag command.
-    `tensor_parallel`: the run's degree, whose head-group order of `c_attn` final/ does not keep (it is the Hugging
-    Face layout, whatever the degree)."""
+    """Write `final/` atomically from the trained weights, then print where it is, the last validation loss
+    (`last_val`: step, loss) and what to run next. Call on every rank.
+
+    `init_weights` is the base a LoRA run's `final_adapter/` names. `hellaswag_data` is the run's HellaSwag file, if
+    any, for the suggested command. `tensor_parallel` is the run's degree, whose head-group order of `c_attn` is
+    undone: `final/` has Hugging Face's layout whatever the degree."""
     module = unwrapped(model)
     if has_adapters(module):  # LoRA (DDP only): the adapter first, final/ last marks the end
         if accelerator.is_main_process:
@@ -46,9 +46,8 @@ def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConf
                               f"{run.final_adapter}")
             accelerator.print(next_steps(run, last_val, hellaswag_data))
         return
-    # The whole weights on the main process (gathered to the CPU under FSDP and ZeRO, and from a pipeline's stages;
-    # DeepSpeed's fp32 master copy),
-    # written as they are, with no second model built to hold a copy of them.
+    # The whole weights on the main process: gathered to the CPU under FSDP and ZeRO (DeepSpeed's fp32 master copy),
+    # or from a pipeline's stages. They are written as they are: no second model holds a copy.
     state_dict = model.full_state_dict() if isinstance(model, PipelinedGPT) else full_state_dict(accelerator, model)
     if accelerator.is_main_process:
         state_dict = natural_order(strip_wrapper_prefixes(state_dict), arch.n_embd, tensor_parallel)
@@ -58,9 +57,8 @@ def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConf
 
 
 def next_steps(run: RunDir, last_val: tuple[int, float] | None, hellaswag_data: str | None = None) -> str:
-    """The run's last line but one: its validation loss and the commands to run next, each of which runs as written,
-    offline too: HellaSwag on the run's own `--hellaswag_data`, else on the items the repository ships (without
-    `--data` eval.hellaswag reads the Hub)."""
+    """The run's last line but one: its validation loss and the commands to run next. Each runs as written, offline
+    too: HellaSwag reads the run's `--hellaswag_data`, else the items the repository ships, not the Hub."""
     result = f"validation loss {last_val[1]:.4f} at step {last_val[0]}; " if last_val else ""
     if hellaswag_data:
         hellaswag = f"--data {hellaswag_data}"

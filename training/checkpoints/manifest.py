@@ -31,8 +31,8 @@ from training.checkpoints.resume import ResumePoint, fallback_advice
 
 
 def _required_files(point: ResumePoint) -> list[str]:
-    """What a resume reads: our state files (and the manifest, for checkpoints that have one), every saved
-    rank's RNG and data state, the model and each optimizer (files, or folders of FSDP's sharded state)."""
+    """What a resume reads: our state files and manifest, every saved rank's RNG and data state, the model and
+    each optimizer."""
     names = [GPT_CONFIG, RUN_STATE] + ([MANIFEST] if point.run_state.get("format", 1) >= FORMAT else [])
     names += [rng_state_file(rank) for rank in range(point.world_size)]
     names += [data_state_file(rank) for rank in range(point.data_ranks)]
@@ -46,10 +46,7 @@ def _required_files(point: ResumePoint) -> list[str]:
 
 
 def verify_checkpoint(point: ResumePoint) -> None:
-    """Check that everything `load_checkpoint` will read is present and unchanged since it was saved.
-
-    Checkpoints written before manifests existed are checked for the presence of every file and readable RNG
-    states only."""
+    """Check that everything `load_checkpoint` will read is present and unchanged since it was saved."""
     advice = fallback_advice(point.path)
     for name in _required_files(point):
         if not (point.path / name).exists():

@@ -1,30 +1,26 @@
-"""Checkpoints that move: a checkpoint resumed under another engine, tensor-parallel degree or (for ZeRO) number of
-processes than the launch that saved it.
+"""Checkpoints that move: resumed under another engine, tensor-parallel degree or (for ZeRO) number of processes
+than the launch that saved them.
 
-Each engine saves in its own format (DDP: whole files; FSDP2: torch's distributed checkpoint of its shards;
-DeepSpeed: one optimizer partition per rank, laid out by its ZeRO stage). A resume on the engine that saved it reads
-them with accelerate's `load_state` (bit-exact; FSDP2 also reshards over another number of processes). Anything else
-goes through the checkpoint's state read whole (`WholeState`): the model's weights and each optimizer's state, both
-by parameter name, c_attn in the Hugging Face order, on every rank; then each rank takes its own piece of it:
+Each engine saves in its own format: DDP whole files, FSDP2 torch's distributed checkpoint of its shards, DeepSpeed
+one optimizer partition per rank. The engine that saved a checkpoint reads it with accelerate's `load_state`, bit
+for bit (FSDP2 also reshards over another number of processes). Any other launch reads the state whole
+(`WholeState`): weights and optimizer states by parameter name, c_attn in Hugging Face's order. Then each rank takes
+its own piece:
 
-- DDP, FSDP2 and tensor parallelism (torch's parameters, plain or DTensors): every parameter and every tensor of its
-  optimizer state copied in, a DTensor keeping its own shard (`distribute_tensor(..., src_data_rank=None)`: each rank
-  holds the whole, so nothing is sent).
-- a pipeline's stage: the whole state written as a DDP run's files in a scratch folder (`ddp_files`), which
-  its stage reads as it reads a pipeline checkpoint.
-- DeepSpeed ZeRO-1/2/3: the whole state written in DeepSpeed's universal checkpoint layout (one folder per parameter:
-  fp32, exp_avg, exp_avg_sq, step) in a scratch folder of the temp directory, once per node (by its first process),
-  which every rank's ZeRO optimizer loads partition by partition; removed after.
+- DDP, FSDP2 and tensor parallelism: every tensor is copied in, a DTensor keeping its own shard. Each rank holds the
+  whole, so `distribute_tensor(..., src_data_rank=None)` sends nothing.
+- A pipeline stage: the state is written as a DDP run's files in a scratch folder (`ddp_files`), which the stage
+  reads as it reads a pipeline checkpoint.
+- DeepSpeed ZeRO-1/2/3: one process per node writes the state in DeepSpeed's universal checkpoint layout in a
+  scratch folder. Every rank's ZeRO optimizer loads its partitions from it; the folder is removed after.
 
-Under DDP and FSDP2 every process reads the whole state once (12 bytes a parameter with AdamW: fp32 weights and two
-moments), held in CPU memory for the seconds of the load: the price of reading any layout into any other without a
-conversion step; under ZeRO one process per node reads it, and writes it to the scratch folder.
+Under DDP and FSDP2 every process holds the whole state in CPU memory for the seconds of the load (12 bytes a
+parameter with AdamW). That is the price of reading any layout into any other without a conversion step.
 
-The step, the tokens, the learning rate (a function of the step) and the data position (the loaders keep one global
-cursor) carry over; so do the RNG streams (dropout) on as many processes as saved them, each rank its own; on another
-number they start afresh, which the run announces and config.yaml's `resumes:` records. The optimization is the
-same: the resumed run ends within float rounding of the run that never moved (summation orders differ between
-engines), not bit for bit.
+The step, tokens, learning rate and data position carry over (the loaders keep one global cursor). The RNG streams
+(dropout) carry over on as many processes as saved them; on another number they start afresh, which the run
+announces and config.yaml's `resumes:` records. The resumed run ends within float rounding of one that never moved,
+not bit for bit: summation orders differ between engines.
 """
 from __future__ import annotations
 
@@ -67,13 +63,13 @@ class Move:
 
     @property
     def keeps_random_streams(self) -> bool:
-        """Whether every rank's RNG state carries over: the same number of processes, each resuming its own
-        stream (`restore_random_streams`); with another number, some ranks' streams have no owner or no state."""
+        """Whether every rank's RNG state carries over. It needs the same number of processes; with another, some
+        ranks' streams have no owner or no state."""
         return self.world == self.saved_world
 
     @property
     def not_carried(self) -> str | None:
-        """What the move cannot carry over (config.yaml's `resumes:` records it), None when it carries everything."""
+        """What the move cannot carry over, for config.yaml's `resumes:`; None when it carries everything."""
         return None if self.keeps_random_streams else NOT_CARRIED
 
     @property
@@ -96,9 +92,9 @@ NOT_CARRIED = "per-rank random streams (dropout)"  # what a move cannot carry: t
 
 
 def checkpoint_move(point: ResumePoint | None, engine: Engine, world_size: int, plan: OptimizerPlan) -> Move | None:
-    """The `Move` resuming `point` under `engine` on `world_size` processes makes; None when the engine that saved it
-    reads it itself (the same engine and degree; for DeepSpeed also the same number of processes: its partitions do
-    not reshard). A pipeline's checkpoint is a DDP run's files, whatever the degree."""
+    """The `Move` of resuming `point` under `engine` on `world_size` processes. None where the saving engine reads it
+    itself: the same engine and degree, and for DeepSpeed the same number of processes (its partitions do not
+    reshard). A pipeline's checkpoint is a DDP run's files, whatever the degree."""
     if point is None:
         return None
     saved = Engine.of_record(point.engine)
@@ -119,9 +115,8 @@ def checkpoint_move(point: ResumePoint | None, engine: Engine, world_size: int, 
 
 @dataclass
 class WholeState:
-    """A checkpoint's state, whole, by parameter name (the names of our GPT, c_attn in the Hugging Face order):
-    `weights`, and for each of the run's optimizers (in order) each parameter's state (AdamW: exp_avg, exp_avg_sq,
-    step; Muon: momentum_buffer)."""
+    """A checkpoint's state, whole, by our GPT's parameter names, c_attn in Hugging Face's order: `weights`, and each
+    optimizer's state per parameter (AdamW: exp_avg, exp_avg_sq, step; Muon: momentum_buffer)."""
 
     weights: dict[str, torch.Tensor]
     optimizers: list[dict[str, dict[str, Any]]]
@@ -139,8 +134,7 @@ class WholeState:
 
 
 def read_whole(point: ResumePoint, config: GPTConfig, plan: OptimizerPlan) -> WholeState:
-    """`point`'s weights and optimizer states, whole, on this process (every rank reads them; they are the size of
-    one DDP checkpoint)."""
+    """`point`'s weights and optimizer states, whole, on this process: the size of one DDP checkpoint."""
     _, weights = read_checkpoint(point.path)
     engine = Engine.of_record(point.engine)
     if engine.kind == FSDP:
@@ -155,8 +149,7 @@ def read_whole(point: ResumePoint, config: GPTConfig, plan: OptimizerPlan) -> Wh
 
 
 def _read_fsdp_optimizer(folder: Path, config: GPTConfig, degree: int) -> dict[str, dict[str, Any]]:
-    """FSDP2's optimizer shards (accelerate's `save_fsdp_optimizer`: state by parameter name), merged; under tensor
-    parallelism c_attn's rows back in the Hugging Face order."""
+    """FSDP2's optimizer shards merged by parameter name, c_attn's rows back in Hugging Face's order."""
     states = strip_wrapper_prefixes(read_distributed_checkpoint(folder).get("optimizer", {}).get("state", {}))
     keys = {key for state in states.values() for key in state}
     by_key = {key: natural_order({name: s[key] for name, s in states.items() if key in s}, config.n_embd, degree)
@@ -165,8 +158,8 @@ def _read_fsdp_optimizer(folder: Path, config: GPTConfig, degree: int) -> dict[s
 
 
 def _read_zero_optimizer(folder: Path) -> dict[str, dict[str, Any]]:
-    """DeepSpeed ZeRO's AdamW state: each rank's partition of every moment merged whole by DeepSpeed's own
-    zero_to_fp32 code (the moments are laid out as the fp32 master weights it merges)."""
+    """DeepSpeed ZeRO's AdamW state, merged whole by DeepSpeed's own zero_to_fp32 code. The moments are laid out as
+    the fp32 master weights it merges."""
     with deepspeed_quietly():
         return _merge_zero_moments(folder)
 
@@ -199,11 +192,11 @@ def _merge_zero_moments(folder: Path) -> dict[str, dict[str, Any]]:
 
 def load_moved(point: ResumePoint, move: Move, config: GPTConfig, model: torch.nn.Module, optimizers: list,
                accelerator: Accelerator) -> None:
-    """Load `point` into this rank's prepared `model` and `optimizers` under `move` (the module docstring), and
-    this rank's random stream where it carries over; on every rank."""
+    """Load `point` into this rank's prepared `model` and `optimizers`, and its random stream where that carries over.
+    Call on every rank."""
     if move.now.kind == DEEPSPEED:
-        # one folder per checkpoint path: the processes of a node agree on it, and no other launch uses it (the run
-        # folder's lock keeps a second resume of the same checkpoint out)
+        # One folder per checkpoint path, so a node's processes agree on it. The run folder's lock keeps any other
+        # launch out of it.
         digest = hashlib.sha256(str(point.path.resolve()).encode()).hexdigest()[:16]
         scratch = Path(tempfile.gettempdir()) / f"gpt2-accelerate-moved-{digest}"
         _load_into_zero(lambda: read_whole(point, config, move.plan), model, accelerator, scratch)
@@ -215,8 +208,8 @@ def load_moved(point: ResumePoint, move: Move, config: GPTConfig, model: torch.n
 
 def load_whole(state: WholeState, model: torch.nn.Module, optimizers: list, config: GPTConfig,
                engine: Engine) -> None:
-    """Give this rank's torch model (plain, sharded, split or a pipeline's stage) and optimizers their pieces of
-    `state` (see the module docstring)."""
+    """Give this rank's torch model (plain, sharded, split or a pipeline stage) and optimizers their pieces of
+    `state`."""
     if isinstance(model, PipelinedGPT):
         with tempfile.TemporaryDirectory(prefix="moved-") as scratch:
             groups = ddp_files.whole_groups(config, model.plan)
@@ -237,9 +230,9 @@ def _whole_names(config: GPTConfig) -> list[str]:
 
 
 def _piece(value: Any, like: torch.Tensor) -> Any:
-    """`value` (a whole tensor of `like`'s shape) as `like` holds it: a DTensor's own shard, on its device; a tensor
-    of another shape (AdamW's step) as it is. Always a copy: an optimizer updates its state in place, and a tensor
-    two parameters shared would advance twice."""
+    """`value`, whole, as `like` holds it: a DTensor's own shard, on its device. A tensor of another shape (AdamW's
+    step) stays as it is. Always a copy: an optimizer updates its state in place, so a shared tensor would advance
+    twice."""
     if not torch.is_tensor(value):
         return value
     if value.shape != like.shape:
@@ -282,10 +275,11 @@ def _parallel_states(states: dict[str, dict[str, Any]], n_embd: int, degree: int
 
 
 def _load_into_zero(read: Callable[[], WholeState], engine: Any, accelerator: Accelerator, scratch: Path) -> None:
-    """DeepSpeed's ZeRO optimizer loads the checkpoint from its universal checkpoint layout in `scratch`, which one
-    process per node writes (`read()`: the whole state; the others neither read nor write it): each rank takes its
-    partition of the fp32 master weights and of AdamW's moments; ZeRO-1/2 then copy the master weights into the
-    model's (ZeRO-3's partitions are the model's). `scratch` is removed after."""
+    """Load the whole state (`read()`) into DeepSpeed's ZeRO optimizer through the universal checkpoint layout.
+
+    One process per node reads and writes it in `scratch`; each rank loads its partition of the fp32 master weights
+    and AdamW's moments. ZeRO-1/2 then copy the master weights into the model's; ZeRO-3's partitions are the model's.
+    `scratch` is removed after."""
     optimizer = engine.optimizer
     base = optimizer.optimizer
     hyper = [{k: v for k, v in group.items() if k != "params"} for group in base.param_groups]
@@ -305,8 +299,8 @@ def _load_into_zero(read: Callable[[], WholeState], engine: Any, accelerator: Ac
         if not done.is_file():
             raise UserError(f"the moved checkpoint could not be written in {scratch} (the first process of this node "
                             "says why); free space there (or set TMPDIR) and resume again", on_every_rank=True)
-        # as DeepSpeed's own load_checkpoint brackets it: ZeRO-3 releases every gathered parameter first, and after
-        # gathers its persistent ones (the small parameters each rank keeps whole) from the loaded partitions
+        # Bracketed as DeepSpeed's own load_checkpoint does: ZeRO-3 first releases every gathered parameter, then
+        # gathers its persistent ones (small parameters each rank keeps whole) from the loaded partitions.
         for event in ("checkpoint_event_prologue", None, "checkpoint_event_epilogue"):
             if event is None:
                 optimizer._load_universal_checkpoint(str(scratch), load_optimizer_states=True,
@@ -317,9 +311,11 @@ def _load_into_zero(read: Callable[[], WholeState], engine: Any, accelerator: Ac
         accelerator.wait_for_everyone()
         if accelerator.is_local_main_process:
             shutil.rmtree(scratch, ignore_errors=True)
-    for group, own in zip(base.param_groups, hyper, strict=True):  # ZeRO-3 gives every group the first one's
-        group.update(own)  # settings (the weight decay of the matrices to the biases and LayerNorms too)
-    for saved in base.state.values():  # and one step tensor to all, which AdamW then advanced once per group
+    # ZeRO-3 gives every group the first one's settings (the matrices' weight decay to biases and LayerNorms too),
+    # and one step tensor to all, which AdamW would then advance once per group.
+    for group, own in zip(base.param_groups, hyper, strict=True):
+        group.update(own)
+    for saved in base.state.values():
         if torch.is_tensor(saved.get("step")):
             saved["step"] = saved["step"].clone()
     if engine.zero_optimization_stage() < 3:
@@ -327,9 +323,9 @@ def _load_into_zero(read: Callable[[], WholeState], engine: Any, accelerator: Ac
 
 
 def _write_universal(state: WholeState, optimizer: Any, hyper: list[dict], zero: Path) -> None:
-    """`state` in DeepSpeed's universal checkpoint layout under `zero`: a folder per parameter (DeepSpeed's name for
-    it) with fp32.pt, exp_avg.pt, exp_avg_sq.pt ({"param": whole tensor}) and step.pt, and optimizer_state.pt (the
-    groups' settings: this run's own, which the load keeps)."""
+    """`state` in DeepSpeed's universal checkpoint layout under `zero`. Each parameter gets a folder, by DeepSpeed's
+    name, with fp32.pt, exp_avg.pt, exp_avg_sq.pt ({"param": whole tensor}) and step.pt. optimizer_state.pt holds
+    this run's group settings, which the load keeps."""
     import deepspeed
 
     step = None
@@ -352,10 +348,8 @@ def _write_universal(state: WholeState, optimizer: Any, hyper: list[dict], zero:
 
 
 def restore_random_streams(checkpoint: Path, rank: int) -> None:
-    """This process's RNG states from `checkpoint` (accelerate's `random_states_<rank>.pkl`, which every engine
-    writes, read weights-only as accelerate reads it; training.checkpoints.manifest verified it): Python's, NumPy's,
-    torch's CPU
-    generator and, where there is one, the GPUs'."""
+    """Restore this process's RNG states from `checkpoint`: Python's, NumPy's, torch's CPU generator and the GPUs'.
+    Every engine writes accelerate's `random_states_<rank>.pkl`; it is read weights-only, as accelerate reads it."""
     import random
 
     import numpy as np

@@ -15,8 +15,7 @@ from pathlib import Path
 
 from common.errors import UserError
 
-# A checkpoint holds fp32 weights (4 bytes per parameter) and AdamW's two fp32 moments (8 bytes); 4 more
-# bytes per parameter cover the RNG and data states and the file formats' overhead.
+# fp32 weights (4 bytes a parameter) and AdamW's two fp32 moments (8); 4 more cover the other files and overhead.
 BYTES_PER_PARAM = 16
 
 
@@ -29,10 +28,8 @@ def nearest_existing(path: str | Path) -> Path:
 
 
 def check_out_dir_writable(out_dir: str | Path) -> None:
-    """Raise UserError unless a file can be created in `out_dir` (or, while it does not exist yet, in the
-    nearest existing folder above it, where it will be created). Tested by creating and deleting a
-    temporary file, which catches read-only mounts and missing permissions alike (also for root, whom
-    `os.access` does not refuse)."""
+    """Raise UserError unless a file can be created in `out_dir`, or in the nearest existing folder above it. A
+    temporary file is created and deleted: unlike `os.access`, that catches read-only mounts, also for root."""
     folder = nearest_existing(out_dir)
     if not folder.is_dir():
         raise UserError(f"--out_dir {out_dir}: {folder} is a file, so the run folder cannot be created there; "

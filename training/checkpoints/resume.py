@@ -1,11 +1,9 @@
 """Which checkpoint a run continues from, and what it may never do to a run folder (the resume policy).
 
-`--resume latest` is the newest complete checkpoint of `--out_dir`; a path is that checkpoint, or the newest
-of that run folder. A new run never writes over another (a folder holding checkpoints, a final model or the
-metrics of a run killed before its first checkpoint); a checkpoint from elsewhere never resumes into a folder
-that holds a run; an older checkpoint of the folder itself may, and its newer ones are then set aside in
-`superseded/`, never deleted. Whether a checkpoint's files are intact is `training.checkpoints.manifest`'s job; loading
-them is `training.checkpoints.checkpoint`'s.
+`--resume latest` is the newest complete checkpoint of `--out_dir`; a path is that checkpoint, or the newest of that
+run folder. A new run never writes over another. A checkpoint from elsewhere never resumes into a folder that holds
+a run. An older checkpoint of the folder itself may, and its newer ones are set aside in `superseded/`, never
+deleted. `training.checkpoints.manifest` checks the files; `training.checkpoints.checkpoint` loads them.
 """
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ from typing import Any
 from common.errors import UserError
 from common.run_dir import FSDP_MODEL_DIR, GPT_CONFIG, RUN_STATE, RunDir, checkpoint_step
 
-# Optimizers a checkpoint was saved with, in accelerate's order (optimizer.bin, optimizer_1.bin, ...). Checkpoints
-# record their names; older ones recorded only how many there were, which meant these.
+# Older checkpoints recorded only how many optimizers they held, which meant these (in accelerate's file order).
 _OPTIMIZERS_BY_COUNT = {1: ("adamw",), 2: ("adamw", "muon")}
 
 
@@ -50,7 +47,7 @@ class ResumePoint:
 
     @property
     def optimizers(self) -> tuple[str, ...]:
-        """The names of the optimizers the checkpoint holds the state of, e.g. ("adamw", "muon")."""
+        """The optimizers whose state the checkpoint holds, e.g. ("adamw", "muon")."""
         saved = self.run_state.get("optimizers", 1)
         if isinstance(saved, list) and all(isinstance(name, str) for name in saved):
             return tuple(saved)
@@ -64,13 +61,12 @@ class ResumePoint:
 
     @property
     def data_ranks(self) -> int:
-        """How many data_state_rank{i}.json files it holds: one per process, or per pipeline (`data_ranks`)."""
+        """How many data_state_rank{i}.json files it holds: one per process, or per pipeline."""
         return int(self.run_state.get("data_ranks", self.world_size))
 
     @property
     def engine(self) -> dict[str, Any]:
-        """The engine that wrote the checkpoint (`Engine.as_record`); for checkpoints from before it was recorded,
-        read from their files (FSDP's sharded folders, else DDP's replica files)."""
+        """The engine that wrote the checkpoint (`Engine.as_record`). Older ones are recognised by their files."""
         saved = self.run_state.get("engine")
         if isinstance(saved, dict) and isinstance(saved.get("kind"), str):
             return saved
@@ -106,14 +102,13 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def find_resume_point(resume: str | None, out_dir: str | Path) -> ResumePoint | None:
-    """The checkpoint `--resume` names: `latest` is the newest of `out_dir` (None when there is none yet),
-    a path is that checkpoint, or the newest of that run folder.
+    """The checkpoint `--resume` names: `latest` is the newest of `out_dir` (None when there is none yet), a path is
+    that checkpoint or the newest of that run folder.
 
-    Never lets a run write over another: a new run (no `--resume`) is refused in a folder that holds
-    checkpoints, a final model or the metrics of a run killed before its first checkpoint; `--resume latest`
-    is refused on a finished run whose checkpoints were deleted; a checkpoint from elsewhere is refused
-    into a folder that holds a run. An older checkpoint of `out_dir` itself is allowed: its newer ones are
-    listed in `superseded`, to be set aside (not deleted) when the run starts."""
+    Never lets a run write over another. A new run is refused in a folder that holds checkpoints, a final model or
+    a killed run's metrics. `--resume latest` is refused on a finished run without checkpoints. A checkpoint from
+    elsewhere is refused into a folder that holds a run. An older checkpoint of `out_dir` itself is allowed; its
+    newer ones are listed in `superseded`, to be set aside when the run starts."""
     run = RunDir(out_dir)
     newest = run.latest_checkpoint()
     if resume is None or (resume == "latest" and newest is None):
@@ -143,9 +138,9 @@ def find_resume_point(resume: str | None, out_dir: str | Path) -> ResumePoint | 
 
 
 def set_aside_superseded(point: ResumePoint, run: RunDir) -> Path | None:
-    """Move the checkpoints newer than `point` (and final/, and a copy of metrics.jsonl) to
-    `superseded/<time>-after-<step>/`, so the run goes on from `point` with one history; nothing is deleted.
-    Main process, with the run folder locked. Returns the folder, or None when nothing was newer."""
+    """Move the checkpoints newer than `point`, final/ and a copy of metrics.jsonl to `superseded/<time>-after-<step>/`,
+    so the run goes on with one history and nothing is deleted. Call on the main process, with the folder locked.
+    Returns the folder, or None when nothing was newer."""
     if not point.superseded:
         return None
     aside = run.superseded / f"{time.strftime('%Y%m%d-%H%M%S')}-after-{point.path.name}"

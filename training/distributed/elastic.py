@@ -1,24 +1,12 @@
 """A launch that heals itself: restarts by torch's elastic agent, and a bound on how long a rank waits for the others.
 
-`accelerate launch --max_restarts N ... train.py ... --resume latest`: when a worker dies, torch's elastic agent
-(which `accelerate launch` runs in-process) stops the others and starts the whole group again, up to N times; each
-new attempt resumes from the newest complete checkpoint (docs/faults.md). This module holds what the workers do
-about it:
+Under `accelerate launch --max_restarts N ... --resume latest`, torch's elastic agent restarts the whole group when
+a worker dies, up to N times. Each attempt resumes from the newest complete checkpoint (docs/faults.md). The workers'
+side of it:
 
-- `Attempt`: which attempt this is (`restart k of N`, from the agent's TORCHELASTIC_RESTART_COUNT and
-  TORCHELASTIC_MAX_RESTARTS), for the run's header.
-- `process_group_settings`: the process group's timeout (`--collective_timeout`) and, under the agent, a key space
-  of this attempt's own in the agent's store. With accelerate's static rendezvous the agent keeps one TCPStore for
-  the whole launch and its workers write their gloo/NCCL addresses under the same keys at every attempt: a restarted
-  rank read the dead one's address, left from the attempt before, and failed to connect (`Connection refused` /
-  `Connection reset by peer`) unless the new peer had overwritten it first, which made the restart a race (1 in 3
-  failed in issue 35).
-- `PeerWatch`: what the ranks do when a collective fails because a peer died or hung (the gloo error, or the
-  timeout): a roll call in the agent's store finds the ranks that no longer answer, and one surviving rank prints
-  one line naming them, the step and the last checkpoint; the others exit quietly (status 2). A rank's own error (a
-  `UserError`, or any other exception: a bug) is recorded in the store first, so that the survivors stay quiet (its
-  line or traceback is the one to read) and so that the same error after a restart stops the launch instead of
-  restarting it again (a deterministic error would otherwise use up every restart, each after a full resume).
+- `Attempt`: which attempt this is, for the run's header.
+- `process_group_settings`: the group's timeout (`--collective_timeout`), and a store prefix per attempt.
+- `PeerWatch`: a peer that died or hung becomes one line; an error that repeats after a restart stops the launch.
 """
 from __future__ import annotations
 
@@ -47,12 +35,12 @@ class Attempt:
 
     @classmethod
     def of_launch(cls) -> Attempt:
-        """From torch's elastic agent's environment (the first and only attempt without it)."""
+        """From torch's elastic agent's environment; without an agent, the first and only attempt."""
         return cls(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
                    int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0))
 
     def describe(self) -> str | None:
-        """`restart k of N` for a launch that may restart (k = 0 on its first attempt); None for one that may not."""
+        """`restart k of N` for a launch that may restart (k = 0 at first); None for one that may not."""
         return f"restart {self.restart} of {self.max_restarts}" if self.max_restarts else None
 
 
@@ -70,14 +58,13 @@ def _agent_store(timeout_s: int) -> torch.distributed.Store:
 
 
 def process_group_settings(timeout_s: int) -> dict[str, Any]:
-    """The keyword arguments of `torch.distributed.init_process_group` for this launch (given to accelerate's
-    PartialState, which opens the group): a collective that waits longer than `timeout_s` seconds for a rank fails.
+    """The keyword arguments of `torch.distributed.init_process_group` for this launch, for accelerate's
+    PartialState. A collective that waits longer than `timeout_s` seconds for a rank fails.
 
-    Under torch's elastic agent (TORCHELASTIC_USE_AGENT_STORE=True: the agent of node 0 serves the store), the group
-    rendezvouses through that store under a prefix of this attempt, `attempt_<k>/`, so that no key written by the
-    workers of an earlier attempt is read (see the module docstring). Elsewhere (one process, a launcher without an
-    agent store) the group opens as accelerate opens it, from MASTER_ADDR/MASTER_PORT. DeepSpeed opens its group
-    itself and takes no store."""
+    Under the elastic agent the group rendezvouses through node 0's agent store under `attempt_<k>/`. The agent keeps
+    one store for the whole launch, and the workers write their addresses under the same keys at every attempt.
+    Without the prefix a restarted rank could read a dead peer's address and fail to connect. Elsewhere the group
+    opens as accelerate opens it, from MASTER_ADDR/MASTER_PORT. DeepSpeed opens its group itself and takes no store."""
     settings: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)}
     if _under_agent_store() and requested_engine() != "deepspeed":
         store = torch.distributed.PrefixStore(f"attempt_{Attempt.of_launch().restart}/", _agent_store(timeout_s))
@@ -86,8 +73,8 @@ def process_group_settings(timeout_s: int) -> dict[str, Any]:
 
 
 def open_process_group(timeout_s: int, latest_checkpoint: Callable[[], Path | None]) -> PeerWatch:
-    """Open the launch's process group (`process_group_settings`) and return the `PeerWatch` to enter around the rest
-    of the run; `latest_checkpoint()`: the run's newest complete checkpoint, for the line."""
+    """Open the launch's process group and return the `PeerWatch` to enter around the rest of the run.
+    `latest_checkpoint()` gives the newest complete checkpoint, for the line."""
     state = process_state(**process_group_settings(timeout_s))
     return PeerWatch(state.process_index, state.num_processes, timeout_s, latest_checkpoint)
 
@@ -97,8 +84,8 @@ def open_process_group(timeout_s: int, latest_checkpoint: Callable[[], Path | No
 _TIMED_OUT = ("Timed out waiting", "timed out", "Timeout", "timeout")
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Read error", "Broken pipe",
               "Connection refused", "Socket closed", "NCCL communicator was aborted", "remote process exited")
-# How long a rank that saw a collective fail waits for the other survivors to answer the roll call. The survivors of
-# one failure see it within about a second of each other (all wait in the same collective).
+# How long a rank that saw a collective fail waits for the roll call. The survivors of one failure see it within about
+# a second of each other, since all wait in the same collective.
 ROLL_CALL_S = 5.0
 
 
@@ -115,9 +102,9 @@ def lost_peer(err: BaseException) -> str | None:
 
 
 class PeerWatch:
-    """Turns a collective that failed because a peer died or hung into one line (see the module docstring), and
-    records this rank's own `UserError`s for the others and for the next attempt. A context manager, entered once
-    the process group is open, around the rest of the run; `follow(progress)` gives it the step to name."""
+    """Turns a collective that failed because a peer died or hung into one line, and records this rank's own errors
+    for the others and the next attempt. Enter it around the rest of the run once the group is open;
+    `follow(progress)` gives it the step to name."""
 
     def __init__(self, rank: int, world_size: int, timeout_s: int, latest_checkpoint: Callable[[], Path | None],
                  attempt: Attempt | None = None) -> None:
@@ -146,10 +133,10 @@ class PeerWatch:
             self._record(err)
 
     def _record(self, err: Exception) -> None:
-        """Tell the other ranks (and the next attempt) that this rank stops on its own error: a `UserError` (its one
-        line) or any other exception (a bug: its traceback stays). When the attempt before ended on the same error,
-        restarting does not help: the agent is told to stop (SIGTERM: it stops its workers and exits 1) and the line
-        says so (a `UserError`'s own line; after another exception's traceback, a line of its own)."""
+        """Tell the other ranks and the next attempt that this rank stops on its own error, so the survivors stay
+        quiet. If the attempt before ended on the same error, restarting does not help: the agent gets SIGTERM (it
+        stops its workers and exits 1) and the line says so. A deterministic error would otherwise use up every
+        restart."""
         if self.store is None:
             return
         message = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
@@ -173,8 +160,8 @@ class PeerWatch:
             os.kill(os.getppid(), signal.SIGTERM)  # our parent is the elastic agent
 
     def _report(self, how: str, step: int) -> None:
-        """A peer died or hung: find out which (a roll call in the agent's store), then one surviving rank prints
-        the line; every survivor exits with status 2."""
+        """A peer died or hung: a roll call in the store finds which, and one survivor prints the line. Every survivor
+        exits with status 2."""
         silent: list[int] | None = None
         own_error = False
         if self.store is not None:
@@ -194,8 +181,7 @@ class PeerWatch:
         raise UserError(self.describe(how, step, silent))
 
     def describe(self, how: str, step: int, silent: list[int] | None) -> str:
-        """The line of a run whose peers stopped answering after `step` (the last step every rank completed: the
-        failure came during the next one, or during the evaluations or the checkpoint after it)."""
+        """The line of a run whose peers stopped answering after `step`, the last step every rank completed."""
         who = (f"process{'es' if len(silent) > 1 else ''} {', '.join(str(r) for r in silent)}" if silent
                else "another process")
         what = (f"did not answer for {self.timeout_s} s (--collective_timeout)" if how == "timeout"

@@ -1,16 +1,14 @@
-"""The engine a launch trains with, chosen by its accelerate config: DDP (every process a full replica; also a
-single process), accelerate's FSDP2 plugin, or DeepSpeed ZeRO-1/2/3; and what each needs from the run.
+"""The engine a launch trains with, chosen by its accelerate config, and what each needs from the run. DDP (full
+replicas, also one process), accelerate's FSDP2 plugin, or DeepSpeed ZeRO-1/2/3.
 
-accelerate falls back silently: a DeepSpeed or FSDP config on a machine where accelerate finds no device for it
-(or with `use_cpu`) trains plain DDP, or one lone process per rank, and exits 0. A run here refuses that in one
-line (`check_engine`, `check_world_size`): the engine that runs is the one the config asked for.
+accelerate falls back silently: a DeepSpeed or FSDP config where it finds no device (or with `use_cpu`) trains plain
+DDP, or one lone process per rank, and exits 0. The run refuses that in one line (`check_engine`,
+`check_world_size`), so the engine that runs is the one the config asked for.
 
-Under DeepSpeed the run keeps its own optimizer (AdamW, built by `training.optimizers.plan`) and its own learning rate
-per
-step (set into the optimizer's groups, as under DDP); DeepSpeed's config gets the batch geometry and the
-clipping from the run's flags (`fit_deepspeed`), so that one set of flags means one run under every engine.
-DeepSpeed applies the update inside `accelerator.backward` of a step's last micro-batch (accelerate's wrapper
-calls `engine.step()`), clipped by its `gradient_clipping`; `clip_grad_norm_` then returns the norm it measured.
+Under DeepSpeed the run keeps its own optimizer and its own learning rate per step, as under DDP. DeepSpeed's config
+gets the batch geometry and clipping from the run's flags (`fit_deepspeed`), so one set of flags means one run under
+every engine. DeepSpeed steps inside `accelerator.backward` of a step's last micro-batch, clipped by its
+`gradient_clipping`; `clip_grad_norm_` then returns the norm it measured.
 """
 from __future__ import annotations
 
@@ -36,12 +34,12 @@ def _env_flag(name: str) -> bool:
 
 @dataclass(frozen=True)
 class Engine:
-    """How the launch's processes hold the model: `kind` "ddp" (full replicas: DDP, or one process), "fsdp"
-    (accelerate's FSDP2 plugin: parameters, gradients and optimizer state sharded) or "deepspeed" (ZeRO
-    `zero_stage`: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters); `tensor_parallel`:
-    the ranks each block's matrices are split over (`training.distributed.tensor_parallel`; more than 1 under FSDP2
-    only);
-    `pipeline_parallel`: the stages of each pipeline (`training.distributed.pipeline`; under DDP only)."""
+    """How the launch's processes hold the model.
+
+    `kind` is "ddp" (full replicas, or one process), "fsdp" (FSDP2: parameters, gradients and optimizer state
+    sharded) or "deepspeed". ZeRO's `zero_stage` 1 shards the optimizer state, 2 also the gradients, 3 also the
+    parameters. `tensor_parallel` is the number of ranks each block's matrices are split over (FSDP2 only);
+    `pipeline_parallel` the stages of each pipeline (DDP only)."""
 
     kind: str = DDP
     zero_stage: int = 0
@@ -58,17 +56,15 @@ class Engine:
         return self.tensor_parallel * self.pipeline_parallel
 
     def header_words(self, distributed_type: str, stage: str | None = None) -> str:
-        """The engine as the run header names it after "distributed: ": accelerate's distributed type, DeepSpeed's
-        ZeRO stage, the `degrees`, and a pipeline's schedule with `stage`, the blocks this process holds:
-        "MULTI_GPU", "DEEPSPEED (ZeRO-3)", "FSDP x tensor parallel 2", "MULTI_GPU x pipeline 4 (1F1B; this stage:
-        blocks 0-2 of 12)". benchmarks/gpu_acceptance.py reads it back."""
+        """The engine as the run header names it after "distributed: ", e.g. "DEEPSPEED (ZeRO-3)", "FSDP x tensor
+        parallel 2", "MULTI_GPU x pipeline 4 (1F1B; this stage: blocks 0-2 of 12)". `stage` names this process's
+        blocks. benchmarks/gpu_acceptance.py parses it."""
         zero = f" (ZeRO-{self.zero_stage})" if self.kind == DEEPSPEED else ""
         schedule = f" (1F1B; this stage: {stage})" if self.pipeline_parallel > 1 else ""
         return f"{distributed_type}{zero}{degrees(self.tensor_parallel, self.pipeline_parallel)}{schedule}"
 
     def refusal(self, feature: str, settings: frozenset[str] = frozenset()) -> str | None:
-        """`training.distributed.support`'s refusal of `feature` under this engine with the run's `settings`
-        (`support.conditions`), or None where it runs."""
+        """The support table's refusal of `feature` under this engine and the run's `settings`; None where it runs."""
         return refusal(feature, self.kind, self.zero_stage, self.tensor_parallel,
                        pipeline_parallel=self.pipeline_parallel, settings=settings)
 
@@ -83,8 +79,7 @@ class Engine:
 
     @classmethod
     def of_record(cls, record: dict[str, object]) -> Engine:
-        """The engine a checkpoint's run_state.json records (older ones: no "tensor_parallel" or "pipeline_parallel",
-        which were 1)."""
+        """The engine a checkpoint's run_state.json records. Older ones lack the degrees, which were 1."""
         return cls(str(record.get("kind")), int(record.get("zero_stage") or 0), int(record.get("tensor_parallel") or 1),
                    int(record.get("pipeline_parallel") or 1))
 
@@ -95,8 +90,8 @@ class Engine:
 
 
 def precision(accelerator: Accelerator) -> str:
-    """The run's precision as the header names it: accelerate's mixed precision, or under DeepSpeed (for which
-    accelerate reports "no") what DeepSpeed's config enables: "bf16" or "fp16" weights with an fp32 master copy."""
+    """The run's precision as the header names it. Under DeepSpeed accelerate reports "no", so it is read from
+    DeepSpeed's config: "bf16" or "fp16" weights with an fp32 master copy."""
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return accelerator.mixed_precision
     config = accelerator.state.deepspeed_plugin.deepspeed_config
@@ -105,8 +100,8 @@ def precision(accelerator: Accelerator) -> str:
 
 
 def requested_engine() -> str:
-    """The engine the accelerate config asked for, as `accelerate launch` tells its processes: "deepspeed", "fsdp"
-    or "ddp" (any other config, and no launch at all)."""
+    """The engine the accelerate config asked for, as `accelerate launch` tells its processes: "deepspeed", "fsdp",
+    else "ddp"."""
     if _env_flag("ACCELERATE_USE_DEEPSPEED"):
         return DEEPSPEED
     if _env_flag("ACCELERATE_USE_FSDP"):
@@ -115,9 +110,8 @@ def requested_engine() -> str:
 
 
 def launch_engine() -> Engine:
-    """The engine the launch's accelerate config asks for, read before any Accelerator exists (the memory plan of
-    `train.py --plan`): its kind, and for DeepSpeed the ZeRO stage of the config (`zero_stage`, or the
-    `zero_optimization.stage` of its `deepspeed_config_file`)."""
+    """The engine the launch's accelerate config asks for, read before any Accelerator exists (for `--plan`). For
+    DeepSpeed the ZeRO stage comes from the config or its `deepspeed_config_file`."""
     kind = requested_engine()
     if kind != DEEPSPEED:
         return Engine(kind)
@@ -138,8 +132,8 @@ CPU_FIX = ("DeepSpeed and FSDP run on GPUs; on a CPU, launch with accelerate_con
 
 
 def refuse_engine_on_cpu() -> None:
-    """A DeepSpeed or FSDP config that also asks for the CPU (`use_cpu: true`, ACCELERATE_USE_CPU): accelerate
-    would train plain DDP (FSDP) or stop with an AttributeError of its own (DeepSpeed)."""
+    """Refuse a DeepSpeed or FSDP config that also asks for the CPU. accelerate would train plain DDP (FSDP) or stop
+    with its own AttributeError (DeepSpeed)."""
     asked = requested_engine()
     if asked != DDP and os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes"):
         name = FAMILY_NAMES[asked]
@@ -148,8 +142,8 @@ def refuse_engine_on_cpu() -> None:
 
 
 def check_world_size(launched: int, joined: int) -> None:
-    """A launch of `launched` processes whose ranks each came up alone (`joined` 1): accelerate found no
-    backend for the config's engine on this machine, and every rank would train the whole batch by itself."""
+    """Refuse a launch whose ranks each came up alone: accelerate found no backend for the config's engine, and every
+    rank would train the whole batch by itself."""
     if launched > 1 and joined != launched:
         engine = FAMILY_NAMES[requested_engine()] if requested_engine() != DDP else "its engine"
         raise UserError(f"this launch started {launched} processes but accelerate brought up {joined} as a group "
@@ -157,8 +151,8 @@ def check_world_size(launched: int, joined: int) -> None:
 
 
 def check_engine(accelerator: Accelerator) -> Engine:
-    """The engine that runs, which must be the one the config asked for (accelerate falls back silently; the
-    cases known are refused earlier, with their causes: `refuse_engine_on_cpu`, `check_world_size`)."""
+    """The engine that runs, which must be the one the config asked for. Known fallbacks are refused earlier, with
+    their causes (`refuse_engine_on_cpu`, `check_world_size`); this is the backstop."""
     asked, engine = requested_engine(), Engine.of(accelerator)
     if asked != DDP and engine.kind != asked:
         raise UserError(f"the accelerate config asks for {FAMILY_NAMES[asked]}, but "
@@ -168,8 +162,8 @@ def check_engine(accelerator: Accelerator) -> Engine:
 
 
 def deepspeed_missing() -> str | None:
-    """The line to print when the launch asks for DeepSpeed and it is not installed; None otherwise. Checked
-    before accelerate imports it (its own message is a traceback from inside the Accelerator)."""
+    """The line to print when the launch asks for DeepSpeed and it is not installed; None otherwise. Checked before
+    accelerate imports it, whose own message is a traceback."""
     if requested_engine() == DEEPSPEED and find_spec("deepspeed") is None:
         return ("the accelerate config asks for DeepSpeed, which is not installed; pip install -e \".[deepspeed]\" "
                 "(or use a DDP or FSDP config)")
@@ -178,9 +172,8 @@ def deepspeed_missing() -> str | None:
 
 def refuse_unsupported(engine: Engine, accelerator: Accelerator, optimizer: str, lora: bool, on_nan: str,
                        activation_checkpointing: bool, grad_clip: float = 1.0) -> None:
-    """What this project does not run under `engine`, refused in one line before anything is built: the features
-    of `training.distributed.support`'s table (with the run's `--grad_clip`, on which Muon under ZeRO hangs), then
-    what a config's contents rule out."""
+    """Refuse in one line, before anything is built, what does not run under `engine`: the support table's features
+    (Muon under ZeRO depends on `grad_clip`), then what the config's contents rule out."""
     settings = conditions(grad_clip)
     for feature, asked in ((f"--optimizer {optimizer}", True), ("--lora_rank", lora),
                            ("--on_nan skip", on_nan == "skip")):
@@ -188,8 +181,8 @@ def refuse_unsupported(engine: Engine, accelerator: Accelerator, optimizer: str,
             raise UserError(line)
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     if activation_checkpointing and engine.kind == FSDP and plugin is not None and plugin.activation_checkpointing:
-        # accelerate's fsdp2_apply_ac wraps the blocks GPT.forward already checkpoints: each would be recomputed twice,
-        # the outer time without the forward's RNG state (preserve_rng_state=False: other dropout masks).
+        # accelerate's fsdp2_apply_ac wraps blocks GPT.forward already checkpoints. Each would be recomputed twice,
+        # the outer time without the forward's RNG state, so with other dropout masks.
         raise UserError("--activation_checkpointing and the accelerate config's fsdp_activation_checkpointing would "
                         "each recompute every block (twice in all); keep --activation_checkpointing and set "
                         "fsdp_activation_checkpointing: false in the accelerate config")
@@ -207,12 +200,12 @@ def refuse_unsupported(engine: Engine, accelerator: Accelerator, optimizer: str,
 
 def fit_deepspeed(accelerator: Accelerator, micro_batch_size: int, accumulation: int, grad_clip: float,
                   n_embd: int, muon: bool = False) -> None:
-    """Write the run's batch geometry and clipping into the DeepSpeed config before `accelerator.prepare` (train.py
-    passes no DataLoader from which accelerate could read them); the config's own values, where set, must agree.
-    ZeRO-3's bucket sizes follow the width (accelerate reads them from a Hugging Face config, which our GPT has
-    not), and ZeRO-3 gathers the full weights for `final/`; with DeepSpeed's Muon as the client optimizer (`muon`:
-    `training.optimizers.muon_deepspeed`), ZeRO-3 reduces gradients without reduce-scatter, which it refuses beside
-    that Muon. Nothing under another engine."""
+    """Write the run's batch geometry and clipping into the DeepSpeed config before `accelerator.prepare`. train.py
+    passes no DataLoader for accelerate to read them from. The config's own values, where set, must agree.
+
+    Under ZeRO-3 the bucket sizes follow the width (accelerate reads them from a Hugging Face config, which our GPT
+    lacks), and the full weights are gathered for `final/`. With DeepSpeed's Muon (`muon`), ZeRO-3 reduces without
+    reduce-scatter, which that Muon refuses. A no-op under other engines."""
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return
     plugin = accelerator.state.deepspeed_plugin
@@ -243,10 +236,10 @@ def fit_deepspeed(accelerator: Accelerator, micro_batch_size: int, accumulation:
 
 
 def full_state_dict(accelerator: Accelerator, model) -> dict | None:
-    """The trained weights, whole, on the main process (None elsewhere); call on every rank (a collective under
-    FSDP and ZeRO). Under DeepSpeed these are the fp32 master weights its optimizer keeps, gathered tensor by
-    tensor (under bf16 the module itself holds bf16 copies, which `accelerator.get_state_dict` would export);
-    the same weights a DDP run exports."""
+    """The trained weights, whole, on the main process; None elsewhere. Call on every rank: FSDP and ZeRO gather.
+
+    Under DeepSpeed these are the fp32 master weights, gathered tensor by tensor, as a DDP run exports them. Under
+    bf16 the module holds bf16 copies, which `accelerator.get_state_dict` would export."""
     if accelerator.distributed_type == DistributedType.FSDP:
         return accelerator.get_state_dict(model)
     if accelerator.distributed_type != DistributedType.DEEPSPEED:  # accelerate's get_state_dict imports DeepSpeed

@@ -1,19 +1,16 @@
-"""The launch's parallel layout, one object: how many processes, the engine that holds the model (DDP, FSDP2 or
-DeepSpeed ZeRO-n, from the accelerate config) and how the processes share the work (tensor-parallel groups,
-data-parallel ranks; room for pipeline and context degrees).
+"""The launch's parallel layout, one object: the number of processes, the engine that holds the model, and how the
+processes share the work (tensor-parallel groups, pipelines, data-parallel ranks).
 
-train.py builds it first, from the accelerate launch's environment and `--tensor_parallel`, before any Accelerator
-exists; once the Accelerator runs, `running` confirms it against what accelerate brought up. The batch geometry, the
-refusals, the run header, the checkpoint record (`Layout.engine`), the tensor-parallel split and the memory planner
-all read it; nothing else derives a degree or a world size from the flags or the environment.
+train.py builds it first, from the launch's environment and flags, before any Accelerator exists. `running` then
+confirms it against what accelerate brought up. Everything that needs a degree or a world size reads it here.
 
-What the rest of the code needs to know about an engine it asks here, not by the engine's name: which terms it
-shards, whether its processes are full replicas, in which dtype it holds the parameters, whether it is pipelined,
-and the words that name it. A new engine answers these questions once, in this class.
+What the rest of the code needs to know about an engine, it asks here, not by the engine's name: which terms it
+shards, whether its processes are full replicas, in which dtype it holds parameters, whether it is pipelined. A
+new engine answers these questions once, in this class.
 
-The degrees multiply to the world: world_size = data_parallel_size x tensor_parallel x pipeline_parallel (one of the
-last two is 1: they are not combined yet). The model-parallel dimension is innermost: ranks r and r + 1 of a
-degree-2 launch are one tensor-parallel group or one pipeline, and rank r's data-parallel rank is r // degree.
+world_size = data_parallel_size x tensor_parallel x pipeline_parallel; the last two are not combined yet. The
+model-parallel dimension is innermost: in a degree-2 launch, ranks r and r + 1 form one group or pipeline, and
+rank r's data-parallel rank is r // 2.
 """
 from __future__ import annotations
 
@@ -32,9 +29,8 @@ from training.distributed.support import refusal
 
 @dataclass(frozen=True)
 class Layout:
-    """`world_size` processes; the engine (`kind` "ddp", "fsdp" or "deepspeed", DeepSpeed's `zero_stage`); groups of
-    `tensor_parallel` ranks that split each block's matrices (1: none); pipelines of `pipeline_parallel` stages, whole
-    blocks on each (1: none)."""
+    """`world_size` processes under engine `kind` (and ZeRO's `zero_stage`). `tensor_parallel` ranks split each
+    block's matrices; `pipeline_parallel` stages hold whole blocks each. A degree of 1 means none."""
 
     world_size: int = 1
     kind: str = DDP
@@ -44,7 +40,7 @@ class Layout:
 
     @property
     def data_parallel_size(self) -> int:
-        """The ranks that read different batches (and over which FSDP2 shards): every process, or one per group."""
+        """The ranks that read different batches, over which FSDP2 shards: one per model-parallel group."""
         return self.world_size // self.model_parallel
 
     def data_parallel_rank(self, rank: int) -> int:
@@ -53,7 +49,7 @@ class Layout:
 
     @property
     def engine(self) -> Engine:
-        """The engine with its tensor-parallel degree: the refusals' subject and what a checkpoint records."""
+        """The engine with its degrees: what the refusals judge and a checkpoint records."""
         return Engine(self.kind, self.zero_stage, self.tensor_parallel, self.pipeline_parallel)
 
     @property
@@ -69,8 +65,8 @@ class Layout:
 
     @property
     def shards_parameters(self) -> bool:
-        """The parameters are split over the data-parallel ranks, and each unit (the root, a block) is gathered
-        whole for its forward and its backward: FSDP2 and ZeRO-3."""
+        """Parameters are split over the data-parallel ranks and each unit is gathered for its forward and backward:
+        FSDP2 and ZeRO-3."""
         return self.kind == FSDP or self._zero_from(3)
 
     @property
@@ -88,39 +84,38 @@ class Layout:
 
     @property
     def full_replicas(self) -> bool:
-        """Every process holds the whole model and all-reduces whole gradients through DDP's buckets: DDP with
-        several processes and no pipeline (one process reduces with no one; stages average stage by stage)."""
+        """Every process holds the whole model and all-reduces gradients through DDP's buckets: DDP on several
+        processes, without a pipeline (whose stages average stage by stage)."""
         return self.kind == DDP and self.world_size > 1 and not self.pipelined
 
     @property
     def reduces_in_buckets(self) -> bool:
-        """The gradients are reduced through DeepSpeed's buckets (its reduce_bucket_size): ZeRO-1 and ZeRO-2 over
-        several data-parallel ranks (ZeRO-3 reduce-scatters unit by unit, as FSDP2 does)."""
+        """Gradients are reduced through DeepSpeed's buckets (reduce_bucket_size): ZeRO-1 and 2 over several ranks.
+        ZeRO-3 reduce-scatters unit by unit, as FSDP2 does."""
         return self.kind == DEEPSPEED and self.zero_stage in (1, 2) and self.data_parallel_size > 1
 
     @property
     def bf16_parameters(self) -> bool:
-        """Under bf16, the forward computes with bf16 parameters, not with autocast's bf16 copies of fp32 ones:
-        FSDP2 gathers bf16 copies (accelerate's MixedPrecisionPolicy(param_dtype=bf16)), DeepSpeed's bf16 holds the
-        module itself in bf16."""
+        """Under bf16, the forward computes with bf16 parameters, not autocast's copies of fp32 ones. FSDP2 gathers
+        bf16 copies (param_dtype=bf16); DeepSpeed holds the module itself in bf16."""
         return self.kind in (FSDP, DEEPSPEED)
 
     @property
     def fp32_master(self) -> bool:
-        """Under bf16, the module's parameters and gradients are stored in bf16 and the optimizer keeps an fp32
-        master copy of the parameters: DeepSpeed. The other engines store fp32 parameters."""
+        """Under bf16, parameters and gradients are stored in bf16 and the optimizer keeps an fp32 master copy:
+        DeepSpeed. The other engines store fp32 parameters."""
         return self.kind == DEEPSPEED
 
     @property
     def dtensor_matrices(self) -> bool:
-        """The blocks' matrices are DTensors, sharded (FSDP2) or split (FSDP2 x tensor parallel): an optimizer that
-        needs a whole matrix (Muon's Newton-Schulz) gathers each one."""
+        """The blocks' matrices are DTensors (FSDP2, with or without TP), so an optimizer that needs whole matrices
+        gathers each one."""
         return self.kind == FSDP
 
     @property
     def one_client_optimizer(self) -> bool:
-        """The engine takes one client optimizer and hands it flat partitions of the parameters, in which no matrix
-        is whole: DeepSpeed's ZeRO. An optimizer that needs whole matrices runs there as DeepSpeed's own."""
+        """The engine takes one client optimizer and hands it flat partitions, in which no matrix is whole:
+        DeepSpeed's ZeRO. An optimizer that needs whole matrices runs there as DeepSpeed's own."""
         return self.kind == DEEPSPEED
 
     @property
@@ -129,8 +124,8 @@ class Layout:
         return self.pipeline_parallel > 1
 
     def sharded(self) -> Layout:
-        """This launch with its parameters sharded, as the memory planner advises it: a DDP launch (one process
-        too) on FSDP2; FSDP2 and a DeepSpeed launch (at its ZeRO stage) as they are."""
+        """This launch with its parameters sharded, as the memory planner advises: DDP becomes FSDP2, the others
+        stay as they are."""
         return replace(self, kind=FSDP) if self.kind == DDP else self
 
     @property
@@ -150,11 +145,10 @@ class Layout:
     @classmethod
     def of_launch(cls, tensor_parallel: int, n_head: int | None = None, n_embd: int | None = None,
                   world_size: int | None = None, pipeline_parallel: int = 1, n_layer: int | None = None) -> Layout:
-        """This launch's layout, from accelerate's environment (processes, engine) and `--tensor_parallel`, refused
-        in one line when the launch cannot run it or (shapes given: from scratch, the flags give them) the model
-        cannot be split; call before anything is built. `world_size`: default, the process group's (which it
-        joins: `training.distributed.processes.process_state`); `--plan` passes the launch's WORLD_SIZE and joins
-        none."""
+        """This launch's layout, from accelerate's environment and the degrees. Call before anything is built.
+
+        Refuses in one line a layout the launch cannot run, or a model it cannot split (when the shapes are given).
+        `world_size` defaults to the process group's, which this joins; `--plan` passes WORLD_SIZE and joins none."""
         engine = launch_engine()
         world = process_state().num_processes if world_size is None else world_size
         layout = cls.checked(world, engine.kind, engine.zero_stage, tensor_parallel, pipeline_parallel,
@@ -170,9 +164,8 @@ class Layout:
         return cls(world_size, kind, zero_stage, tensor_parallel, pipeline_parallel).check(machine)
 
     def check(self, machine: Machine | None = None) -> Layout:
-        """This layout, or a one-line UserError when it is not one train.py runs: the memory planner's `Launch`
-        refuses the same launches in the same words. `machine`: the one the launch runs on, where known (without a
-        GPU no launch runs tensor parallelism, and the line says so)."""
+        """This layout, or a one-line UserError when train.py does not run it. The planner's `Launch` refuses the
+        same launches in the same words. `machine`, where known, lets the line say that TP needs a GPU."""
         world_size, kind, zero_stage = self.world_size, self.kind, self.zero_stage
         tensor_parallel, pipeline_parallel = self.tensor_parallel, self.pipeline_parallel
         if kind not in ENGINE_NAMES:
@@ -184,8 +177,8 @@ class Layout:
             if degree < 1:
                 raise UserError(f"{flag} must be positive, got {degree}; pass a value of at least 1")
         asked = f"--pipeline_parallel {pipeline_parallel}"
-        # Stages run on a DDP launch only (the support table's row), and not with tensor-parallel groups (its
-        # column in --tensor_parallel's row: under a DDP launch that flag is the one out of place).
+        # Stages run on a DDP launch only, and not with tensor-parallel groups. Under DDP, --tensor_parallel is the
+        # flag out of place, so its row of the support table gives that refusal.
         if pipeline_parallel > 1 and kind != DDP and (line := refusal("--pipeline_parallel", kind, zero_stage,
                                                                       tensor_parallel, asked=asked)):
             raise UserError(line)
@@ -208,8 +201,8 @@ class Layout:
         return self
 
     def check_model(self, n_head: int, n_embd: int, n_layer: int | None = None) -> None:
-        """A model whose heads or MLP width the tensor-parallel degree does not divide, or with fewer blocks than
-        pipeline stages, refused in one line."""
+        """Refuse in one line a model whose heads or MLP width the TP degree does not divide, or one with fewer
+        blocks than pipeline stages."""
         if n_layer is not None and self.pipeline_parallel > n_layer:
             raise UserError(f"--pipeline_parallel {self.pipeline_parallel} needs at least one block per stage, the "
                             f"model has {n_layer}; pass at most {n_layer}")
@@ -220,7 +213,7 @@ class Layout:
                             f"{', '.join(map(str, divisors))}")
 
     def running(self, accelerator: Accelerator) -> Layout:
-        """The layout as accelerate runs it: the engine's kind was checked when the Accelerator started
-        (`training.distributed.engines.check_engine`); DeepSpeed's ZeRO stage is read from its plugin."""
+        """The layout as accelerate runs it, with the ZeRO stage read from its plugin. `check_engine` already checked
+        the kind."""
         running = Engine.of(accelerator)
         return replace(self, kind=running.kind, zero_stage=running.zero_stage)

@@ -1,21 +1,18 @@
 """Every launch says what it runs, or refuses: what an accelerate launch asks of this machine (processes, devices,
-precision) against what the machine gives, the one rule for every accelerate config.
+precision) against what the machine gives. One rule for every accelerate config.
 
-accelerate replaces what a machine cannot give by something else, without a word: `accelerate launch --cpu
---num_processes 2` (any launch through its single-process launcher) starts one process; fp16 on a CPU trains in fp32
-(accelerate turns its autocast off there); an FSDP or DeepSpeed config without a GPU brings every rank up alone; a
-GPU config on a machine without one runs on the CPU. The rule:
+accelerate silently replaces what a machine cannot give. `accelerate launch --cpu --num_processes 2` starts one
+process; fp16 on a CPU trains in fp32; an FSDP or DeepSpeed config without a GPU brings every rank up alone; a GPU
+config on a machine without one runs on the CPU. The rule:
 
 - what this machine cannot give is refused in one line before anything is built (`REFUSALS`, read by
-  `check_launch` at the start of every run, `training.distributed.processes.process_state`);
-- what it gives otherwise than a GPU config says (processes over gloo on the CPU, bf16 on the CPU, torch.compile
-  on the CPU) runs, and the run header says so in a line of its own (`runs_here`).
+  `check_launch` at the start of every run);
+- what it gives otherwise than a GPU config says (gloo, bf16 or torch.compile on the CPU) runs, and the run header
+  says so on a line of its own (`runs_here`).
 
-An FSDP or DeepSpeed config on a machine without a GPU is one of the refusals; the engines' other cases stay with the
-engines (`training.distributed.engines`): such a config with `use_cpu` (`refuse_engine_on_cpu`), and, as a backstop,
-one whose
-ranks accelerate still brings up alone (`check_world_size`, once the group is opened). A ZeRO config on an install
-without DeepSpeed never reaches train.py (accelerate's launcher stops it: docs/faults.md).
+The engines' other fallbacks stay in `training.distributed.engines`: an FSDP or DeepSpeed config with `use_cpu`,
+and the backstop for ranks that still come up alone. A ZeRO config on an install without DeepSpeed never reaches
+train.py: accelerate's launcher stops it (docs/faults.md).
 """
 from __future__ import annotations
 
@@ -32,12 +29,12 @@ from training.distributed.engines import CPU_FIX, requested_engine
 
 @dataclass(frozen=True)
 class Asked:
-    """What a launch asks for, as accelerate's launcher tells each process: `processes` in all (`WORLD_SIZE`; 1 for
-    a process started alone), `per_machine` of them on this machine, `several_in_one`: accelerate's single-process
-    launcher was asked for more than one (it sets MASTER_PORT only then, and starts one); the engine; the precision
-    (`ACCELERATE_MIXED_PRECISION`) and the compile backend (`ACCELERATE_DYNAMO_BACKEND`); `cpu`: the CPU asked for
-    (`--cpu`, ACCELERATE_USE_CPU, which accelerate's multi-process launcher never passes on: `use_cpu` of
-    cpu_2proc.yaml reaches no process)."""
+    """What a launch asks for, as accelerate's launcher tells each process.
+
+    `processes` is WORLD_SIZE (1 for a process started alone), `per_machine` those on this machine.
+    `several_in_one` means accelerate's single-process launcher was asked for more than one, and started one.
+    `cpu` is `--cpu` / ACCELERATE_USE_CPU, which the multi-process launcher never passes on (cpu_2proc.yaml's
+    `use_cpu` reaches no process)."""
 
     processes: int = 1
     per_machine: int = 1
@@ -51,8 +48,8 @@ class Asked:
     def of_environment(cls) -> Asked:
         env = os.environ
         launched = "WORLD_SIZE" in env
-        # Only accelerate's simple launcher sets ACCELERATE_USE_CPU without a WORLD_SIZE; it sets MASTER_PORT when
-        # told to start more than one process (accelerate/utils/launch.py, prepare_simple_launcher_cmd_env).
+        # Only accelerate's simple launcher sets ACCELERATE_USE_CPU without a WORLD_SIZE, and it sets MASTER_PORT
+        # only when told to start more than one process (its prepare_simple_launcher_cmd_env).
         several_in_one = not launched and "ACCELERATE_USE_CPU" in env and "MASTER_PORT" in env
         processes = int(env.get("WORLD_SIZE", "1"))
         return cls(processes, int(env.get("LOCAL_WORLD_SIZE", processes)), several_in_one, requested_engine(),
@@ -79,9 +76,9 @@ _SEVERAL_FIX = ("launch several with --config_file accelerate_configs/cpu_2proc.
 
 
 def accelerate_runs_engines(machine: Machine) -> bool:
-    """Whether accelerate runs FSDP and DeepSpeed on `machine`: on GPUs only. Without one it brings every rank of such
-    a launch up alone (docs/engines.md, "What the engines do on a CPU"). tests/engine_shim.py, which gives those
-    engines gloo on a CPU, answers yes."""
+    """Whether accelerate runs FSDP and DeepSpeed on `machine`: on GPUs only. Without one it brings every rank up
+    alone (docs/engines.md, "What the engines do on a CPU"). tests/engine_shim.py patches this to run them on a
+    CPU."""
     return machine.gpus > 0
 
 
@@ -90,8 +87,8 @@ def engine_without_a_gpu(asked: Asked, machine: Machine) -> bool:
     return asked.engine != DDP and not accelerate_runs_engines(machine)
 
 
-# What a machine cannot give, in the order they are checked: (when, the line, `{engine}`: the engine's family name).
-# The first that applies is said.
+# What a machine cannot give, as (when, the line), checked in order; the first that applies is said. `{engine}` in
+# a line is the engine's family name.
 REFUSALS: tuple[tuple[Callable[[Asked, Machine], bool], str], ...] = (
     (engine_without_a_gpu,
      f"the accelerate config asks for {{engine}}, and this machine has no GPU; {CPU_FIX}"),
@@ -112,18 +109,16 @@ def refusal(asked: Asked, machine: Machine) -> str | None:
 
 
 def trains_on(asked: Asked, machine: Machine) -> str | None:
-    """The device the processes of launch `asked` train on, on `machine`: "cpu" where the launch asks for the CPU or
-    the machine has no GPU (accelerate then puts one process, or a DDP launch over gloo, there), else "cuda"; None
-    for an FSDP or DeepSpeed launch on a machine without a GPU (`engine_without_a_gpu`), which trains nowhere here
-    and is refused (`REFUSALS`). What `train.py --plan` plans for (`planner.cli.exit_after_plan`)."""
+    """The device launch `asked` trains on, on `machine`, for `train.py --plan`: "cpu" where it asks for the CPU or
+    there is no GPU, else "cuda". None for an FSDP or DeepSpeed launch without a GPU, which is refused."""
     if engine_without_a_gpu(asked, machine):
         return None
     return "cpu" if asked.cpu or not machine.gpus else "cuda"
 
 
 def runs_here(asked: Asked, machine: Machine) -> str | None:
-    """The run header's line of what runs on a machine without a GPU, where the launch asks for more than one plain
-    process (several processes, mixed precision, compilation): None on a GPU machine, and for a plain run."""
+    """The header's line on what runs on a machine without a GPU, where the launch asks for more than one plain
+    process: several processes, mixed precision, compilation. None on a GPU machine, and for a plain run."""
     if machine.gpus:
         return None
     parts = []
@@ -145,9 +140,9 @@ def check_launch(asked: Asked | None = None, machine: Machine | None = None) -> 
 
 
 def tensor_parallel_here(degree: int, machine: Machine) -> str | None:
-    """The line for `--tensor_parallel degree` under an engine other than FSDP on a machine without a GPU: tensor
-    parallelism rides on accelerate's FSDP2 plugin, which accelerate runs on GPUs only, so no launch here runs it
-    (the other configs' advice would send the user round in a circle). None on a GPU machine."""
+    """The line for `--tensor_parallel` under another engine than FSDP on a machine without a GPU; None on a GPU
+    machine. TP needs FSDP2, which runs on GPUs only, so no launch here runs it. The support table's advice would
+    send the user round in a circle."""
     if machine.gpus:
         return None
     return (f"--tensor_parallel {degree} needs accelerate's FSDP2 plugin, which runs on GPUs, and this machine has "

@@ -1,24 +1,21 @@
-"""`--pipeline_parallel N`: whole blocks on different processes. A launch of W processes runs W / N pipelines (data
-parallelism across them), each of N consecutive ranks, stage s on rank r with r % N == s (`model.pipeline.GPTStage`).
+"""`--pipeline_parallel N`: whole blocks on different processes. W processes run W / N pipelines side by side (data
+parallelism), each of N consecutive ranks; rank r holds stage r % N (`model.pipeline.GPTStage`).
 
-One optimizer step is torch's 1F1B schedule (`torch.distributed.pipelining`) over the step's micro-batches: the run's
-accumulation micro-steps are the pipeline's micro-batches, so `--total_batch_size` keeps its meaning and the step's
-gradient is the same mean over the global batch as one process accumulating them. After the schedule:
-- the tied embedding's two copies (the first stage's input, the last stage's output layer) get the sum of their
-  gradients (Megatron's "embedding group"), so they stay equal;
-- the pipelines' gradients are averaged stage by stage (what DDP does, one all-reduce per parameter);
-- the gradient norm is the whole model's (each stage's sum of squares added over the pipeline, the tied weight
-  once), and the clipping and the non-finite rule are the same as `training.step.train_step`'s.
+An optimizer step is torch's 1F1B schedule over the step's micro-batches. The run's accumulation micro-steps are the
+pipeline's micro-batches, so `--total_batch_size` keeps its meaning and the gradient is the same global mean. After
+the schedule:
+- the tied embedding's two copies (first stage's input, last stage's output layer) get the sum of their gradients,
+  so they stay equal;
+- the pipelines' gradients are averaged stage by stage, as DDP would;
+- the gradient norm is the whole model's, and clipping and the non-finite rule are `training.step.train_step`'s.
 
-accelerate prepares neither the stages nor their optimizers (its DDP would span stages that hold different
-parameters); bf16 autocast comes from `accelerator.autocast()`. Evaluations call the model as they call a `GPT`:
-`PipelinedGPT.__call__` runs the stages one after another without gradients, and every rank of the pipeline gets
-the last stage's result. Checkpoints and `final/` hold the whole model, gathered on the main process in the same
-files a DDP run writes (`model.safetensors`, `optimizer.bin`, ...), so a pipeline checkpoint resumes under DDP, one
-process, or another pipeline degree, and the other way round.
+accelerate prepares neither the stages nor their optimizers: its DDP would span stages that hold different
+parameters. bf16 autocast comes from `accelerator.autocast()`. Evaluations call the model as they call a `GPT`; the
+stages run one after another, and every rank gets the last stage's result. Checkpoints and `final/` hold the whole
+model in a DDP run's files, so a pipeline checkpoint resumes under DDP, one process or another degree, and back.
 
-On gloo the stages need static shapes, every rank's schedule needs the loss function, and `scale_grads=False` with
-the loss divided by the micro-batches is accumulation's scale (docs/engines.md, "What the engines do on a CPU").
+On gloo the stages need static shapes and every rank's schedule needs the loss function (docs/engines.md, "What the
+engines do on a CPU").
 """
 from __future__ import annotations
 
@@ -42,8 +39,8 @@ TIED = "transformer.wte.weight"  # the token embedding, also the output layer
 
 
 class PipelineRanks:
-    """This rank's place: its stage, its pipeline's ranks, and the groups its collectives use. Every rank creates
-    every group, in the same order (torch's rule for new groups)."""
+    """This rank's stage, its pipeline's ranks, and the groups its collectives use. Every rank creates every group, in
+    the same order, as torch requires."""
 
     def __init__(self, layout: Layout, rank: int) -> None:
         n, replicas = layout.pipeline_parallel, layout.data_parallel_size
@@ -68,8 +65,8 @@ class PipelineRanks:
 
 
 class PipelinedGPT(nn.Module):
-    """This rank's stage of the GPT, with the parameter names of the whole model (a stage's state dict is a slice
-    of a `GPT`'s), trained by `step` and called by the evaluations as a `GPT` is (forward, generate)."""
+    """This rank's stage of the GPT, under the whole model's parameter names: its state dict is a slice of a `GPT`'s.
+    `step` trains it; evaluations call it as a `GPT` (forward, generate)."""
 
     def __init__(self, model: GPT, ranks: PipelineRanks, micro_batches: int, micro_batch_size: int,
                  device: torch.device) -> None:
@@ -99,8 +96,8 @@ class PipelinedGPT(nn.Module):
         return self._stage[0]
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        # A micro-batch's mean loss over the micro-batches: their sum is the step's mean, as accumulation's is. With
-        # masked targets, its summed loss over the step's target count (`_target_scale`), as `train_step` scales it.
+        # Scaled here (`scale_grads=False`): the micro-batches' losses sum to the step's mean, as in accumulation.
+        # With masked targets the sum is divided by the step's target count, as `train_step` does.
         if self._target_scale is None:
             return self.stage.loss(output, target) / self.micro_batches
         return self.stage.loss(output, target, "sum") * self._target_scale
@@ -109,10 +106,9 @@ class PipelinedGPT(nn.Module):
 
     def step(self, accelerator: Accelerator, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], lrs: Sequence[float],
              grad_clip: float, masked_targets: bool = False) -> tuple[torch.Tensor, float]:
-        """One optimizer step of this pipeline over `batches` (the step's micro-batches of this data-parallel
-        rank); returns the summed micro-batch losses (the same on every rank of the pipeline) and the global
-        gradient norm, as `training.step.train_step` does. `masked_targets`: the step's gradient is the mean over
-        every target of the global batch (the pipelines' counts added), as there."""
+        """One optimizer step of this pipeline over this data-parallel rank's micro-batches. Returns what
+        `training.step.train_step` returns: the summed micro-batch losses (equal on the pipeline's ranks) and the
+        global gradient norm. With `masked_targets` the gradient is the mean over every target of the global batch."""
         for optimizer, lr in zip(self.optimizers, lrs, strict=True):
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -125,7 +121,7 @@ class PipelinedGPT(nn.Module):
         if masked_targets:  # every rank of a pipeline holds the same targets: count one rank per pipeline
             count = torch.tensor(float((y != IGNORE).sum()) if ranks.first else 0.0, device=device)
             dist.all_reduce(count)
-            # the pipelines' gradients are averaged (divided by their number): multiply it back
+            # the pipelines' gradients are averaged (divided by their number), so multiply it back
             self._target_scale = ranks.replicas / count.clamp(min=1)
         with accelerator.autocast():
             args = (x,) if ranks.first else ()
@@ -155,8 +151,8 @@ class PipelinedGPT(nn.Module):
                 grad.div_(ranks.replicas)
 
     def _clip(self, max_norm: float) -> float:
-        """The whole model's gradient norm (the tied weight counted once, on the first stage), and every gradient
-        scaled by max_norm / norm when it is larger (torch's `clip_grad_norm_` rule); `max_norm` 0: not clipped."""
+        """The whole model's gradient norm, the tied weight counted once. Clips as torch's `clip_grad_norm_` does;
+        `max_norm` 0 does not clip."""
         ranks = self.pipeline
         counted = [g for name, g in self._grads() if not (name == TIED and ranks.last and not ranks.first)]
         squares = torch.zeros((), device=self._device(), dtype=torch.float32)
@@ -175,8 +171,8 @@ class PipelinedGPT(nn.Module):
     @torch.no_grad()
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, loss_reduction: str = "mean",
                 **_: object) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """`GPT.forward`'s (logits, loss) for evaluation, on every rank of the pipeline: the last position's
-        logits without targets, else the loss (`loss_reduction` mean, sum or none)."""
+        """`GPT.forward`'s (logits, loss) for evaluation, on every rank of the pipeline. Without targets, the last
+        position's logits; else the loss."""
         if torch.is_grad_enabled():
             raise RuntimeError("a pipelined GPT trains through step(); its forward is for evaluation")
         ranks, stage = self.pipeline, self.stage
@@ -200,7 +196,7 @@ class PipelinedGPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  **_: object) -> torch.Tensor:
-        """`GPT.generate` without a KV cache: every rank draws the same tokens (the same logits, the same seed)."""
+        """`GPT.generate` without a KV cache. Every rank draws the same tokens from the same logits and seed."""
         for _ in range(max_new_tokens):
             logits, _ = self(idx[:, -self.config.block_size:])
             idx = torch.cat([idx, sample_next(logits[:, -1, :], temperature, top_k).to(idx.device)], dim=1)
@@ -221,8 +217,8 @@ class PipelinedGPT(nn.Module):
         return parts
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The whole model's state dict (a `GPT`'s, in its order, the tied output layer included) on the main
-        process; None elsewhere. Call on every rank."""
+        """The whole model's state dict, as a `GPT` orders it, on the main process; None elsewhere. Call on every
+        rank."""
         parts = self._gather({name: t.detach().cpu() for name, t in self.state_dict().items()})
         if parts is None:
             return None
@@ -234,9 +230,8 @@ class PipelinedGPT(nn.Module):
         return {name: whole[TIED if name == "lm_head.weight" else name] for name in order}
 
     def gather_whole(self) -> tuple[dict[str, torch.Tensor], list[dict[str, dict]], list[list[dict]]] | None:
-        """The whole model's weights, each optimizer's state by parameter name and its param groups' settings,
-        gathered from the stages on the main process (None elsewhere; call on every rank): what a DDP run's
-        checkpoint holds (`training.checkpoints.ddp_files` writes it)."""
+        """What a DDP run's checkpoint holds, gathered from the stages on the main process: weights, optimizer states
+        by name, param-group settings. None elsewhere; call on every rank."""
         weights = self.full_state_dict()
         parts = self._gather([self._state_by_name(optimizer) for optimizer in self.optimizers])
         if weights is None:
@@ -254,8 +249,8 @@ class PipelinedGPT(nn.Module):
 
     def load_own(self, weights: dict[str, torch.Tensor], states: list[dict[str, dict]],
                  settings: list[list[dict]], source: Path) -> None:
-        """Load this stage's part of the whole model: its weights, its parameters' optimizer states (by name) and
-        the optimizers' saved settings. `source`: where they were read, for the one-line errors."""
+        """Load this stage's part of the whole model: weights, optimizer states by name, saved settings. `source`
+        names the folder in the errors."""
         own = self.state_dict()
         weights.setdefault(TIED, weights.get("lm_head.weight"))
         if missing := [name for name in own if weights.get(name) is None]:
@@ -283,8 +278,7 @@ class PipelinedGPT(nn.Module):
 
 
 def stage_line(model: nn.Module) -> str | None:
-    """The blocks this rank's stage holds, as the run header names them ("blocks 4-7 of 12"); None for a model that
-    is not a pipeline's stage."""
+    """The blocks this rank's stage holds, e.g. "blocks 4-7 of 12"; None outside a pipeline."""
     if not isinstance(model, PipelinedGPT):
         return None
     blocks = model.stage.blocks
@@ -293,8 +287,8 @@ def stage_line(model: nn.Module) -> str | None:
 
 def pipelined(model: GPT, layout: Layout, micro_batches: int, micro_batch_size: int,
               accelerator: Accelerator) -> nn.Module:
-    """This rank's stage of `model` under `--pipeline_parallel` (`model` itself without it). A step with fewer
-    micro-batches than stages is refused: 1F1B keeps every stage busy only with at least one micro-batch each."""
+    """This rank's stage of `model`, or `model` itself without a pipeline. A step needs at least one micro-batch per
+    stage, or 1F1B leaves stages idle."""
     n = layout.pipeline_parallel
     if n == 1:
         return model

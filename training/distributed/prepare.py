@@ -1,13 +1,9 @@
 """The model and its optimizers handed to accelerate (`accelerator.prepare`), except what accelerate cannot hold.
 
-- A pipeline's stage and its optimizers stay out (`training.distributed.pipeline`): accelerate's DDP would span stages
-that hold
-  different parameters.
-- Under FSDP2 (tensor parallelism included) only the first optimizer (AdamW) goes in: accelerate's `save_state` and
-  `load_state` pair its i-th optimizer with its i-th model, and a run has one model. The second (Muon on the
-  blocks' matrices) is built on the sharded parameters of the prepared model, and `training.checkpoints.checkpoint`
-  saves and
-  loads its shards with accelerate's own FSDP functions, as `optimizer_1/` beside `optimizer_0/`.
+- A pipeline stage and its optimizers stay out: accelerate's DDP would span stages that hold different parameters.
+- Under FSDP2 only the first optimizer (AdamW) goes in. accelerate's `save_state` pairs its i-th optimizer with its
+  i-th model, and a run has one model. The second (Muon) is built on the prepared model's sharded parameters;
+  `training.checkpoints.checkpoint` saves its shards with accelerate's FSDP functions, as `optimizer_1/`.
 """
 from __future__ import annotations
 
@@ -25,9 +21,8 @@ from training.optimizers.spec import OptimizerPlan, StepPlacement, claimed_names
 
 def prepare(accelerator: Accelerator, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
             plan: OptimizerPlan) -> list:
-    """[model, *optimizers] as the run trains them (see the module docstring); `plan`: what `optimizers` were built
-    from (`training.optimizers.plan.build_optimizer`). The claiming optimizer (Muon) is then told where its step runs
-    (`step_placement`: the ranks that average the gradients, the compile backend)."""
+    """[model, *optimizers] as the run trains them, built from `plan`. The claiming optimizer (Muon) is then told
+    where its step runs (`step_placement`)."""
     if isinstance(model, PipelinedGPT):
         model.optimizers, model.plan = list(optimizers), plan
         prepared = [model, *optimizers]
@@ -47,11 +42,9 @@ def prepare(accelerator: Accelerator, model: torch.nn.Module, optimizers: list[t
 
 
 def step_placement(accelerator: Accelerator, model: torch.nn.Module) -> StepPlacement:
-    """Where the optimizers' step runs in this run, read from `model` as `prepare` returns it: the process group DDP
-    averages the gradients over, or a pipeline stage's replicas (`PipelinedGPT`, which averages them itself), and
-    torch.compile's backend where the run compiles (accelerate's dynamo backend). FSDP2 (tensor parallelism
-    included), ZeRO and one process: no group; ZeRO: its stage (the client optimizer steps inside its engine). The
-    run's header says what it reads (`training.metrics`)."""
+    """Where the optimizers' step runs, read from the prepared `model`. The group is the one DDP averages over, or a
+    pipeline stage's replicas; FSDP2, ZeRO and one process have none. Under ZeRO it carries the stage, since the
+    client optimizer steps inside the engine. The compile backend is accelerate's dynamo backend, where set."""
     backend = accelerator.state.dynamo_plugin.backend
     compile_backend = None if backend == DynamoBackend.NO else backend.value.lower()
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
@@ -67,5 +60,5 @@ def step_placement(accelerator: Accelerator, model: torch.nn.Module) -> StepPlac
 
 
 def outside_accelerate(optimizers: list[torch.optim.Optimizer]) -> list[tuple[int, torch.optim.Optimizer]]:
-    """The optimizers `prepare` kept out of accelerate under FSDP2, with their index (accelerate's file numbering)."""
+    """The optimizers `prepare` kept out of accelerate under FSDP2, with their index in accelerate's file numbering."""
     return [(i, opt) for i, opt in enumerate(optimizers) if not isinstance(opt, AcceleratedOptimizer)]

@@ -1,8 +1,7 @@
 """The processes of a launch: their Accelerator, the batch geometry they share, and agreement on errors.
 
-Without the agreement, a rank that finds a problem (a damaged file of its own, a data source it cannot
-read) exits while the others wait for it in their next collective until a timeout, and the user reads a
-distributed-timeout traceback instead of the problem.
+Without the agreement, a rank that finds a problem (a damaged file, unreadable data) exits while the others wait in
+their next collective until a timeout. The user then reads a timeout traceback instead of the problem.
 """
 from __future__ import annotations
 
@@ -32,8 +31,8 @@ from training.distributed.machine import check_launch
 
 @dataclass(frozen=True)
 class BatchGeometry:
-    """How one optimizer step's batch is cut: micro_batch_size x block_size tokens per forward pass, on each of
-    world_size processes, accumulation times. Their product is the step's batch in tokens."""
+    """How one optimizer step's batch is cut: micro_batch_size x block_size tokens per forward, on each of
+    world_size processes, accumulation times."""
 
     micro_batch_size: int
     block_size: int
@@ -46,9 +45,8 @@ class BatchGeometry:
 
     @classmethod
     def of_launch(cls, cfg: TrainingConfig, block_size: int, data_parallel_size: int | None = None) -> BatchGeometry:
-        """The geometry of this launch (its world size is known before any Accelerator) for `--total_batch_size`.
-        `data_parallel_size`: the ranks that read different batches, under tensor parallelism fewer than the
-        processes (`training.distributed.tensor_parallel`); default: every process."""
+        """This launch's geometry for `--total_batch_size`, known before any Accelerator. `data_parallel_size` counts
+        the ranks that read different batches; it defaults to every process."""
         world = process_state().num_processes if data_parallel_size is None else data_parallel_size
         try:
             return cls.for_total(cfg.total_batch_size, cfg.micro_batch_size, block_size, world)
@@ -60,8 +58,8 @@ class BatchGeometry:
 
     @staticmethod
     def divides(total_batch_size: int, micro_batch_size: int, block_size: int, world_size: int) -> bool:
-        """Whether some accumulation makes `total_batch_size` tokens per step from these micro-batches (the rule
-        `for_total` enforces, and the memory planner's advice follows)."""
+        """Whether some accumulation makes `total_batch_size` tokens per step from these micro-batches. `for_total`
+        enforces it, and the memory planner's advice follows it."""
         return total_batch_size % (micro_batch_size * block_size * world_size) == 0
 
     @classmethod
@@ -77,15 +75,14 @@ class BatchGeometry:
 
 
 def process_state(**process_group: Any) -> PartialState:
-    """This process's place in the launch, before any Accelerator exists (so that the batch geometry is known
-    first). A multi-process DDP launch on a machine without CUDA runs on gloo; otherwise every process would
-    believe it is rank 0. A launch whose ranks still come up alone (a DeepSpeed or FSDP config without a device
-    for it) is refused (`training.distributed.engines.check_world_size`). `process_group`: `init_process_group`'s
-    keyword
-    arguments (`training.distributed.elastic`), used by the first call, which opens the group."""
+    """This process's place in the launch, before any Accelerator exists, so the batch geometry is known first.
+
+    A multi-process DDP launch without CUDA runs on gloo; otherwise every process would think it is rank 0. A launch
+    whose ranks still come up alone is refused. The first call opens the group with `process_group`, the keyword
+    arguments of `init_process_group` (`training.distributed.elastic`)."""
     if (missing := deepspeed_missing()) is not None:
         raise UserError(missing)
-    check_launch()  # what this machine cannot give of the launch: one line (training.distributed.machine)
+    check_launch()  # a launch this machine cannot run is one line
     refuse_engine_on_cpu()  # accelerate would train DDP instead
     state = PartialState(cpu=_cpu_launch(), **process_group)
     check_world_size(int(os.environ.get("WORLD_SIZE", "1")), state.num_processes)
@@ -101,11 +98,9 @@ def _cpu_launch() -> bool:
 
 
 def start_accelerator(accumulation: int, trackers: list[str] | None, run: RunDir) -> Accelerator:
-    """The Accelerator of this process: devices, precision, compile and the engine (DDP, FSDP, DeepSpeed) come
-    from accelerate's config,
-    micro-steps per optimizer step from the batch geometry, trackers (`--report_to`) write into the run folder. On a
-    CPU, glibc's mmap threshold is fixed so that freed activation memory goes back to the OS, and large tensors get
-    huge pages (see below)."""
+    """This process's Accelerator. Devices, precision, compile and the engine come from accelerate's config; the
+    micro-steps per step from the batch geometry. Trackers write into the run folder. On a CPU, freed activation
+    memory goes back to the OS and large tensors get huge pages (see below)."""
     accelerator = Accelerator(cpu=_cpu_launch(), gradient_accumulation_steps=accumulation, log_with=trackers,
                               project_config=ProjectConfiguration(str(run.path), logging_dir=str(run.tensorboard)))
     check_engine(accelerator)  # the engine the config asked for, not accelerate's silent fallback
@@ -119,24 +114,24 @@ def start_accelerator(accumulation: int, trackers: list[str] | None, run: RunDir
 
 
 # glibc's mallopt parameters (malloc.h): the size from which an allocation gets its own mmap, and how much free
-# memory at the top of the heap is kept for reuse instead of being given back at once.
+# memory at the top of the heap is kept for reuse.
 M_MMAP_THRESHOLD, M_TRIM_THRESHOLD = -3, -1
-# From this size on, a CPU allocation is its own mmap, given back when freed: GPT-2-sized activations (12-100 MB).
-# Smaller ones, such as a small model's (the default run's are at most 2 MiB), come from the heap, where up to
-# HEAP_KEPT_BYTES of freed memory stays for the next micro-step instead of being unmapped, faulted in and zeroed
-# again every time (fixing the first threshold sets the second to 128 KiB otherwise).
+# From this size on a CPU allocation is its own mmap, given back when freed: GPT-2-sized activations (12-100 MB).
+# Smaller ones (the default run's, at most 2 MiB) come from the heap. There up to HEAP_KEPT_BYTES of freed memory
+# stays for the next micro-step, instead of being unmapped, faulted in and zeroed again. Setting the first threshold
+# would otherwise set the second to 128 KiB.
 MMAP_THRESHOLD_BYTES = 4 << 20
 HEAP_KEPT_BYTES = 64 << 20
 
 
 def return_freed_memory_to_the_os() -> bool:
     """Give every allocation of `MMAP_THRESHOLD_BYTES` or more its own mmap, returned to the OS when freed, and keep
-    at most `HEAP_KEPT_BYTES` of the heap's free memory (glibc only; False elsewhere, where nothing changes). glibc's
-    default threshold rises to the largest block freed so far (up to 32 MiB), after which a CPU step's
-    activation-sized tensors come from its heap, which keeps the memory they free: resident memory then grows block
-    after block of the backward. GPT-2 124M, one step of 8 x 1,024 tokens with activation checkpointing: peak RSS
-    3.8-4.1 GiB with the default, 2.5 GiB with a fixed threshold (docs/benchmarks.md). Allocations and arithmetic
-    are unchanged: the same numbers, bit for bit."""
+    at most `HEAP_KEPT_BYTES` of the heap's free memory. glibc only; elsewhere it returns False and changes nothing.
+
+    glibc's default threshold rises to the largest block freed so far. Activation-sized tensors then come from the
+    heap, which keeps what they free, so resident memory grows block after block of the backward. A fixed threshold
+    cuts GPT-2's peak by over a third (docs/benchmarks.md, "Activation checkpointing"). The numbers stay the same, bit
+    for bit."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc (macOS, musl)
@@ -150,11 +145,11 @@ _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def use_transparent_huge_pages() -> bool:
-    """Ask torch's CPU allocator for 2 MiB pages for its allocations of 2 MiB or more (`THP_MEM_ALLOC_ENABLE`, read
-    at each allocation), where the kernel allows it; a user's own setting of the variable is kept. Every mmapped
-    tensor is faulted in page by page at its first write: with 4 KiB pages the default run took 3.6 million page
-    faults in 25 steps (its loss buffer alone is 100 MB per micro-step), with 2 MiB pages 0.45 million, and 6 s less
-    system time (docs/benchmarks.md). Returns whether it is on."""
+    """Ask torch's CPU allocator for 2 MiB pages for allocations of 2 MiB or more, where the kernel allows it.
+    Returns whether it is on; a user's own `THP_MEM_ALLOC_ENABLE` is kept.
+
+    Every mmapped tensor is faulted in page by page at its first write. 2 MiB pages cut the default run's page faults
+    eightfold (docs/benchmarks.md, "The embedded default run")."""
     try:
         with open(_THP_MODE) as f:
             allowed = "[never]" not in f.read()
@@ -166,8 +161,8 @@ def use_transparent_huge_pages() -> bool:
 
 
 def close_process_group() -> None:
-    """Close the launch's process group, if one is open. A process that stops on an error with its gloo group
-    open aborts now and then at exit (SIGABRT instead of status 2); a no-op after `end_training` closed it."""
+    """Close the launch's process group, if one is open. A process that stops on an error with its gloo group open
+    sometimes aborts at exit (SIGABRT instead of status 2)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
@@ -176,9 +171,10 @@ _FLAGS_GROUP: list = []  # the gloo group that `any_rank` agrees through, made a
 
 
 def any_rank(flag: bool, accelerator: Accelerator) -> bool:
-    """Whether `flag` holds on any rank, answered alike on every rank; call on every rank. One process answers from
-    its own flag. Several sum theirs in an all-reduce of a host tensor over gloo, which never waits for a GPU: a
-    group of its own where the run's collectives are NCCL's (made by every rank at the first call)."""
+    """Whether `flag` holds on any rank, answered alike on every rank. Call on every rank.
+
+    The ranks sum their flags in an all-reduce of a host tensor over gloo, which never waits for a GPU. Under NCCL
+    that is a gloo group of its own, made by every rank at the first call."""
     if accelerator.num_processes == 1:
         return flag
     if not _FLAGS_GROUP:
@@ -191,9 +187,8 @@ def any_rank(flag: bool, accelerator: Accelerator) -> bool:
 
 @contextmanager
 def shared_across_ranks(accelerator: Accelerator) -> Iterator[None]:
-    """Run a block on every rank; if it raised a `UserError` on any rank, raise the first (lowest rank's)
-    message on every rank, marked for printing once. The block must not run collectives itself (a rank that
-    failed early would not join them)."""
+    """Run a block on every rank. If it raised a `UserError` on any rank, raise the lowest rank's message on every
+    rank, printed once. The block must not run collectives: a rank that failed early would not join them."""
     error: UserError | None = None
     try:
         yield

@@ -1,16 +1,13 @@
 """What runs under what: every feature refused under some engine, against every engine, with its one-line reason and
-fix (the engines' names and the table's columns: `common.engine_names`).
+fix. The engines' names and the table's columns are `common.engine_names`'s.
 
-The refusals before a run (`training.distributed.engines.refuse_unsupported`,
-`training.distributed.layout.Layout.checked`),
-the memory planner's (`planner.Launch`) and the support table of the README and docs/engines.md all read `support()`; a
-test holds both tables equal to `support_table()`. A feature that starts to run under an engine is one cell here.
+The refusals before a run, the memory planner's, and the support table of the README and docs/engines.md all read
+`support()`; a test holds both tables equal to `support_table()`. A feature that starts to run under an engine is
+one cell here.
 
-A refusal may hang on a setting of the run as well (`Refusal.unless`): Muon under ZeRO runs with `--grad_clip 0` and
-is refused otherwise; the run's settings that such a refusal reads are `conditions(...)`.
-
-Refusals that hang on a config's contents rather than on the engine (a DeepSpeed config's own optimizer block;
-accelerate's activation checkpointing beside ours) stay beside the config reading, in `training.distributed.engines`.
+A refusal may also depend on a setting of the run (`Refusal.unless`): Muon under ZeRO runs with `--grad_clip 0` only.
+`conditions(...)` gives the settings such refusals read. Refusals that depend on a config's contents, not on the
+engine, stay with the config reading in `training.distributed.engines`.
 """
 from __future__ import annotations
 
@@ -37,8 +34,8 @@ _PP_WHY = "its stages run on a DDP launch, the pipelines' gradients averaged sta
           "is not built yet"
 _PP_FIX = "launch it with a DDP config (accelerate_configs/8gpu.yaml, cpu_2proc.yaml), or leave out --pipeline_parallel"
 
-# feature (as the user asks for it) -> column -> Refusal; a column not named runs it. The optimizers' rows are not
-# here: each optimizer's module declares its own cells (`OptimizerSpec.refused_under`), and `support()` joins them.
+# feature (as the user asks for it) -> column -> Refusal; a column not named runs it. Each optimizer declares its
+# own row (`OptimizerSpec.refused_under`), and `support()` joins them.
 SUPPORT: dict[str, dict[str, Refusal]] = {
     "--lora_rank": {
         FSDP_COLUMN: Refusal(_LORA_WHY, _LORA_FIX),
@@ -75,23 +72,22 @@ def support() -> dict[str, dict[str, Refusal]]:
 
 
 def costs() -> dict[str, dict[str, str]]:
-    """Feature -> column -> what it costs there beyond the engine's own work, where a registered optimizer declares
-    it (`OptimizerSpec.costs_under`): the note of the table's "runs" cell."""
+    """Feature -> column -> the note of a "runs" cell: what a registered optimizer costs there beyond the engine's
+    own work (`OptimizerSpec.costs_under`)."""
     return {f"--optimizer {name}": dict(spec.costs_under) for name, spec in OPTIMIZERS.items() if spec.costs_under}
 
 
 def conditions(grad_clip: float) -> frozenset[str]:
-    """The settings of a run that a refusal may hang on (`Refusal.unless`), as the table spells them: "--grad_clip 0"
-    where clipping is off."""
+    """The run's settings that a refusal may depend on (`Refusal.unless`), spelled as in the table."""
     return frozenset({"--grad_clip 0"} if grad_clip == 0 else ())
 
 
 def refusal(feature: str, kind: str, zero_stage: int = 0, tensor_parallel: int = 1, asked: str | None = None,
             pipeline_parallel: int = 1, settings: frozenset[str] = frozenset()) -> str | None:
-    """The one-line refusal of `feature` under this launch's engine, or None where it runs. `asked`: the flag as
-    the user gave it, when it says more than the feature's name (`--tensor_parallel 4`); `settings`: the run's
-    (`conditions`), under which a refusal that names one in its `unless` lets it run. A DeepSpeed launch whose
-    stage is not known yet (0) is read in the ZeRO-1 column: no feature here is refused by one ZeRO stage only."""
+    """The one-line refusal of `feature` under this launch's engine, or None where it runs.
+
+    `asked` is the flag as the user gave it (`--tensor_parallel 4`). A refusal whose `unless` is in `settings` lets
+    the feature run. A DeepSpeed stage not yet known (0) reads the ZeRO-1 column: no refusal here differs by stage."""
     where_column = column(kind, zero_stage or (1 if kind == DEEPSPEED else 0), tensor_parallel, pipeline_parallel)
     refused = support().get(feature, {}).get(where_column)
     if refused is None or refused.unless in settings:
@@ -103,9 +99,7 @@ def refusal(feature: str, kind: str, zero_stage: int = 0, tensor_parallel: int =
 
 
 def support_table() -> str:
-    """The support table (README, docs/engines.md): every feature refused somewhere, against every column ("runs",
-    "runs (what it costs there)", "refused", or "with --grad_clip 0" where it runs with that setting only, and its
-    cost)."""
+    """The support table of the README and docs/engines.md: every feature refused somewhere, against every column."""
     lines = ["| feature | " + " | ".join(COLUMNS) + " |", "| --- |" + " --- |" * len(COLUMNS)]
     notes = costs()
 

@@ -1,19 +1,15 @@
-"""`--tensor_parallel N`: the launch's processes in groups of N that split each block's matrices between them
-(`model.tensor_parallel`'s plan), and FSDP2 across the groups (2-D: `world = data-parallel x N`).
+"""`--tensor_parallel N`: groups of N processes split each block's matrices (`model.tensor_parallel`'s plan), and
+FSDP2 shards across the groups.
 
-The layout is a 2-D device mesh ("dp", "tp"), tp innermost: ranks r and r + 1 of a degree-2 launch are one
-tensor-parallel group, and rank r's data-parallel rank is r // N. Every rank of a group computes the same
-activations, so a group reads one stream of batches (the loaders, the batch geometry and the dropout seeds count
-data-parallel ranks, not processes), and its ranks must run every forward together (the evaluations split their
-work over data-parallel ranks: `DataParallelRanks`).
+The layout is a 2-D device mesh ("dp", "tp"), tp innermost. Every rank of a group computes the same activations.
+So a group reads one stream of batches, counted in data-parallel ranks, and its ranks must run every forward
+together; the evaluations split their work over data-parallel ranks (`DataParallelRanks`).
 
-Tensor parallelism rides on accelerate's FSDP2 plugin (the launch's accelerate config must be FSDP2): the model is
-split, then `fully_shard`-ed over the "dp" dimension here, before `accelerator.prepare`, which takes a model that
-is already FSDP2 as it is. FSDP2 then does what it does for any run: sharded checkpoints (torch.distributed
-.checkpoint, which saves the tensor-parallel DTensors as they are), the whole weights gathered for `final/`, the
-global gradient norm over every DTensor. accelerate's own route (`ParallelismConfig(tp_size=N)`) does not run
-with this stack: its FSDP2 + TP preparation imports `ReplicateParallel` from transformers, which transformers 5
-lacks, and it refuses a CPU launch (docs/engines.md, "What the engines do on a CPU").
+Tensor parallelism rides on accelerate's FSDP2 plugin. The model is split, then `fully_shard`-ed over "dp" here;
+`accelerator.prepare` takes an FSDP2 model as it is. FSDP2 then does what it does for any run: sharded checkpoints,
+whole weights gathered for `final/`, the global gradient norm. accelerate's own route (`ParallelismConfig(tp_size=N)`)
+does not run with this stack: it imports `ReplicateParallel`, which transformers 5 lacks, and it refuses a CPU
+launch (docs/engines.md, "What the engines do on a CPU").
 """
 from __future__ import annotations
 
@@ -29,10 +25,9 @@ DP, TP = "dp", "tp"  # the mesh's dimensions
 
 
 def split(model: torch.nn.Module, layout: Layout, accelerator: Accelerator) -> torch.nn.Module:
-    """Split `model` across each tensor-parallel group of `layout` and shard it with FSDP2 across the groups, as
-    accelerate would (one FSDP2 unit per block, the root holding the rest, the plugin's mixed precision and
-    resharding); a no-op without tensor parallelism. Call before the optimizers are built: they then hold the
-    DTensors."""
+    """Split `model` within each tensor-parallel group and shard it with FSDP2 across the groups, as accelerate would
+    (one unit per block, the root holding the rest). A no-op without TP. Call before the optimizers are built, so
+    that they hold the DTensors."""
     if layout.tensor_parallel == 1:
         return model
     from torch.distributed.device_mesh import init_device_mesh
@@ -42,8 +37,7 @@ def split(model: torch.nn.Module, layout: Layout, accelerator: Accelerator) -> t
                             mesh_dim_names=(DP, TP))
     model = parallelize(model.to(accelerator.device), mesh[TP])
     plugin = accelerator.state.fsdp_plugin
-    # accelerate resolves the config's wrap policy (fsdp_transformer_layer_cls_to_wrap: Block) by class name in
-    # `prepare`; resolved now, while the blocks have it (fully_shard renames their class FSDPBlock).
+    # accelerate resolves the wrap policy by class name in `prepare`. Resolve it now: fully_shard renames Block.
     plugin.set_auto_wrap_policy(model)
     kwargs = {"mesh": mesh[DP], "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy()}
     for block in model.transformer.h:
@@ -53,16 +47,14 @@ def split(model: torch.nn.Module, layout: Layout, accelerator: Accelerator) -> t
 
 
 def evaluation_ranks(layout: Layout, accelerator: Accelerator) -> Any:
-    """What the evaluations take as their accelerator: this one, or under tensor or pipeline parallelism the same one
-    seen as its data-parallel ranks (`DataParallelRanks`)."""
+    """The accelerator the evaluations take: under TP or a pipeline, seen as its data-parallel ranks."""
     return DataParallelRanks(accelerator, layout) if layout.model_parallel > 1 else accelerator
 
 
 class DataParallelRanks:
-    """An Accelerator as the evaluations see it under tensor or pipeline parallelism: `process_index` and
-    `num_processes` count data-parallel ranks (a group shares its work: its ranks run the same forwards on the same
-    rows), and `reduce`/`gather` combine the data-parallel ranks' results only (each group's ranks hold the same ones).
-    Everything else is the Accelerator's."""
+    """An Accelerator as the evaluations see it under TP or a pipeline. `process_index` and `num_processes` count
+    data-parallel ranks, since a group's ranks run the same forwards on the same rows. `reduce` and `gather` combine
+    across data-parallel ranks only. Everything else is the Accelerator's."""
 
     def __init__(self, accelerator: Accelerator, layout: Layout) -> None:
         from torch.distributed import new_subgroups_by_enumeration
@@ -70,8 +62,8 @@ class DataParallelRanks:
         self._accelerator = accelerator
         self.process_index = layout.data_parallel_rank(accelerator.process_index)
         self.num_processes = layout.data_parallel_size
-        # One group per tensor-parallel index: the ranks that hold the same shard in different groups. Every rank
-        # creates every group, in the same order (torch's rule for new groups).
+        # One group per index within a group: the ranks holding the same shard. Every rank creates every group, in
+        # the same order, as torch requires.
         degree = layout.model_parallel
         ranks = [[d * degree + t for d in range(layout.data_parallel_size)] for t in range(degree)]
         self._group, _ = new_subgroups_by_enumeration(ranks)

@@ -1,2 +1,3 @@
-"""The evaluations a run scores while it trains, one module each (`validation`, `hellaswag`), what each declares
-(`spec`), and the registry that lists them (`registry`): adding one is its module and one line there."""
+"""The evaluations a run scores while it trains: one module each (`validation`, `hellaswag`), the spec each declares
+(`spec`), the registry (`registry`) and the runner (`runner`). A new evaluation is its module and one line in the
+registry."""

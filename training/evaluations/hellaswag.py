@@ -1,6 +1,6 @@
 """HellaSwag accuracy (acc and acc_norm) on a fixed set of items, scored as `python -m eval.hellaswag` scores them.
 
-`eval.hellaswag` is imported only by a run that scores it: it needs the `evaluate` package and its metric."""
+Only a run that scores it imports `eval.hellaswag`, which needs the `evaluate` package."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,12 +9,11 @@ import torch
 
 from training.evaluations.spec import Context, EvaluationSpec, Metric
 
-# The longest HellaSwag row (context + ending) in tokens, rounded up to eval.hellaswag's padding multiple of 16: the
-# length a batch with the longest item pads to: 150 tokens at most over the 10,042 validation items (block_size
-# 1024).
+# The longest row a batch pads to: the longest validation item (150 tokens of context + ending) rounded up to
+# eval.hellaswag's padding multiple of 16.
 ROW_TOKENS = 160
-# What scoring it adds to a CPU process's resident set: the `evaluate` package and its metric, the items
-# (benchmarks/bench_run_memory.py, docs/benchmarks.md: 0.28 GiB, 2-core EPYC, torch 2.13).
+# What scoring it adds to a CPU process's resident set: the `evaluate` package and the items. Measured:
+# docs/benchmarks.md, "The whole run, phase by phase".
 PROCESS_BYTES = int(0.28 * 2**30)
 
 

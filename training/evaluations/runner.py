@@ -1,9 +1,8 @@
-"""Evaluations during training: each registered evaluation (`training.evaluations`: validation loss with a text
-sample, HellaSwag) on its schedule, and the health check a checkpoint save makes.
+"""Evaluations during training: each registered evaluation on its schedule, and the health check before a save.
 
-They run on every rank (FSDP forwards need all of them) on the plain module: no-grad passes need
-neither DDP nor torch.compile, whose graphs would recompile for every eval shape; FSDP2 shards the
-module in place, so its gathers still run.
+They run on every rank, since FSDP's forwards need all of them. They run on the plain module: a no-grad pass needs
+no DDP, and torch.compile would recompile for every eval shape. FSDP2 shards the module in place, so its gathers
+still run.
 """
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ from training.evaluations.spec import Context, EvaluationSpec
 class TrainingEvals:
     """The evaluations the run's flags turn on, their data loaded once, and when to score them.
 
-    Built before the first step: a validation set shorter than one window (block_size + 1 tokens) and bad
-    HellaSwag data are refused here, before any training time is spent."""
+    Built before the first step, so bad evaluation data is refused before any training time is spent."""
 
     def __init__(self, cfg: EvalConfig, source: DataSource, block_size: int, seed: int,
                  accelerator: Accelerator) -> None:
@@ -66,8 +64,8 @@ class TrainingEvals:
         return results
 
     def finite_loss(self, model: torch.nn.Module) -> bool:
-        """Whether the current weights give a finite loss on the first validation window or example (the same
-        answer on every rank: a cheap health check before weights are saved)."""
+        """Whether the weights give a finite loss on the first validation window or example: a cheap check before a
+        save, with the same answer on every rank."""
         accelerator = self.ctx.accelerator
         plain = unwrapped(model)
         block = self.ctx.block_size
@@ -79,8 +77,7 @@ class TrainingEvals:
 
 
 def _reshard(module: torch.nn.Module) -> None:
-    """After forwards without a backward: FSDP2 keeps the root's parameters (embeddings, ln_f) gathered on every rank
-    until the next backward; give them back now (checkpoint saves, the next step's forward gathers them again).
-    Nothing for a module FSDP does not shard."""
+    """Free FSDP2's gathered root parameters (embeddings, ln_f) after forwards without a backward. FSDP2 would keep
+    them until the next backward; the next forward gathers them again. A no-op where FSDP does not shard."""
     if hasattr(module, "reshard"):
         module.reshard()

@@ -1,6 +1,5 @@
-"""What an in-training evaluation declares: its flags, its schedule, its data (loaded once, before the first step),
-how it scores the model, the metrics it logs with the model card's words for them, and the forward its phase adds
-to the memory plan. `training.evaluations.runner.TrainingEvals` runs them; the planner and the model card read them.
+"""What an in-training evaluation declares (`EvaluationSpec`). `training.evaluations.runner.TrainingEvals` runs
+them; the memory planner and the model card read them.
 """
 from __future__ import annotations
 

@@ -23,8 +23,7 @@ def sample(model: GPT, prompt: str, max_new_tokens: int, seed: int, device: torc
 
 
 def load(ctx: Context) -> Any:
-    """The validation tokens (a stream's fixed set) or examples; a set shorter than a window is refused (the fix
-    named)."""
+    """The validation tokens (a stream's fixed set) or examples. A set shorter than one window is refused."""
     return ctx.source.val_set(ctx.block_size)
 
 

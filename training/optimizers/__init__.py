@@ -1,2 +1,2 @@
-"""The optimizers a run can train with, one module each (`adamw`, `muon`), what each declares (`spec`), and the
-registry that lists them (`registry`): adding an optimizer is its module and one line there."""
+"""The optimizers a run can train with: one module each (`adamw`, `muon`), the spec each declares (`spec`) and the
+registry of them (`registry`). A new optimizer is its module and one line in the registry."""

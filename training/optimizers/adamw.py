@@ -1,7 +1,7 @@
-"""AdamW: the base optimizer of every run, training every parameter that no other optimizer claims.
+"""AdamW: the base optimizer. It trains every parameter that no other optimizer claims.
 
-It decays matrices and embeddings (>= 2-D) only, not biases or LayerNorm gains. On CUDA the fused kernel does the
-whole update in a few launches instead of one per tensor."""
+Only matrices and embeddings (>= 2-D) decay, not biases or LayerNorm gains. On CUDA the fused kernel does the whole
+update in a few launches, not one per tensor."""
 from __future__ import annotations
 
 import inspect
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 
 def build(params: list[torch.nn.Parameter], plan: OptimizerPlan, device_type: str) -> torch.optim.Optimizer:
-    import torch  # here, not above: train.py's command line reads the optimizers' flags before torch is imported
+    import torch  # not above: train.py reads the optimizers' flags before torch loads
 
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": plan.weight_decay},

@@ -1,19 +1,17 @@
-"""Muon on the blocks' 2-D weights (attention and MLP projections), AdamW on the rest: what a run declares of it.
+"""Muon on the blocks' 2-D weights (attention and MLP projections), AdamW on the rest: the run's declaration of it.
 
-Muon orthogonalises a matrix's update, which suits hidden layers only, and torch's Muon takes 2-D parameters only;
-embeddings, the tied output layer, biases and LayerNorms stay with AdamW. The optimizer itself (torch.optim.Muon with
-its Newton-Schulz in the dtype the device multiplies fast, stacked by shape, split over the data-parallel ranks, on
-sharded matrices) is `training.optimizers.muon_optimizer.Muon`, imported when it is built or described: this module,
-its flags with it, stays free of torch, so that train.py's command line answers before torch is imported.
+Muon orthogonalises a matrix's update. That suits hidden layers only, and torch's Muon takes 2-D parameters only, so
+embeddings, the tied output layer, biases and LayerNorms stay with AdamW. LoRA's low-rank factors are not hidden
+matrices either.
 
-Under DeepSpeed's ZeRO, which hands a client optimizer flat partitions in which no matrix is whole, it runs as
-DeepSpeed's own Muon (`MuonWithAuxAdam`, orthogonalising whole matrices while it fills the gradient partitions:
-`zero_build`, `training.optimizers.muon_deepspeed`) with clipping off (`--grad_clip 0`) only: that Muon clips the
-orthogonalised update by the global norm of updates and gradients together, not the raw gradient as torch's Muon
-after `clip_grad_norm_` does, measured by `benchmarks/muon_under_zero.py` (docs/benchmarks.md) 18% of the weights'
-move apart from one process after 10 steps at --grad_clip 1 under ZeRO-1, 2 and 3 alike, 6e-6 (float rounding)
-with clipping off. So its ZeRO cells of the support table are refusals lifted by `--grad_clip 0`
-(`SPEC.refused_under`, `Refusal.unless`). LoRA's low-rank factors are not hidden matrices.
+The optimizer itself is `training.optimizers.muon_optimizer.Muon`, imported only to build or describe it. This module
+and its flags stay free of torch, so train.py's command line answers before torch loads.
+
+ZeRO hands a client optimizer flat partitions in which no matrix is whole. There Muon runs as DeepSpeed's own
+(`zero_build`, `training.optimizers.muon_deepspeed`), and only with clipping off. DeepSpeed's Muon clips the
+orthogonalised update, not the raw gradient: at `--grad_clip 1` it ends 18% apart from torch's Muon, at
+`--grad_clip 0` the two agree to float rounding (docs/benchmarks.md, "Muon under ZeRO"). So Muon's ZeRO cells of
+the support table are refusals that `--grad_clip 0` lifts (`SPEC.refused_under`, `Refusal.unless`).
 """
 from __future__ import annotations
 
@@ -64,16 +62,16 @@ def build(params: list[torch.nn.Parameter], plan: OptimizerPlan, device_type: st
 
 
 def place(optimizer: Muon, placement: StepPlacement) -> None:
-    """The run's data-parallel group splits the orthogonalisations (`Muon.split_group`); its compile backend compiles
-    the stacked iteration (`Muon.compile_backend`)."""
+    """Tell the step which ranks split the orthogonalisations (`Muon.split_group`) and how to compile the stacked
+    iteration (`Muon.compile_backend`)."""
     optimizer.split_group = placement.group if placement.ranks > 1 else None
     optimizer.compile_backend = placement.compile_backend
 
 
 def describe(plan: OptimizerPlan, device_type: str, matrices: list[torch.Tensor], placement: StepPlacement) -> str:
-    """"lr 0.02, Newton-Schulz in bfloat16, stacked by shape (4 groups), compiled, split over 8 ranks": how the step
-    orthogonalises (`place` and `Muon.step`). Sharded matrices (DTensors) are one at a time, as the header says
-    (`training.optimizers.plan.describe_optimizers`); under ZeRO, DeepSpeed's Muon (`zero_build`) says its own."""
+    """How the step orthogonalises, e.g. "lr 0.02, Newton-Schulz in bfloat16, stacked by shape (4 groups), compiled,
+    split over 8 ranks". Sharded matrices (DTensors) go one at a time, which
+    `training.optimizers.plan.describe_optimizers` adds. Under ZeRO, DeepSpeed's Muon describes itself."""
     if placement.zero_stage:
         from training.optimizers import muon_deepspeed
 
@@ -96,16 +94,16 @@ def describe(plan: OptimizerPlan, device_type: str, matrices: list[torch.Tensor]
 
 def zero_build(claimed: list[torch.nn.Parameter], rest: list[torch.nn.Parameter], plan: OptimizerPlan,
                device_type: str) -> torch.optim.Optimizer:
-    """Under ZeRO, which takes one client optimizer: DeepSpeed's Muon with AdamW beside it, in one
+    """Under ZeRO, which takes one client optimizer: DeepSpeed's Muon with AdamW inside it
     (`training.optimizers.muon_deepspeed`)."""
     from training.optimizers import muon_deepspeed
 
     return muon_deepspeed.build(claimed, rest, plan, device_type)
 
 
-# Where each matrix is sharded or split (`Muon.step`): one all-gather of it a step, Newton-Schulz on every rank.
+# Under FSDP2 and TP each matrix is gathered whole once a step for its Newton-Schulz (`Muon.step`).
 _GATHERED = "each matrix all-gathered a step"
-# Measured (benchmarks/muon_under_zero.py, docs/benchmarks.md; tests/test_muon.py holds DeepSpeed to it).
+# Measured: docs/benchmarks.md, "Muon under ZeRO". tests/test_muon.py fails if DeepSpeed changes.
 _ZERO_WHY = ("ZeRO hands an optimizer flat partitions, where no matrix is whole, and the Muon DeepSpeed runs there "
              "clips the orthogonalised update, not the gradient: 18% apart from torch's Muon after 10 steps at "
              "--grad_clip 1, float rounding with clipping off")

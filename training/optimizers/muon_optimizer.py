@@ -1,13 +1,7 @@
-"""Muon's torch optimizer: torch.optim.Muon whose Newton-Schulz orthogonalisation runs in the dtype the device
-multiplies fast (`newton_schulz_dtype`), stacked by shape, split over the ranks that hold the same averaged gradients,
-and on sharded matrices (`Muon`). What a run declares of Muon (its flags, its build, its cells of the support table)
-is `training.optimizers.muon`, which imports this module only when it builds or describes the optimizer: train.py's
-command line reads the flags without importing torch.
+"""Muon's torch optimizer: torch.optim.Muon with a faster Newton-Schulz (`Muon`).
 
-The matrices of one shape are orthogonalised together, one batched Newton-Schulz per shape (`newton_schulz_stacked`,
-compiled where the run compiles), and where several ranks hold the same averaged gradients (DDP, a pipeline stage's
-replicas: `training.distributed.prepare.step_placement`) each orthogonalises its share and one all-gather per shape
-gives it the rest. Under FSDP2 and tensor parallelism each matrix is gathered whole for it, one at a time.
+`training.optimizers.muon` declares Muon to the run (flags, build, support-table cells). It imports this module only
+to build or describe the optimizer, so train.py's command line reads the flags without torch.
 """
 from __future__ import annotations
 
@@ -20,10 +14,12 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 def newton_schulz_dtype(device_type: str) -> torch.dtype:
-    """The dtype Muon orthogonalises in on `device_type`: bfloat16 on accelerators (torch's choice: tensor cores
-    multiply bf16 fastest), and on CPUs with bf16 matrix instructions (AVX-512-BF16, AMX); float32 on every other
-    CPU, which has no bf16 units and emulates bf16 matmuls (a 512 x 512 one at 1.2 GFLOP/s against 16.8 in fp32 on
-    a 2-core AVX2 EPYC). Decided from the hardware alone, so a resume on the same machine computes the same bits."""
+    """The dtype Muon orthogonalises in on `device_type`.
+
+    bfloat16 on accelerators (torch's choice: tensor cores multiply bf16 fastest) and on CPUs with bf16 matrix
+    instructions (AVX-512-BF16, AMX). float32 on other CPUs: they emulate bf16 matmuls, 14x slower than fp32
+    (docs/benchmarks.md, "The embedded default run"). The hardware alone decides, so a resume on the same machine
+    computes the same bits."""
     if device_type != "cpu":
         return torch.bfloat16
     capabilities = torch.cpu.get_capabilities()
@@ -33,8 +29,8 @@ def newton_schulz_dtype(device_type: str) -> torch.dtype:
 
 def orthogonalise(update: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
                   dtype: torch.dtype) -> torch.Tensor:
-    """torch.optim.Muon's quintic Newton-Schulz iteration in `dtype`: with bfloat16, bit for bit torch's own
-    (the same operations in the same order); with float32, the same iteration without bf16's rounding."""
+    """torch.optim.Muon's quintic Newton-Schulz iteration in `dtype`. In bfloat16 it is bit for bit torch's own: the
+    same operations in the same order."""
     a, b, c = coefficients
     x = update.to(dtype)
     tall = update.size(0) > update.size(1)
@@ -47,17 +43,17 @@ def orthogonalise(update: torch.Tensor, coefficients: tuple[float, float, float]
     return x.T if tall else x
 
 
-# torch 2.13 renames all_gather_into_tensor (a warning each call), the GPU image's 2.11 has only the old name.
+# torch 2.13 renamed all_gather_into_tensor (the old name warns each call); the GPU image's 2.11 has only the old one.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def newton_schulz_stacked(x: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
                           dtype: torch.dtype) -> torch.Tensor:
-    """`orthogonalise` on a stack of K matrices of one wide shape, (K, m, n) with m <= n, at once: each divided by its
-    own Frobenius norm, then the same quintic iteration with batched products (bmm, baddbmm). Returns the stack in
-    `dtype`. Every matrix goes through the operations `orthogonalise` applies to it alone, so the two agree to the
-    order in which a kernel accumulates a product (tests/test_muon.py states the bound); what is compiled of it
-    (`Muon.compile_backend`) takes only shapes and constants, never the learning rate, so it compiles once per shape."""
+    """`orthogonalise` on a stack of K matrices of one wide shape, (K, m, n) with m <= n, returned in `dtype`.
+
+    Each matrix goes through the same operations as in `orthogonalise`, batched. The two agree up to the order in which
+    a kernel accumulates a product (tests/test_muon.py holds the bound). It takes only shapes and constants, never the
+    learning rate, so it compiles once per shape."""
     a, b, c = coefficients
     x = x.to(dtype)
     x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)  # spectral norm <= 1, each
@@ -68,32 +64,25 @@ def newton_schulz_stacked(x: torch.Tensor, coefficients: tuple[float, float, flo
 
 
 class Muon(torch.optim.Muon):
-    """torch.optim.Muon with its orthogonalisation in `ns_dtype` (`newton_schulz_dtype`), stacked by shape, split over
-    the data-parallel ranks, and on sharded matrices. torch's constructor, validation, param groups and state (one
-    `momentum_buffer` per matrix, checkpoints interchangeable with torch's); `step` is torch's update (momentum,
-    Nesterov, weight decay, lr x sqrt(max(1, rows / cols))) with three changes in how the Newton-Schulz runs:
+    """torch.optim.Muon with its Newton-Schulz in `ns_dtype`: stacked, split, and on sharded matrices.
 
-    - Stacked (`stacked`, the default): the matrices of one shape are orthogonalised together, one batched iteration
-      (`newton_schulz_stacked`) per shape instead of ~15 small kernels per matrix; compiled
-      (`torch.compile(dynamic=False, fullgraph=True)`) with `compile_backend` when the run compiles its model.
-    - Split (`split_group`, set by `place` from the run's engine): where every rank of a process group holds the
-      same averaged gradient of the same whole matrices (DDP; the replicas of a pipeline stage), each rank
-      orthogonalises its share of each shape's stack (ranks in order, each a contiguous share, the last ones padded
-      with zero matrices so that every share has one size) and one all-gather into a stacked tensor per shape gives
-      every rank all of them: the work per rank falls as 1 / ranks. The momentum stays whole on every rank (an
-      elementwise update, cheap), so the state and the checkpoints are those of one process.
-    - A matrix that FSDP2 shards or tensor parallelism splits (a DTensor) is gathered whole for its
-      orthogonalisation: its momentum stays sharded like the matrix (the update before it is elementwise), one
-      all-gather per matrix and step, the same Newton-Schulz on every rank, each rank keeping its own rows or
-      columns of the result (one matrix at a time, never stacked nor split: gathering a whole shape at once would
-      undo the memory FSDP2 saves).
+    The constructor, param groups and state are torch's (one `momentum_buffer` per matrix), so checkpoints are
+    interchangeable. `step` is torch's update; only the Newton-Schulz runs differently:
 
-    `stacked = False` is the loop of torch's own step, one matrix at a time on every rank, kept as the reference
-    the stacked path is tested and benchmarked against (`benchmarks/bench_muon_sharded.py`). The dtype, the split and
-    the compile backend are attributes, not param-group fields, so they always come from the run that steps, also
-    after a resume. Only torch's default LR adjustment (`adjust_lr_fn` "original") is offered."""
+    - Stacked: one batched iteration per shape (`newton_schulz_stacked`), not ~15 small kernels per matrix. It is
+      compiled with `compile_backend` when the run compiles.
+    - Split (`split_group`): where a group's ranks hold the same averaged gradients of the same whole matrices (DDP,
+      a pipeline stage's replicas), each orthogonalises its share of each stack, padded with zero matrices to one
+      size. One all-gather per shape brings the rest. Momentum stays whole on every rank, so the state is one
+      process's.
+    - Sharded: a DTensor (FSDP2, tensor parallelism) is gathered whole, one at a time, and each rank keeps its
+      piece. Stacking a whole shape would undo FSDP2's memory savings.
 
-    stacked: bool = True  # False: one matrix at a time, as torch.optim.Muon (a class attribute: a sweep may set it)
+    `stacked = False` is torch's loop, the reference for the tests and `benchmarks/bench_muon_sharded.py`. The dtype,
+    split and backend are attributes, not param-group fields, so they come from the run that steps, also after a
+    resume. Only torch's default LR adjustment ("original") is offered."""
+
+    stacked: bool = True  # a class attribute, so a benchmark may turn it off
 
     def __init__(self, params, *, ns_dtype: torch.dtype, **kwargs) -> None:
         if kwargs.get("adjust_lr_fn") not in (None, "original"):
@@ -131,8 +120,7 @@ class Muon(torch.optim.Muon):
             buf.lerp_(p.grad, 1 - momentum)
             update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
             args = group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype
-            if isinstance(update, DTensor):  # sharded (FSDP2) or split (tensor parallelism): the whole matrix
-                # gathered, orthogonalised on every rank alike, and each rank keeps its own piece of the result
+            if isinstance(update, DTensor):  # gathered whole; each rank keeps its own piece of the result
                 whole = orthogonalise(update.full_tensor(), *args)
                 update = distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=None)
             else:
@@ -162,9 +150,8 @@ class Muon(torch.optim.Muon):
 
     def _orthogonalised(self, grads: list[torch.Tensor], buffers: list[torch.Tensor], momentum: float,
                         nesterov: bool, args: tuple) -> torch.Tensor:
-        """The orthogonalised updates of matrices of one shape, as a (K, m, n) stack on their wide orientation (m <=
-        n), in the Newton-Schulz dtype: computed here, or this rank's share of them here and the rest gathered from
-        the other ranks of `split_group`."""
+        """The orthogonalised updates of one shape's matrices: a (K, m, n) stack in their wide orientation (m <= n),
+        in the Newton-Schulz dtype. With `split_group` this rank computes its share and gathers the rest."""
         group = self.split_group
         ranks = dist.get_world_size(group) if group is not None else 1
         share = -(-len(grads) // ranks)  # ceil: every rank's share has one size

@@ -1,18 +1,14 @@
-"""The optimizers a run trains with, built from the model's parameters and the run's config.
+"""The run's optimizers: `--optimizer` resolved into an `OptimizerPlan`, then built on the model's parameters.
 
-AdamW is the base: `--optimizer adamw` is one AdamW over every parameter. Another optimizer (`--optimizer muon`)
-claims a set of parameters (Muon: the blocks' 2-D weights) and AdamW trains the rest (embeddings, the tied output
-layer, biases, LayerNorms). Each optimizer is one module of `training.optimizers`, registered in
-`training.optimizers.registry`; this module only resolves and assembles them.
+AdamW alone trains every parameter. Another optimizer (Muon) claims a set of parameters and AdamW trains the rest.
+Each optimizer is a module of `training.optimizers`; this module only resolves and assembles them. `--optimizer
+auto` means Muon from scratch (measured: docs/benchmarks.md), AdamW to fine-tune and for LoRA adapters.
 
-`--optimizer auto` is resolved once, into an `OptimizerPlan`: Muon to train from scratch (tuned and measured
-here: docs/benchmarks.md), AdamW to fine-tune weights that AdamW trained and for LoRA adapters (low-rank
-factors, not hidden matrices).
-
-Invariants: every trainable parameter is in exactly one optimizer (a tied weight once); the list's first
-optimizer is always the AdamW (accelerate saves it as `optimizer.bin`, a second one as `optimizer_1.bin`);
-`plan.names` names them in that order (checkpoints record it); the learning rates of step s are
-`plan.lrs_at(schedule.factor(s))`, one per optimizer, in that order.
+Invariants:
+- every trainable parameter is in exactly one optimizer (a tied weight once);
+- the first optimizer is AdamW where there are two (accelerate saves `optimizer.bin`, then `optimizer_1.bin`);
+- `plan.names` names them in that order, and checkpoints record it;
+- step s's learning rates are `plan.lrs_at(schedule.factor(s))`, one per optimizer, in that order.
 """
 from __future__ import annotations
 
@@ -32,10 +28,9 @@ __all__ = ["OptimizerPlan", "build_optimizer", "describe_optimizers", "plan_opti
 
 
 def plan_optimizers(cfg: OptimConfig, model: ModelConfig, flags: Mapping[str, Any] | None = None) -> OptimizerPlan:
-    """`--optimizer` resolved for what trains (`auto`: Muon to train from scratch, AdamW to fine-tune or for LoRA),
-    and AdamW's learning rate: `--lr`, else the default of the job (configs.schema.DEFAULT_LRS). `flags`: the
-    registered optimizers' own flags as parsed (`TrainConfig.added`; default: their defaults). An optimizer that is
-    not registered, or one that cannot train LoRA's adapters under --lora_rank, is refused in one line."""
+    """`--optimizer` resolved for what trains, with AdamW's LR: `--lr`, else the job's default
+    (`configs.schema.DEFAULT_LRS`). `flags` holds the optimizers' own flags as parsed (`TrainConfig.added`); absent,
+    their defaults. Refuses in one line an unregistered optimizer, or one that cannot train LoRA's adapters."""
     spec = optimizer_spec(cfg.optimizer if cfg.optimizer != "auto" else "muon" if model.from_scratch else "adamw")
     if model.lora_rank and spec.lora_refusal:
         raise UserError(f"--lora_rank trains its adapters with AdamW only "
@@ -43,7 +38,7 @@ def plan_optimizers(cfg: OptimConfig, model: ModelConfig, flags: Mapping[str, An
                         "--lora_rank")
     if model.from_scratch:
         job = f"from scratch with {spec.display}"
-        # An optimizer without a measured default of its own: AdamW's LR beside a matrix optimizer (Muon's).
+        # An optimizer with no measured default of its own gets AdamW's LR beside Muon.
         default = DEFAULT_LRS.get(job, DEFAULT_LRS["from scratch with Muon"])
     else:
         job = "LoRA" if model.lora_rank else "full fine-tuning"
@@ -56,9 +51,8 @@ def plan_optimizers(cfg: OptimConfig, model: ModelConfig, flags: Mapping[str, An
 
 def build_optimizer(model: torch.nn.Module, plan: OptimizerPlan, device_type: str,
                     one_client: bool = False) -> list[torch.optim.Optimizer]:
-    """[the optimizer alone] or [AdamW, the claiming optimizer] (`plan.names`). Where the engine takes one client
-    optimizer and hands it flat partitions (`one_client`: DeepSpeed's ZeRO), a claiming optimizer's `zero_build`:
-    [one optimizer standing for both]."""
+    """The optimizers in `plan.names`'s order: [the one alone] or [AdamW, the claiming one]. Under `one_client`
+    (DeepSpeed's ZeRO takes one optimizer), a claiming optimizer's `zero_build` returns one that stands for both."""
     named = dict(model.named_parameters())  # a tied weight appears once, under its first name
     claimed = claimed_names(model, plan.spec.claims)
     rest = [p for name, p in named.items() if p.requires_grad and name not in set(claimed)]
@@ -95,13 +89,13 @@ def describe_optimizers(model: torch.nn.Module, plan: OptimizerPlan, placement: 
 
 
 def full_numel(parameter) -> int:
-    """A parameter's number of elements, also under ZeRO-3, which leaves a partitioned parameter empty on every
-    rank and keeps its size in `ds_numel`."""
+    """A parameter's number of elements. ZeRO-3 leaves a partitioned parameter empty and keeps its size in
+    `ds_numel`."""
     return getattr(parameter, "ds_numel", parameter.numel())
 
 
 def release_optimizer_state(optimizers: list[torch.optim.Optimizer]) -> None:
-    """Free the optimizers' state (AdamW's two tensors per parameter: twice the weights) once the run's last
-    checkpoint holds it: the export that follows then peaks under the training step (docs/benchmarks.md)."""
+    """Free the optimizers' state (AdamW's is twice the weights) once the last checkpoint holds it. The export then
+    peaks below the training step (docs/benchmarks.md, "The whole run, phase by phase")."""
     for optimizer in optimizers:
         optimizer.state.clear()

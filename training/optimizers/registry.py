@@ -1,6 +1,6 @@
 """The optimizers `--optimizer` can name: one registration line per optimizer module.
 
-`--optimizer auto` is not one of them: it is resolved to one (`training.optimizers.plan.plan_optimizers`)."""
+`auto` is not one of them; `training.optimizers.plan.plan_optimizers` resolves it."""
 from __future__ import annotations
 
 from common.errors import UserError
