@@ -46,12 +46,12 @@ def _source(request, engine: str | None):
     return probed_run(request.getfixturevalue("tmp_path_factory"), f"engine_{engine}", DDP_ARGS, engine) / "run"
 
 
-# (from engine, to engine, processes after the move, extra flags after it, the engine names the note gives)
+# (from engine, to engine, processes after the move, extra flags after it, the engine names the note gives). Into ZeRO
+# from DDP: ZeRO-3 here; ZeRO-1/2's loader (its master copy into the model) is the bf16 ZeRO-1 move's, below.
 MOVES = {
     "ddp2_to_fsdp2": (None, "fsdp_8gpu", 2, [], "DDP on 2 process(es)", "FSDP2 on 2 process(es)"),
     "fsdp2_to_one_process": ("fsdp_8gpu", None, 1, [], "FSDP2 on 2 process(es)", "DDP on 1 process(es)"),
     "zero2_to_zero3": ("zero2_8gpu", "zero3_8gpu", 2, [], "DeepSpeed ZeRO-2 on 2", "DeepSpeed ZeRO-3 on 2"),
-    "ddp2_to_zero2": (None, "zero2_8gpu", 2, [], "DDP on 2 process(es)", "DeepSpeed ZeRO-2 on 2"),
     "ddp2_to_zero3": (None, "zero3_8gpu", 2, [], "DDP on 2 process(es)", "DeepSpeed ZeRO-3 on 2"),
     "zero2_to_one_zero2_process": ("zero2_8gpu", "zero2_8gpu", 1, [], "DeepSpeed ZeRO-2 on 2", "DeepSpeed ZeRO-2 on 1"),
     "fsdp2_to_pipeline_2": ("fsdp_8gpu", None, 2, ["--pipeline_parallel", "2"], "FSDP2 on 2",
