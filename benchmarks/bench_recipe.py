@@ -35,6 +35,13 @@ from training.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 QUIET = ["--sample_tokens", "0"]
+# `--as_avx2`: train.py as a CPU without bf16 units runs it, on a CPU with them: Muon's Newton-Schulz in fp32
+# (`training.optimizers.muon.newton_schulz_dtype` reads torch.cpu.get_capabilities), ATen's AVX2 kernels, oneDNN and
+# MKL held to AVX2. An emulation: an AVX2 machine's own figure may differ in the last digits.
+AVX2_SHIM = ("import runpy, sys, torch; caps = dict(torch.cpu.get_capabilities()); "
+             "caps.update(avx512_bf16=False, amx_bf16=False); torch.cpu.get_capabilities = lambda: caps; "
+             "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 # name -> train.py flags on top of the defaults. The sweep behind docs/benchmarks.md's table
 # ("The default run's recipe, issue 55"); `default` is whatever `python train.py` runs today.
@@ -90,11 +97,12 @@ def compute(config: dict, n_evals: int) -> dict[str, float]:
             "train_flops": train, "eval_flops": evaluation, "flops": train + evaluation}
 
 
-def run(label: str, flags: list[str], out_dir: Path, threads: int | None) -> dict:
-    cmd = [sys.executable, str(REPO / "train.py"), *flags, *QUIET, "--out_dir", str(out_dir)]
+def run(label: str, flags: list[str], out_dir: Path, threads: int | None, as_avx2: bool = False) -> dict:
+    cmd = [sys.executable, *(["-c", AVX2_SHIM] if as_avx2 else []), str(REPO / "train.py"), *flags, *QUIET,
+           "--out_dir", str(out_dir)]
     if "--save_every" not in flags:
         cmd += ["--save_every", "100000"]
-    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}), **(AVX2_ENV if as_avx2 else {}))
     out_dir.mkdir(parents=True, exist_ok=True)
     log = out_dir / "train.log"  # what it printed: its last "time" line says where the wall time went
     start = time.perf_counter()
@@ -119,6 +127,8 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time")
     parser.add_argument("--threads", type=int, default=None,
                         help="OMP_NUM_THREADS of each run; default: torch's own (the cores)")
+    parser.add_argument("--as_avx2", action="store_true",
+                        help="run each recipe as a CPU without bf16 units does (fp32 Newton-Schulz, AVX2 kernels)")
     parser.add_argument("--work", type=Path, default=None, help="where the runs go; default: a temporary folder")
     parser.add_argument("--out", default="benchmarks/results/bench_recipe", help="writes OUT.json")
     args = parser.parse_args()
@@ -139,11 +149,11 @@ def main() -> None:
 
         defaults = TrainConfig().flat()
         base_flops = compute(defaults, defaults["max_steps"] // defaults["eval_every"])["flops"]
-    results: dict = {"work": str(work), "threads": args.threads, "runs": {}}
+    results: dict = {"work": str(work), "threads": args.threads, "as_avx2": args.as_avx2, "runs": {}}
 
     def one(item: tuple[str, str]) -> tuple[str, dict]:
         label, flags = item
-        return label, run(label, shlex.split(flags), work / label, args.threads)
+        return label, run(label, shlex.split(flags), work / label, args.threads, args.as_avx2)
 
     with ThreadPoolExecutor(args.parallel) as pool:
         for label, result in pool.map(one, recipes.items()):
