@@ -45,29 +45,27 @@ AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_EN
 
 # name -> train.py flags on top of the defaults. The sweep behind docs/benchmarks.md's table
 # ("The default run's recipe, issue 55"); `default` is whatever `python train.py` runs today.
+BEFORE = ("--total_batch_size 2048 --micro_batch_size 8 --max_steps 100 --warmup_steps 10 --eval_every 50 --lr 1e-2 "
+          "--beta2 0.95 --muon_lr 0.02 --muon_momentum 0.95 --n_layer 4 --n_head 4 --n_embd 128")
 RECIPES: dict[str, str] = {
     "default": "",
-    # the recipe before issue 55 (so the table can always be re-measured against it)
-    "before": "--total_batch_size 2048 --micro_batch_size 8 --max_steps 100 --warmup_steps 10 --min_lr_ratio 0.1 "
-              "--lr 1e-2 --muon_lr 0.02 --n_layer 4 --n_head 4 --n_embd 128 --eval_every 50",
-    # the schedule
-    "min_lr_0": "--min_lr_ratio 0",
-    "warmup_5": "--warmup_steps 5",
-    "warmup_0": "--warmup_steps 0",
-    # the rates
-    "muon_0.04": "--muon_lr 0.04",
-    "muon_0.03": "--muon_lr 0.03",
-    "lr_2e-2": "--lr 2e-2",
-    "lr_5e-3": "--lr 5e-3",
-    "wd_0": "--weight_decay 0",
-    # the batch: the same 204,800 tokens in more, smaller steps
-    "batch_1024x200": "--total_batch_size 1024 --max_steps 200 --warmup_steps 20",
-    "batch_512x400": "--total_batch_size 512 --micro_batch_size 4 --max_steps 400 --warmup_steps 40",
-    # the shape: the blocks are 15% of the FLOPs, the output layer the rest
-    "layers_6": "--n_layer 6",
-    "layers_8": "--n_layer 8",
+    # the recipe before issue 55, then issue 55's changes one at a time, each on top of the one before
+    "before": BEFORE,
+    "small_steps": BEFORE + " --total_batch_size 512 --micro_batch_size 2 --max_steps 400 --warmup_steps 40 --lr 3e-2"
+                            " --eval_every 200",
+    "narrow_deep": BEFORE + " --total_batch_size 512 --micro_batch_size 2 --max_steps 480 --warmup_steps 40 --lr 3e-2"
+                            " --n_layer 6 --n_embd 48 --eval_every 160",
+    "beta2_0.99": BEFORE + " --total_batch_size 512 --micro_batch_size 2 --max_steps 480 --warmup_steps 40 --lr 3e-2"
+                           " --n_layer 6 --n_embd 48 --eval_every 160 --beta2 0.99",
+    # ablations of today's default
+    "momentum_0.95": "--muon_momentum 0.95",
+    "steps_360": "--max_steps 360 --warmup_steps 30",
+    "micro_4": "--micro_batch_size 4",
     "heads_2": "--n_head 2",
-    "heads_8": "--n_head 8",
+    "lr_5e-2": "--lr 5e-2",
+    "muon_0.03": "--muon_lr 0.03",
+    "seed_1": "--seed 1",
+    "seed_2": "--seed 2",
 }
 
 

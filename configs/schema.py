@@ -110,9 +110,9 @@ class ModelConfig:
     init_from: str = flag("scratch", "'scratch', a Hub id (gpt2...gpt2-xl), an HF folder or one of our runs; "
                                      "the architecture flags (n_layer, n_head, n_embd, bias) then come from "
                                      "those weights", Refused("the weights the run started from"))
-    n_layer: int = flag(4, "transformer blocks (with --init_from scratch)", CHECKED)
+    n_layer: int = flag(6, "transformer blocks (with --init_from scratch)", CHECKED)
     n_head: int = flag(4, "attention heads per block; must divide n_embd", CHECKED)
-    n_embd: int = flag(128, "embedding width", CHECKED)
+    n_embd: int = flag(48, "embedding width", CHECKED)
     block_size: int = flag(128, "context length in tokens (training windows and the model's positions)", CHECKED)
     dropout: float = flag(0.0, "dropout probability while training, in [0, 1)", CHECKED)
     bias: bool = flag(True, "biases in the linear layers and LayerNorms, as GPT-2 (--no_bias: none)", CHECKED)
@@ -180,11 +180,11 @@ class TrainingConfig:
     _argument_group_name = "training loop"
 
     # Batch: total_batch_size (tokens) = micro_batch_size * block_size * processes * accumulation
-    total_batch_size: int = flag(2048, "tokens per optimizer step; gradient accumulation = total_batch_size / "
+    total_batch_size: int = flag(512, "tokens per optimizer step; gradient accumulation = total_batch_size / "
                                        "(micro_batch_size x block_size x processes)",
                                  Refused("the batch of every step, in tokens"))
-    micro_batch_size: int = flag(8, "sequences per forward pass on each process", ACCEPTED)
-    max_steps: int = flag(100, "optimizer steps of the whole run", SCHEDULE)
+    micro_batch_size: int = flag(2, "sequences per forward pass on each process", ACCEPTED)
+    max_steps: int = flag(480, "optimizer steps of the whole run", SCHEDULE)
     grad_clip: float = flag(1.0, "clip the global gradient norm to this; 0 = no clipping (the norm is measured and "
                                  "logged either way)", ACCEPTED)
     on_nan: str = flag("stop", "'stop' (keep the last good checkpoint) or 'skip' the step", ACCEPTED)
@@ -222,7 +222,7 @@ class TrainingConfig:
 
 # AdamW's peak learning rate when --lr is not given, by what trains (measured: docs/benchmarks.md). From scratch
 # with Muon, AdamW trains only the embeddings/output layer, biases and LayerNorms (Muon has --muon_lr).
-DEFAULT_LRS = {"from scratch with Muon": 1e-2, "from scratch with AdamW": 1e-3, "full fine-tuning": 1e-4,
+DEFAULT_LRS = {"from scratch with Muon": 3e-2, "from scratch with AdamW": 1e-3, "full fine-tuning": 1e-4,
                "LoRA": 3e-4}
 
 
@@ -237,11 +237,11 @@ class OptimConfig:
                                   "and LayerNorms), reached after --warmup_steps; default: by what trains, "
                                   + ", ".join(f"{lr:g} {job}" for job, lr in DEFAULT_LRS.items()), SCHEDULE)
     min_lr_ratio: float = flag(0.1, "the cosine decay ends at lr x min_lr_ratio, at --max_steps", SCHEDULE)
-    warmup_steps: int = flag(10, "steps of linear warmup from lr / warmup_steps to lr", SCHEDULE)
+    warmup_steps: int = flag(40, "steps of linear warmup from lr / warmup_steps to lr", SCHEDULE)
     weight_decay: float = flag(0.1, "AdamW weight decay, on weights of 2 or more dimensions (matrices, embeddings)",
                                RESTORED)
     beta1: float = flag(0.9, "AdamW beta1", RESTORED)
-    beta2: float = flag(0.95, "AdamW beta2", RESTORED)
+    beta2: float = flag(0.99, "AdamW beta2 (the GPT-2 presets: 0.95)", RESTORED)
     optimizer: str = flag("auto", "'muon' (torch.optim.Muon on the blocks' 2-D weights, AdamW with --lr on "
                                   "embeddings/output layer, biases and LayerNorms), 'adamw' (every parameter), or "
                                   "'auto': muon with --init_from scratch, adamw to fine-tune pretrained weights",
@@ -270,7 +270,7 @@ class EvalConfig:
 
     _argument_group_name = "evaluation"
 
-    eval_every: int = flag(50, "validation loss and a sample every N steps (and at the last)", ACCEPTED)
+    eval_every: int = flag(160, "validation loss and a sample every N steps (and at the last)", ACCEPTED)
     eval_batch_size: int | None = flag(None, "sequences (validation) or HellaSwag items per evaluation forward pass; "
                                              "default: --micro_batch_size (an evaluation then peaks under a step)",
                                        ACCEPTED)

@@ -37,7 +37,7 @@ def test_help_documents_every_field_with_its_default():
         assert f"(default: {f.default})" in shown if f.default not in (None, MISSING, "\n") else "default" in shown, \
             f"--{f.name}: {shown!r}"
     text = " ".join(parser.format_help().split())
-    assert "MAX_STEPS optimizer steps of the whole run (default: 100)" in text
+    assert "MAX_STEPS optimizer steps of the whole run (default: 480)" in text
     assert "or 'auto': muon with --init_from scratch, adamw to fine-tune pretrained weights (default: auto)" in text
     assert "prompt of that sample (default: '\\n')" in text  # whitespace defaults are visible
 
@@ -99,10 +99,10 @@ def test_architecture_flags_that_the_weights_overrule_are_named():
     from training.network import ignored_shape_flags
 
     gpt2 = GPTConfig(n_layer=12, n_head=12, n_embd=768)
-    assert ignored_shape_flags(ModelConfig(init_from="gpt2", n_layer=6), gpt2) == ["--n_layer 6"]
+    assert ignored_shape_flags(ModelConfig(init_from="gpt2", n_layer=8), gpt2) == ["--n_layer 8"]
     assert ignored_shape_flags(ModelConfig(init_from="gpt2"), gpt2) == []  # the defaults: nothing was asked
     assert ignored_shape_flags(ModelConfig(init_from="gpt2", n_layer=12), gpt2) == []  # what the weights have
-    assert ignored_shape_flags(ModelConfig(n_layer=6), gpt2) == []  # from scratch the flags are the shape
+    assert ignored_shape_flags(ModelConfig(n_layer=8), gpt2) == []  # from scratch the flags are the shape
 
 
 def test_dashed_spellings_are_the_same_flags():
@@ -230,7 +230,7 @@ def test_the_run_clock_splits_the_wall_time_by_phase(monkeypatch):
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> tuple[Path, str, str]:
     """3 steps of train.py from a 1-layer HF GPT-2 folder, the architecture flags left at their defaults
-    (4 layers, 4 heads, 128 wide); its run folder, stdout and stderr (not a terminal)."""
+    (6 layers, 4 heads, 48 wide); its run folder, stdout and stderr (not a terminal)."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -37,7 +37,7 @@ class MuonFlags:
     _argument_group_name = "Muon (--optimizer muon)"
 
     muon_lr: float = flag(0.02, "Muon's peak learning rate; same warmup and decay as --lr", SCHEDULE)
-    muon_momentum: float = flag(0.95, "Muon's momentum (Nesterov)", RESTORED)
+    muon_momentum: float = flag(0.9, "Muon's momentum (Nesterov)", RESTORED)
     muon_weight_decay: float = flag(0.0, "Muon's decoupled weight decay (each step w -= lr x wd x w)", RESTORED)
 
     def __post_init__(self) -> None:
