@@ -1,11 +1,12 @@
 """Checkpoints that move: resumed under another engine, tensor-parallel degree or (for ZeRO) number of processes
 than the launch that saved them.
 
-Each engine saves in its own format: DDP whole files, FSDP2 torch's distributed checkpoint of its shards, DeepSpeed
-one optimizer partition per rank. The engine that saved a checkpoint reads it with accelerate's `load_state`, bit
-for bit (FSDP2 also reshards over another number of processes). Any other launch reads the state whole
-(`WholeState`): weights and optimizer states by parameter name, c_attn in Hugging Face's order. Then each rank takes
-its own piece:
+Each engine saves in its own format, and each format has its module here: `ddp_files` (DDP and a pipeline's
+stages), `fsdp_files` (FSDP2's distributed checkpoint), `zero_files` (DeepSpeed's partitions); the weights of any
+of them `model.pretrained.read_checkpoint` reads (`from_pretrained` reads a checkpoint without a launcher). The
+engine that saved a checkpoint reads it with accelerate's `load_state`, bit for bit (FSDP2 also reshards over
+another number of processes). Any other launch reads the state whole (`WholeState`): weights and optimizer states
+by parameter name, c_attn in Hugging Face's order. Then each rank takes its own piece:
 
 - DDP, FSDP2 and tensor parallelism: every tensor is copied in, a DTensor keeping its own shard. Each rank holds the
   whole, so `distribute_tensor(..., src_data_rank=None)` sends nothing.
@@ -25,11 +26,10 @@ not bit for bit: summation orders differ between engines.
 from __future__ import annotations
 
 import hashlib
-import shutil
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -39,16 +39,15 @@ from common.engine_names import DDP, DEEPSPEED, FSDP
 from common.errors import UserError
 from common.run_dir import DEEPSPEED_DIR, fsdp_optimizer_dir, rng_state_file
 from model import GPT, GPTConfig
-from model.pretrained import deepspeed_quietly, read_checkpoint, read_distributed_checkpoint, strip_wrapper_prefixes
-from model.tensor_parallel import natural_order, parallel_order
+from model.pretrained import read_checkpoint, strip_wrapper_prefixes
+from model.tensor_parallel import parallel_order
 from model.unwrap import unwrapped
-from training.checkpoints import ddp_files
+from training.checkpoints import ddp_files, fsdp_files, zero_files
 from training.checkpoints.resume import ResumePoint
+from training.checkpoints.whole_state import WholeState
 from training.distributed.engines import Engine
-from training.distributed.pipeline import TIED, PipelinedGPT
+from training.distributed.pipeline import PipelinedGPT
 from training.optimizers.spec import OptimizerPlan
-
-_TIED_PAIR = {TIED: "lm_head.weight", "lm_head.weight": TIED}
 
 
 @dataclass(frozen=True)
@@ -113,81 +112,19 @@ def checkpoint_move(point: ResumePoint | None, engine: Engine, world_size: int, 
     return Move(saved, point.world_size, engine, world_size, plan)
 
 
-@dataclass
-class WholeState:
-    """A checkpoint's state, whole, by our GPT's parameter names, c_attn in Hugging Face's order: `weights`, and each
-    optimizer's state per parameter (AdamW: exp_avg, exp_avg_sq, step; Muon: momentum_buffer)."""
-
-    weights: dict[str, torch.Tensor]
-    optimizers: list[dict[str, dict[str, Any]]]
-
-    def weight(self, name: str) -> torch.Tensor:
-        """The weight `name`; the token embedding and the output layer are one tensor (tied)."""
-        found = self.weights.get(name, self.weights.get(_TIED_PAIR.get(name, "")))
-        if found is None:
-            raise UserError(f"the checkpoint holds no weight {name}; resume it with the model it was saved with")
-        return found
-
-    def state(self, index: int, name: str) -> dict[str, Any] | None:
-        states = self.optimizers[index]
-        return states.get(name, states.get(_TIED_PAIR.get(name, "")))
-
-
 def read_whole(point: ResumePoint, config: GPTConfig, plan: OptimizerPlan) -> WholeState:
     """`point`'s weights and optimizer states, whole, on this process: the size of one DDP checkpoint."""
     _, weights = read_checkpoint(point.path)
     engine = Engine.of_record(point.engine)
     if engine.kind == FSDP:
-        optimizers = [_read_fsdp_optimizer(point.path / fsdp_optimizer_dir(i), config, engine.tensor_parallel)
+        optimizers = [fsdp_files.read_optimizer(point.path / fsdp_optimizer_dir(i), config, engine.tensor_parallel)
                       for i in range(len(point.optimizers))]
     elif engine.kind == DEEPSPEED:
-        optimizers = [_read_zero_optimizer(point.path / DEEPSPEED_DIR)]
+        optimizers = [zero_files.read_optimizer(point.path / DEEPSPEED_DIR)]
     else:
         optimizers = [ddp_files.read_optimizer(point.path, i, groups)[0]
                       for i, groups in enumerate(ddp_files.whole_groups(config, plan))]
     return WholeState(weights, optimizers)
-
-
-def _read_fsdp_optimizer(folder: Path, config: GPTConfig, degree: int) -> dict[str, dict[str, Any]]:
-    """FSDP2's optimizer shards merged by parameter name, c_attn's rows back in Hugging Face's order."""
-    states = strip_wrapper_prefixes(read_distributed_checkpoint(folder).get("optimizer", {}).get("state", {}))
-    keys = {key for state in states.values() for key in state}
-    by_key = {key: natural_order({name: s[key] for name, s in states.items() if key in s}, config.n_embd, degree)
-              for key in keys}
-    return {name: {key: by_key[key][name] for key in state} for name, state in states.items()}
-
-
-def _read_zero_optimizer(folder: Path) -> dict[str, dict[str, Any]]:
-    """DeepSpeed ZeRO's AdamW state, merged whole by DeepSpeed's own zero_to_fp32 code. The moments are laid out as
-    the fp32 master weights it merges."""
-    with deepspeed_quietly():
-        return _merge_zero_moments(folder)
-
-
-def _merge_zero_moments(folder: Path) -> dict[str, dict[str, Any]]:
-    from deepspeed.utils import zero_to_fp32 as ds
-
-    model_states = ds.parse_model_states(ds.get_model_state_files(str(folder)))
-    saved = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]
-             for f in ds.get_optim_files(str(folder))]  # the checkpoint's own files (its manifest verified them)
-    stage = saved[0]["zero_stage"]
-    world = max(saved[0]["partition_count"]) if isinstance(saved[0]["partition_count"], list) else saved[0][
-        "partition_count"]
-    base = [s["base_optimizer_state" if stage <= 2 else "optimizer_state_dict"]["state"] for s in saved]
-    moments: dict[str, dict[str, torch.Tensor]] = {}
-    for key in ("exp_avg", "exp_avg_sq"):
-        flat = [[state[group][key] for group in sorted(state)] for state in base]
-        merged: dict[str, Any] = {}
-        if stage <= 2:
-            ds._zero2_merge_trainable_params(merged, world, flat, model_states,
-                                             saved[0].get("param_alignment_paddings"))
-        else:
-            ds._zero3_merge_trainable_params(merged, world, flat, model_states)
-        for name, tensor in ds.to_torch_tensor(merged).items():
-            moments.setdefault(name, {})[key] = tensor.clone()
-    step = base[0][min(base[0])]["step"]
-    return {name: {"step": step.clone() if torch.is_tensor(step) else torch.tensor(float(step)), **state}
-            for name, state in strip_wrapper_prefixes(moments).items()}
 
 
 def load_moved(point: ResumePoint, move: Move, config: GPTConfig, model: torch.nn.Module, optimizers: list,
@@ -199,7 +136,7 @@ def load_moved(point: ResumePoint, move: Move, config: GPTConfig, model: torch.n
         # launch out of it.
         digest = hashlib.sha256(str(point.path.resolve()).encode()).hexdigest()[:16]
         scratch = Path(tempfile.gettempdir()) / f"gpt2-accelerate-moved-{digest}"
-        _load_into_zero(lambda: read_whole(point, config, move.plan), model, accelerator, scratch)
+        zero_files.load_into(lambda: read_whole(point, config, move.plan), model, accelerator, scratch)
     else:
         load_whole(read_whole(point, config, move.plan), model, optimizers, config, move.now)
     if move.keeps_random_streams:
@@ -272,79 +209,6 @@ def _parallel_states(states: dict[str, dict[str, Any]], n_embd: int, degree: int
               for key in keys}
     return {name: {key: by_key[key][name] if key in by_key else value for key, value in s.items()}
             for name, s in states.items()}
-
-
-def _load_into_zero(read: Callable[[], WholeState], engine: Any, accelerator: Accelerator, scratch: Path) -> None:
-    """Load the whole state (`read()`) into DeepSpeed's ZeRO optimizer through the universal checkpoint layout.
-
-    One process per node reads and writes it in `scratch`; each rank loads its partition of the fp32 master weights
-    and AdamW's moments. ZeRO-1/2 then copy the master weights into the model's; ZeRO-3's partitions are the model's.
-    `scratch` is removed after."""
-    optimizer = engine.optimizer
-    base = optimizer.optimizer
-    hyper = [{k: v for k, v in group.items() if k != "params"} for group in base.param_groups]
-    done = scratch / "written"
-    failure: BaseException | None = None
-    if accelerator.is_local_main_process:
-        shutil.rmtree(scratch, ignore_errors=True)
-        try:
-            _write_universal(read(), optimizer, hyper, scratch / "zero")
-            done.touch()
-        except BaseException as err:  # noqa: BLE001 - raised below, once the other processes are released
-            failure = err
-    accelerator.wait_for_everyone()
-    try:
-        if failure is not None:
-            raise failure
-        if not done.is_file():
-            raise UserError(f"the moved checkpoint could not be written in {scratch} (the first process of this node "
-                            "says why); free space there (or set TMPDIR) and resume again", on_every_rank=True)
-        # Bracketed as DeepSpeed's own load_checkpoint does: ZeRO-3 first releases every gathered parameter, then
-        # gathers its persistent ones (small parameters each rank keeps whole) from the loaded partitions.
-        for event in ("checkpoint_event_prologue", None, "checkpoint_event_epilogue"):
-            if event is None:
-                optimizer._load_universal_checkpoint(str(scratch), load_optimizer_states=True,
-                                                     load_from_fp32_weights=True)
-            elif hasattr(optimizer, event):
-                getattr(optimizer, event)()
-    finally:
-        accelerator.wait_for_everyone()
-        if accelerator.is_local_main_process:
-            shutil.rmtree(scratch, ignore_errors=True)
-    # ZeRO-3 gives every group the first one's settings (the matrices' weight decay to biases and LayerNorms too),
-    # and one step tensor to all, which AdamW would then advance once per group.
-    for group, own in zip(base.param_groups, hyper, strict=True):
-        group.update(own)
-    for saved in base.state.values():
-        if torch.is_tensor(saved.get("step")):
-            saved["step"] = saved["step"].clone()
-    if engine.zero_optimization_stage() < 3:
-        optimizer.update_lp_params()
-
-
-def _write_universal(state: WholeState, optimizer: Any, hyper: list[dict], zero: Path) -> None:
-    """`state` in DeepSpeed's universal checkpoint layout under `zero`. Each parameter gets a folder, by DeepSpeed's
-    name, with fp32.pt, exp_avg.pt, exp_avg_sq.pt ({"param": whole tensor}) and step.pt. optimizer_state.pt holds
-    this run's group settings, which the load keeps."""
-    import deepspeed
-
-    step = None
-    for param, name in optimizer.param_names.items():
-        plain = next(iter(strip_wrapper_prefixes({name: param})))
-        saved = state.state(0, plain)
-        if saved is None:
-            raise UserError(f"the checkpoint holds no optimizer state for {plain}; resume it with the optimizer it "
-                            "was saved with")
-        folder = zero / name
-        folder.mkdir(parents=True)
-        torch.save({"param": state.weight(plain).float()}, folder / "fp32.pt")
-        for key in ("exp_avg", "exp_avg_sq"):
-            torch.save({"param": saved[key].float()}, folder / f"{key}.pt")
-        step = saved["step"]
-        torch.save(step, folder / "step.pt")
-    torch.save({"ds_version": deepspeed.__version__, "clip_grad": optimizer.clip_grad, "param_groups": hyper,
-                "optimizer_state_dict": {"state": {0: {"step": step}}, "param_groups": hyper}},
-               zero / "optimizer_state.pt")
 
 
 def restore_random_streams(checkpoint: Path, rank: int) -> None:
