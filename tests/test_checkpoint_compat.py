@@ -22,7 +22,9 @@ OLD = "77d78a9"  # main at the start of the redesign (issue 22)
 ARGS = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "32", "--val_tokens", "256",
         "--eval_batch_size", "4", "--sample_tokens", "4", "--lr", "3e-3", "--warmup_steps", "2", "--max_steps", "4",
         "--micro_batch_size", "2", "--total_batch_size", "128", "--save_every", "2", "--log_every", "1",
-        "--eval_every", "1000", "--dropout", "0.1"]  # dropout: the restored RNG streams matter
+        "--eval_every", "1000", "--dropout", "0.1",  # dropout: the restored RNG streams matter
+        # the defaults of OLD's time, which issue 55 changed: a resume passes the recorded recipe
+        "--beta2", "0.95", "--muon_momentum", "0.95"]
 
 
 @pytest.fixture(scope="module")

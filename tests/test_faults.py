@@ -214,9 +214,31 @@ def test_init_from_without_a_commit_resumes_a_fine_tune_pinned_to_one(tmp_path, 
             resume_recipe({"init_from": now, "max_steps": 4}, point, plan)
 
 
+def test_every_refused_change_of_a_resume_is_in_its_one_line(tmp_path):
+    """A resume that changes several refused fields (a run started before issue 55 changed the defaults, resumed
+    with the same command) names them all, and the fix that resumes is one command: every flag as recorded."""
+    import yaml
+
+    from configs import ModelConfig, OptimConfig
+    from training.checkpoints.resume import ResumePoint
+    from training.optimizers.plan import plan_optimizers
+    from training.recipe import resume_recipe
+
+    (tmp_path / "run" / "checkpoints" / "step_000002").mkdir(parents=True)
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump({"total_batch_size": 2048, "beta2": 0.95,
+                                                                  "max_steps": 4}))
+    point = ResumePoint(tmp_path / "run" / "checkpoints" / "step_000002", {}, {"step": 2, "tokens": 0, "run_id": "x"})
+    plan = plan_optimizers(OptimConfig(), ModelConfig())
+    with pytest.raises(UserError) as refused:
+        resume_recipe({"total_batch_size": 512, "beta2": 0.99, "max_steps": 4}, point, plan)
+    line = str(refused.value)
+    assert "records total_batch_size 2048, beta2 0.95 and this resume passes 512, 0.99" in line
+    assert "resume with --total_batch_size 2048 --beta2 0.95 as recorded" in line and "\n" not in line
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("flag,old,new", [("--total_batch_size", "64", "128"), ("--seed", "1337", "7"),
-                                          ("--beta2", "0.95", "0.99")])
+                                          ("--beta2", "0.99", "0.95")])
 def test_a_resume_that_changes_the_recipe_is_refused_in_one_line(run_copy, monkeypatch, capsys, flag, old, new):
     """The batch in tokens, the data order, and what the optimizer state restores: refused before anything is
     written, naming the field, both values and the fix."""

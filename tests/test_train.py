@@ -252,7 +252,7 @@ def test_cli_error_is_one_line_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: total_batch_size 1000 is not a multiple of micro_batch_size x block_size x processes "
-        "= 8 x 128 x 1 = 1024; change one of them"]
+        "= 2 x 128 x 1 = 256; change one of them"]
     assert not (tmp_path / "r").exists()
 
 

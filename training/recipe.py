@@ -135,19 +135,22 @@ def resume_recipe(record: dict[str, Any], resume: ResumePoint | None, plan: Opti
     if not isinstance(earlier, list):
         raise UserError(f"{config_file}: '{RESUMES}' is not a list; fix it or remove the key")
     values = dict(record)
-    changes = []
+    changes, refused = [], []
     flags = FlagRules.now()
     for change in changed_fields(recorded, {k: v for k, v in record.items() if k not in flags.not_compared}):
         if change.name == "init_from" and _same_hub_weights(change.old, change.new):
             values["init_from"] = change.old  # the pin stays: the same weights, at the commit the run read
         elif change.name in flags.refused:
-            raise UserError(
-                f"{config_file} records {change.name} {change.old!r} and this resume passes {change.new!r}: a "
-                f"resume continues the run's recipe ({change.name}: {flags.refused[change.name]}); resume with "
-                f"--{change.name} {change.old} as recorded, or start a new run in another --out_dir (with "
-                f"--init_from {resume.path} to start from these weights)")
+            refused.append(change)
         else:
             changes.append(change)
+    if refused:  # every refused change in the one line, so one corrected command resumes
+        raise UserError(
+            f"{config_file} records {', '.join(f'{c.name} {c.old!r}' for c in refused)} and this resume passes "
+            f"{', '.join(repr(c.new) for c in refused)}: a resume continues the run's recipe "
+            f"({'; '.join(f'{c.name}: {flags.refused[c.name]}' for c in refused)}); resume with "
+            f"{' '.join(f'--{c.name} {c.old}' for c in refused)} as recorded, or start a new run in another "
+            f"--out_dir (with --init_from {resume.path} to start from these weights)")
     if not changes:
         return Recipe(values, (*earlier, entry) if move is not None else tuple(earlier))
     # A finished run: no step would use the change, yet config.yaml would record it. A step past --max_steps, and a
