@@ -44,6 +44,7 @@ from configs import ModelConfig, OptimConfig, TrainingConfig
 from model import GPT, GPTConfig
 from model.loss import default_loss_chunk_rows, describe_loss_path
 from training.mfu import estimate_mfu, peak_flops
+from training.optimizers.muon import MuonFlags
 from training.optimizers.plan import build_optimizer, plan_optimizers
 from training.preemption import PreemptionFlag
 from training.step import LRSchedule, train_step
@@ -134,10 +135,11 @@ def main() -> None:
     accelerator = Accelerator(cpu=use_cpu, gradient_accumulation_steps=args.grad_accum,
                               mixed_precision=args.mixed_precision,
                               dynamo_backend="inductor" if args.compile else "no")
-    # The optimizer comes from the same config group and plan as in train.py, so both sides build it alike.
-    optim = OptimConfig(warmup_steps=max(1, (args.warmup + args.steps) // 10),
+    # The optimizer comes from the same config group and plan as in train.py, so both sides build it alike; its
+    # settings are the GPT-2 124M presets' (the defaults are the small CPU run's: an LR of 3e-2 would diverge here).
+    optim = OptimConfig(warmup_steps=max(1, (args.warmup + args.steps) // 10), lr=6e-4, beta2=0.95,
                         **({} if args.optimizer is None else {"optimizer": args.optimizer}))
-    plan = plan_optimizers(optim, ModelConfig())  # from scratch
+    plan = plan_optimizers(optim, ModelConfig(), {"muon": MuonFlags(muon_momentum=0.95)})  # from scratch
     schedule = LRSchedule(optim.warmup_steps, args.warmup + args.steps, optim.min_lr_ratio)
 
     torch.manual_seed(1337)
