@@ -169,6 +169,5 @@ def main() -> None:
     print(f"wrote {out}")
 
 
-
 if __name__ == "__main__":
     run_cli(main)
