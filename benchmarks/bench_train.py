@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import itertools
 import json
 import math
@@ -40,16 +41,16 @@ from torch._dynamo.utils import counters as dynamo_counters
 
 from benchmarks.step_probe import Phases, count_syncs, probe, profile_step
 from common.errors import UserError, run_cli
-from configs import ModelConfig, OptimConfig, TrainingConfig
+from configs import ModelConfig, TrainingConfig, parse_config
 from model import GPT, GPTConfig
 from model.loss import default_loss_chunk_rows, describe_loss_path
 from training.mfu import estimate_mfu, peak_flops
-from training.optimizers.muon import MuonFlags
 from training.optimizers.plan import build_optimizer, plan_optimizers
 from training.preemption import PreemptionFlag
 from training.step import LRSchedule, train_step
 
 GRAD_CLIP = TrainingConfig().grad_clip  # train.py's default
+GPT2_PRESET = "gpt2_124m_fineweb_edu_muon.yaml"  # the optimizer's settings (main())
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -136,10 +137,12 @@ def main() -> None:
                               mixed_precision=args.mixed_precision,
                               dynamo_backend="inductor" if args.compile else "no")
     # The optimizer comes from the same config group and plan as in train.py, so both sides build it alike; its
-    # settings are the GPT-2 124M presets' (the defaults are the small CPU run's: an LR of 3e-2 would diverge here).
-    optim = OptimConfig(warmup_steps=max(1, (args.warmup + args.steps) // 10), lr=6e-4, beta2=0.95,
-                        **({} if args.optimizer is None else {"optimizer": args.optimizer}))
-    plan = plan_optimizers(optim, ModelConfig(), {"muon": MuonFlags(muon_momentum=0.95)})  # from scratch
+    # settings are the GPT-2 124M Muon preset's (the defaults are the small CPU run's: an LR of 3e-2 would diverge
+    # here), its warmup this benchmark's length.
+    preset = parse_config(["--config", GPT2_PRESET])
+    optim = dataclasses.replace(preset.optim, warmup_steps=max(1, (args.warmup + args.steps) // 10),
+                                **({} if args.optimizer is None else {"optimizer": args.optimizer}))
+    plan = plan_optimizers(optim, ModelConfig(), preset.added)  # from scratch
     schedule = LRSchedule(optim.warmup_steps, args.warmup + args.steps, optim.min_lr_ratio)
 
     torch.manual_seed(1337)
