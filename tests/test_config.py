@@ -8,6 +8,7 @@ from conftest import project_files
 
 from common.errors import UserError
 from configs import PRESETS_DIR, PresetConfig, TrainConfig, parse_config
+from training.evaluations import registry as evaluations  # noqa: F401  their own flags, as train.py reads them
 from training.optimizers import registry  # noqa: F401  the optimizers' own flags, as train.py reads them
 
 
@@ -26,14 +27,16 @@ def test_flags_override_the_preset(tmp_path: Path):
     preset = tmp_path / "p.yaml"
     preset.write_text("lr: 6e-4\nmax_steps: 5\nbias: false\nhellaswag_limit: 3\n")  # YAML reads 6e-4 as a string
     cfg = parse_config(["--config", str(preset), "--max_steps", "7"])
-    assert (cfg.optim.lr, cfg.training.max_steps, cfg.model.bias, cfg.eval.hellaswag_limit) == (6e-4, 7, False, 3)
+    assert (cfg.optim.lr, cfg.training.max_steps, cfg.model.bias, cfg.added["hellaswag"].hellaswag_limit) == \
+        (6e-4, 7, False, 3)
 
 
 def test_gpt2_124m_preset_is_the_build_nanogpt_recipe():
     cfg = parse_config(["--config", "gpt2_124m_fineweb_edu.yaml"])
     model, training = cfg.model, cfg.training
     assert (model.n_layer, model.n_head, model.n_embd, model.block_size) == (12, 12, 768, 1024)
-    assert (training.total_batch_size, cfg.optim.lr, cfg.optim.warmup_steps, cfg.eval.hellaswag_every) == \
+    hellaswag = cfg.added["hellaswag"]
+    assert (training.total_batch_size, cfg.optim.lr, cfg.optim.warmup_steps, hellaswag.hellaswag_every) == \
         (524_288, 6e-4, 715, 250)
     assert training.max_steps * training.total_batch_size == pytest.approx(10e9, rel=1e-3)  # one pass over 10B
 
@@ -139,15 +142,17 @@ def test_whole_floats_in_a_preset_are_ints(tmp_path: Path):
     preset = tmp_path / "p.yaml"
     preset.write_text("max_steps: 1.0e+3\nhellaswag_limit: 10.0\n")  # YAML reads both as floats
     cfg = parse_config(["--config", str(preset)])
-    assert (cfg.training.max_steps, cfg.eval.hellaswag_limit) == (1000, 10)
-    assert type(cfg.training.max_steps) is int and type(cfg.eval.hellaswag_limit) is int
+    hellaswag = cfg.added["hellaswag"]
+    assert (cfg.training.max_steps, hellaswag.hellaswag_limit) == (1000, 10)
+    assert type(cfg.training.max_steps) is int and type(hellaswag.hellaswag_limit) is int
 
 
 def test_good_paths_pass(tmp_path: Path):
     paths = _bad_paths(tmp_path)
     cfg = parse_config(["--out_dir", paths["folder"], "--resume", paths["folder"], "--init_from", "gpt2",
                         "--hellaswag_data", paths["file"], "--hellaswag_limit", "1", "--mfu_peak_flops", "1e12"])
-    assert (cfg.run.resume, cfg.model.init_from, cfg.eval.hellaswag_data) == (paths["folder"], "gpt2", paths["file"])
+    assert (cfg.run.resume, cfg.model.init_from, cfg.added["hellaswag"].hellaswag_data) == \
+        (paths["folder"], "gpt2", paths["file"])
 
 
 def test_the_evaluation_batch_defaults_to_the_micro_batch():

@@ -31,8 +31,9 @@ def test_ctrl_c_saves_the_step_and_the_resume_is_bit_exact(uninterrupted, tmp_pa
     resumed = launch(RESUME_ARGS + ["--out_dir", str(out), "--resume", "latest"])
     assert_same_weights(uninterrupted, out)
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
-    val = read_metrics(out)[-1]["val_loss"]  # the end of a run: its last validation loss and what to run next
-    assert f"validation loss {val:.4f} at step 6; next: python -m model.sample --model {out}" in resumed.stdout
+    last = read_metrics(out)[-1]  # the end of a run: its last evaluations' scores and what to run next
+    assert (f"validation loss {last['val_loss']:.4f}, HellaSwag acc {last['hellaswag_acc']:.4f}, HellaSwag acc_norm "
+            f"{last['hellaswag_acc_norm']:.4f} at step 6; next: python -m model.sample --model {out}") in resumed.stdout
 
 
 @pytest.mark.slow

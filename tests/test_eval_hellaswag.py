@@ -388,10 +388,10 @@ def test_a_damaged_jsonl_gz_is_one_line_naming_the_file(tmp_path, damage):
 
 def suggested_hellaswag(run: Path, hellaswag_data: str | None) -> list[str]:
     """The arguments of the eval.hellaswag command that a run's `next:` line suggests."""
-    from common.run_dir import RunDir
-    from training.checkpoints.export import next_steps
+    from training.evaluations.hellaswag import HellaSwagFlags
+    from training.evaluations.runner import next_steps
 
-    line = next_steps(RunDir(run), (6, 5.0), hellaswag_data)
+    line = next_steps(run, (6, {"val_loss": 5.0}), {"hellaswag": HellaSwagFlags(hellaswag_data=hellaswag_data)})
     (command,) = [part for part in line.split(", python -m ") if part.startswith("eval.hellaswag ")]
     return shlex.split(command.partition(" (")[0])[1:]  # the command, without its note in parentheses
 

@@ -132,15 +132,16 @@ def test_a_validation_split_shorter_than_a_window_is_refused_with_working_advice
     n_val = len(local_tokens(str(corpus))) - int(len(local_tokens(str(corpus))) * 0.9)
     cfg = parse_config(TINY_MODEL + ["--dataset", str(corpus), "--out_dir", str(tmp_path / "run")])
     with pytest.raises(UserError) as err:
-        TrainingEvals(cfg.eval, open_source(cfg.data), cfg.model.block_size, cfg.training.seed, accelerator=None)
+        TrainingEvals(cfg.eval, cfg.added, open_source(cfg.data), cfg.model.block_size, cfg.training.seed,
+                      accelerator=None)
     assert str(err.value) == (
         f"the validation set has {n_val} tokens, fewer than one window of block_size + 1 = 33; the validation split "
         f"of {corpus} is the last 10% of its tokens; pass --block_size {n_val - 1} or less, or add text to the corpus "
         "(about 330 tokens in all)")
     # The advice works: that block_size gives a validation window.
     smaller = parse_config(TINY_MODEL + ["--dataset", str(corpus), "--block_size", str(n_val - 1)])
-    evals = TrainingEvals(smaller.eval, open_source(smaller.data), smaller.model.block_size, smaller.training.seed,
-                          accelerator=None)
+    evals = TrainingEvals(smaller.eval, smaller.added, open_source(smaller.data), smaller.model.block_size,
+                          smaller.training.seed, accelerator=None)
     assert len(evals.val_tokens) >= n_val
 
 
