@@ -97,6 +97,10 @@ BAD_VALUES = [
 
 @pytest.mark.parametrize("flags,fragment", BAD_VALUES, ids=[" ".join(f)[:40] for f, _ in BAD_VALUES])
 def test_bad_values_are_one_line_user_errors(tmp_path: Path, flags, fragment):
+    """Each bad value is one UserError line. A window longer than the validation cap names both ways out, leading with
+    `--block_size` where the cap is at its default (`--block_size 100000` used to advise only `--val_tokens 100001`).
+
+    Seen to catch: `block_changed` always False: the `--block_size 100000` case fails (the val_tokens-first line)."""
     paths = _bad_paths(tmp_path)
     argv = [f.format(**paths) for f in flags]
     with pytest.raises(UserError) as err:
@@ -108,7 +112,12 @@ def test_bad_values_are_one_line_user_errors(tmp_path: Path, flags, fragment):
 
 def test_every_bad_value_names_its_flag(tmp_path: Path):
     """Each refusal above spells the flag it refuses as the user types it, `--name` (issue 55: "report_to must be one
-    of", "dropout must be in", without their --)."""
+    of", "dropout must be in", without their --).
+
+    A preset's unknown key suggests the key and its flag (`lr for learning_rate, the flag --lr`):
+    `test_cli.py::test_unknown_preset_fields_suggest_the_field`.
+
+    Seen to catch: `--report_to`'s `--` removed again: the rule test lists its message."""
     paths = _bad_paths(tmp_path)
     unnamed = []
     for flags, _ in BAD_VALUES:
@@ -129,7 +138,9 @@ def test_every_bad_value_names_its_flag(tmp_path: Path):
     ("grad_clip: .nan\n", "--grad_clip must be a finite number"),
 ])
 def test_bad_preset_types(tmp_path: Path, yaml_text, fragment):
-    """A value of the wrong type is named where it is: the preset file and its key, not a flag never passed."""
+    """A value of the wrong type is named where it is: the preset file and its key, not a flag never passed.
+
+    Seen to catch: the string handed on to argparse again: `argument --n_layer/--n-layer: invalid int value: 'two'`."""
     preset = tmp_path / "p.yaml"
     preset.write_text(yaml_text)
     with pytest.raises(UserError, match=re.escape(fragment)) as err:
@@ -158,7 +169,9 @@ def test_good_paths_pass(tmp_path: Path):
 def test_the_evaluation_batch_defaults_to_the_micro_batch():
     """Left out, --eval_batch_size is the run's --micro_batch_size (an evaluation forward then holds no more tokens
     than a training one: its peak stays under the step's, issue 32), resolved once so config.yaml records the number
-    eval.val_loss reproduces the run's loss with; given, it keeps its value."""
+    eval.val_loss reproduces the run's loss with; given, it keeps its value.
+
+    Seen to catch: the default resolved to 16: fails."""
     cfg = parse_config(["--micro_batch_size", "4", "--total_batch_size", "512"])
     assert cfg.eval.eval_batch_size == 4 and cfg.flat()["eval_batch_size"] == 4
     given = parse_config(["--micro_batch_size", "4", "--total_batch_size", "512", "--eval_batch_size", "16"])

@@ -1,7 +1,11 @@
 """A new optimizer or in-training evaluation is one module and one registration line (docs/architecture.md, "What a
 new piece touches"): a toy of each, registered here and nowhere else, runs through a whole train.py run, its
 checkpoint, the model card, the run's last line, the support table and the memory planner; the count of product files
-a new evaluation touches is computed from the code; and every evaluation flag belongs to one registered evaluation."""
+a new evaluation touches is computed from the code; and every evaluation flag belongs to one registered evaluation.
+
+Seen to catch: the model card's results keys fixed as before the registry (`val_loss`, `hellaswag_*` only): the
+whole-run test fails on the card's row. The planner's state hard-coded at Muon's 4 bytes per claimed parameter: the
+planner test fails."""
 from __future__ import annotations
 
 import ast
@@ -104,7 +108,11 @@ def toys():
 def test_a_toy_optimizer_brings_its_own_flags_and_trains_what_it_claims(claims):
     """Registered with its flag group and nothing else: train.py parses `--rmsprop_lr` and `--rmsprop_alpha`, the
     plan carries them into the build and the schedule, a resume knows their rules, a bad value is its own one line.
-    On the blocks' matrices it trains beside AdamW; claiming every parameter it trains alone."""
+    On the blocks' matrices it trains beside AdamW; claiming every parameter it trains alone.
+
+    Each parameter is in one optimizer; unregistered, its flags are unknown again.
+
+    Seen to catch: the plan built without the parsed flags (`flags.get` ignored): the toy's lr is 0.05, not 0.1."""
     optimizers.register(replace(TOY_OPTIMIZER, claims=claims))
     try:
         cfg = parse_config(["--optimizer", "rmsprop", "--rmsprop_lr", "0.1", "--rmsprop_alpha", "0.9", "--lr", "1e-3"])
@@ -199,7 +207,10 @@ def test_every_evaluation_flag_belongs_to_one_evaluation():
     holds only the batch they all use (`--eval_batch_size`).
 
     Seen to catch: an evaluation flag (`eval_sample_seed`) added to `EvalConfig` instead of its module: fails naming
-    it."""
+    it.
+
+    Seen to catch: before the flags moved into the evaluations' modules, `sample_prompt` left out of validation's
+    declared flags failed the older form of this test."""
     assert [f.name for f in fields(EvalConfig)] == ["eval_batch_size"]
     for spec in evaluations.EVALUATIONS.values():
         assert spec.flags is None or all_groups()[spec.name] is spec.flags, spec.name
