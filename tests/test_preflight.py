@@ -91,7 +91,12 @@ def test_low_disk_warns_with_the_estimate(tmp_path: Path, monkeypatch, capsys):
 
 def test_the_low_disk_estimate_counts_only_the_checkpoints_the_run_saves(tmp_path: Path, monkeypatch, capsys):
     """A short run never reaches --keep_last (issue 55: the default run saves once, and the warning counted
-    keep_last 3 + 2 more): it holds the checkpoints it saves, and final/."""
+    keep_last 3 + 2 more): it holds the checkpoints it saves, and final/.
+
+    It counts as many as the run saves (every `--save_every` and the last, from its start step), at most `--keep_last`,
+    one more while replacing, and final/.
+
+    Seen to catch: `held_at_once` counting `keep_last` whatever the saves: a run that saves once warns."""
     assert [saves_ahead(*args) for args in [(0, 100, 100), (0, 6, 2), (0, 7, 2), (4, 6, 2), (6, 6, 2), (0, 50, 1000)]] \
         == [1, 3, 4, 1, 0, 1]
     _free(monkeypatch, 2 * 1000)
