@@ -81,6 +81,20 @@ def test_the_readme_stays_under_two_thousand_words():
     assert words < MAX_WORDS, f"README.md has {words} words; move the detail to a docs/ page and link it"
 
 
+MAP_MAX_WORDS = 2000  # issue 61's bound for docs/testing.md: a map read in minutes, not a ledger
+
+
+def test_the_testing_page_stays_a_map_of_the_suite():
+    """docs/testing.md stays the map of the suite (tiers, fixtures, conventions, where each area's tests live): at most
+    2,000 words. Issue 61: it had grown to 21,889, a 95-minute ledger of every claim and its break, which now live in
+    each test's docstring.
+
+    Seen to catch: 150 words appended to the page: `docs/testing.md has 2050 words; ...`."""
+    words = len((DOCS / "testing.md").read_text(encoding="utf-8").split())
+    assert words <= MAP_MAX_WORDS, (f"docs/testing.md has {words} words; put a test's claim and its break in the "
+                                    "test's docstring, not on the map")
+
+
 def anchors(page) -> set[str]:
     """GitHub's anchors of a page's headings: lower case, punctuation but `-` and `_` dropped, spaces as `-`."""
     found, fenced = set(), False

@@ -111,5 +111,5 @@ def test_the_dashboard_shows_the_runs_loss_in_a_headless_browser(tmp_path):
     _page, dom = look(project, shot, chromium)
     (name,) = trackio_runs(project)
     assert name.startswith("view-") and name in dom  # the run is listed ...
-    assert dom.count("<canvas") == 2  # ... with its two plots drawn: loss and val_loss (their look: docs/testing.md)
+    assert dom.count("<canvas") == 2  # ... with its two plots drawn: loss and val_loss (their look: the docstring)
     assert shot.stat().st_size > 0
