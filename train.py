@@ -18,13 +18,15 @@ from functools import partial
 
 from common.errors import computed_alike_on_every_rank, run_cli
 from configs import TrainConfig, parse_config
-from training.optimizers import registry  # noqa: F401  the registered optimizers' own flags are train.py's too
+from training.evaluations import registry as _evaluations  # noqa: F401  the registered evaluations' and
+from training.optimizers import registry  # noqa: F401  optimizers' own flags are train.py's too
 
 
 def main() -> None:
     """`python train.py [preset] [flags]`: the flags, then the run. The flags are parsed before the machinery is
     imported (torch, accelerate, the engines: seconds), so `--help` and a mistyped flag answer at once; the
-    registered optimizers' own flags are read from modules that do not import torch (docs/benchmarks.md)."""
+    registered optimizers' and evaluations' own flags are read from modules that do not import torch
+    (docs/benchmarks.md)."""
     with computed_alike_on_every_rank():  # every rank parses the same flags: rank 0 alone says what is wrong
         cfg = parse_config()
     train(cfg)
@@ -121,7 +123,7 @@ def train(cfg: TrainConfig) -> None:
             loader = source.train_loader(block_size=geometry.block_size, micro_batch_size=geometry.micro_batch_size,
                                          rank=data_rank, world_size=geometry.world_size, seed=cfg.training.seed)
             on_exit.callback(loader.close)
-            evals = TrainingEvals(cfg.eval, source, geometry.block_size, cfg.training.seed, ranks)
+            evals = TrainingEvals(cfg.eval, cfg.added, source, geometry.block_size, cfg.training.seed, ranks)
 
             arch, n_params, flops_per_token = model.config, model.num_params(False), model.flops_per_token()
             fit_deepspeed(accelerator, geometry.micro_batch_size, geometry.accumulation, cfg.training.grad_clip,
@@ -206,8 +208,8 @@ def train(cfg: TrainConfig) -> None:
         # checkpoint, so its memory goes to the export.
         if finished := progress.step == max_steps:
             release_optimizer_state(optimizers)
-            export_final(accelerator, model, arch, run, metrics.last_val, init_weights,
-                         tensor_parallel=layout.tensor_parallel, hellaswag_data=cfg.eval.hellaswag_data)
+            export_final(accelerator, model, arch, run, init_weights, tensor_parallel=layout.tensor_parallel)
+            accelerator.print(evals.next_steps(run.path))
             if accelerator.is_main_process:
                 write_card(run.path, hub_model_id=cfg.hub.hub_model_id if cfg.hub.push_to_hub else None)
         accelerator.print(clock.summary())

@@ -144,6 +144,7 @@ def main() -> None:
     base_flops = None  # today's default recipe's compute, from its run (or, without one, from its config)
     if "default" not in recipes:
         from configs.schema import TrainConfig
+        from training.evaluations import registry  # noqa: F401  --eval_every is validation's own flag
 
         defaults = TrainConfig().flat()
         base_flops = compute(defaults, defaults["max_steps"] // defaults["eval_every"])["flops"]

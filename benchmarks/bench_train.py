@@ -44,6 +44,7 @@ from common.errors import UserError, run_cli
 from configs import ModelConfig, TrainingConfig, parse_config
 from model import GPT, GPTConfig
 from model.loss import default_loss_chunk_rows, describe_loss_path
+from training.evaluations import registry  # noqa: F401  the preset's evaluation flags (--hellaswag_every)
 from training.mfu import estimate_mfu, peak_flops
 from training.optimizers.plan import build_optimizer, plan_optimizers
 from training.preemption import PreemptionFlag

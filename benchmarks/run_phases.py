@@ -32,7 +32,7 @@ SAMPLE_S = 0.002
 # imported by train.py's `train` once its flags are parsed, after these are wrapped.
 PHASES = {
     "step": ("training.step", "train_step"),
-    "validation": ("training.evaluations.validation", "evaluate_loss"),
+    "validation": ("eval.val_loss", "evaluate_loss"),  # imported by validation's score when it runs
     "sample": ("training.evaluations.validation", "sample"),
     "hellaswag": ("eval.hellaswag", "evaluate_hellaswag"),
     "checkpoint save": ("training.checkpoints.checkpoint", "Checkpointer.save"),

@@ -266,34 +266,18 @@ class OptimConfig:
 
 @dataclass
 class EvalConfig:
-    """What is scored during training, and when (training.evaluations.runner)."""
+    """What every evaluation during training shares (training.evaluations.runner). Each evaluation's own flags
+    (`--eval_every`, `--hellaswag_every`, ...) are its module's, added by `training.evaluations.registry`."""
 
     _argument_group_name = "evaluation"
 
-    eval_every: int = flag(160, "validation loss and a sample every N steps (and at the last)", ACCEPTED)
     eval_batch_size: int | None = flag(None, "sequences (validation) or HellaSwag items per evaluation forward pass; "
                                              "default: --micro_batch_size (an evaluation then peaks under a step)",
                                        ACCEPTED)
-    hellaswag_every: int = flag(0, "HellaSwag every N steps; 0 = never; needs the eval package", ACCEPTED)
-    hellaswag_data: str | None = flag(None, "local HellaSwag jsonl; default: the Hub split", ACCEPTED)
-    hellaswag_limit: int | None = flag(None, "score only the first N HellaSwag items; default: all 10,042", ACCEPTED)
-    sample_tokens: int = flag(64, "tokens of the text sample printed at each evaluation; 0 = no sample", ACCEPTED)
-    sample_prompt: str = flag("\n", "prompt of that sample", ACCEPTED)
 
     def __post_init__(self) -> None:
-        _positive(self, "eval_every", *(["eval_batch_size"] if self.eval_batch_size is not None else []))
-        _non_negative(self, "hellaswag_every", "sample_tokens")
-        _non_empty(self, "hellaswag_data")
-        if self.hellaswag_limit is not None and self.hellaswag_limit < 1:
-            raise UserError(f"--hellaswag_limit must be at least 1, got {self.hellaswag_limit}; leave it out to "
-                            "score every item")
-        if not self.sample_prompt:
-            raise UserError("sample_prompt is empty; pass at least one character, e.g. --sample_prompt '\\n' "
-                            "(the default)")
-        if self.hellaswag_data is not None and not Path(self.hellaswag_data).expanduser().is_file():
-            kind = "a folder" if Path(self.hellaswag_data).expanduser().is_dir() else "not an existing file"
-            raise UserError(f"--hellaswag_data {self.hellaswag_data} is {kind}; pass a HellaSwag .jsonl or .jsonl.gz "
-                            "file, or leave it out to use the Hub copy")
+        if self.eval_batch_size is not None:
+            _positive(self, "eval_batch_size")
 
 
 @dataclass
@@ -357,8 +341,9 @@ class PresetConfig:
 GROUPS: dict[str, type] = {"preset": PresetConfig, "run": RunConfig, "model": ModelConfig, "data": DataConfig,
                            "training": TrainingConfig, "optim": OptimConfig, "eval": EvalConfig, "log": LogConfig,
                            "hub": HubConfig}
-# Groups that a component above this package declares for itself and adds when it is imported (each optimizer's own
-# flags: `training.optimizers.registry`); they follow GROUPS on the command line and in config.yaml.
+# Groups that a component above this package declares for itself and adds when it is imported (each optimizer's and
+# each evaluation's own flags: `training.optimizers.registry`, `training.evaluations.registry`); they follow GROUPS on
+# the command line and in config.yaml.
 ADDED: dict[str, type] = {}
 
 

@@ -111,7 +111,7 @@ def exit_after_plan(cfg):
         why = ("the launch asks for the CPU" if env["cpu_asked"] else "this machine has no GPU: the run trains on "
                "the CPU; to plan a GPU run, python -m benchmarks.memory_plan --device cuda")
         device_bytes, which = device_here(launch.device, int(env["per_machine"]), why)
-        run = RunPhases.of_flags(cfg.eval, hub_staging=cfg.hub.push_to_hub and cfg.hub.hub_push_every > 0)
+        run = RunPhases.of_flags(cfg.eval, cfg.added, hub_staging=cfg.hub.push_to_hub and cfg.hub.hub_push_every > 0)
         spelling = Spelling(fsdp="accelerate_configs/fsdp_8gpu.yaml (FSDP2)", processes="--num_processes",
                             sharding=launch.device == "cuda" or accelerate_runs_engines(machine))
         print(render(plan_memory(config, launch), device_bytes, spelling, run))

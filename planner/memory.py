@@ -46,6 +46,7 @@ fewer activations (it recomputes cheap ones), so a compiled run needs less, not 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
 
 from common.errors import UserError
 from configs import EvalConfig
@@ -371,10 +372,13 @@ class RunPhases:
             raise UserError(f"no evaluation named {', '.join(sorted(unknown))}; plan {', '.join(EVALUATIONS)}")
 
     @classmethod
-    def of_flags(cls, cfg: EvalConfig, hub_staging: bool = False) -> RunPhases:
-        """The phases a run with these evaluation flags goes through."""
-        return cls(cfg.eval_batch_size, tuple(name for name, spec in EVALUATIONS.items() if spec.every(cfg)),
-                   hub_staging)
+    def of_flags(cls, cfg: EvalConfig, parsed: Mapping[str, Any] | None = None, hub_staging: bool = False
+                 ) -> RunPhases:
+        """The phases a run with these evaluation flags goes through: the shared group, and each evaluation's own
+        among `parsed` (`TrainConfig.added`; left out: their defaults)."""
+        parsed = parsed or {}
+        return cls(cfg.eval_batch_size, tuple(name for name, spec in EVALUATIONS.items()
+                                              if spec.every(spec.flags_in(parsed))), hub_staging)
 
     @property
     def specs(self) -> list[EvaluationSpec]:

@@ -43,6 +43,12 @@ def _results() -> dict[str, str]:
             **{m.key: m.label for spec in EVALUATIONS.values() for m in spec.metrics}}
 
 
+def _notes(summary: dict[str, Any]) -> list[str]:
+    """How each evaluation the run logged is scored, in the card's words (`EvaluationSpec.card_note`)."""
+    return [spec.card_note for spec in EVALUATIONS.values()
+            if spec.card_note and any(m.key in summary for m in spec.metrics)]
+
+
 def summarize(metrics: list[dict[str, Any]]) -> dict[str, Any]:
     """The numbers a card reports: the last value of each metric and the step it was logged at."""
     summary: dict[str, Any] = {}
@@ -211,6 +217,7 @@ def render_card(
         # metrics the run never logged are left out
         results=[(label, _fmt(summary[key]), _fmt(summary[key + "_step"])) for key, label in _results().items()
                  if key in summary],
+        notes=_notes(summary),
         curves=", ".join(curves), curve_file=LOSS_CURVE, state_step=state_step,
         config=yaml.safe_dump(redact(config), sort_keys=False).strip() if config else "",
     )

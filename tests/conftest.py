@@ -51,7 +51,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 for folder in (REPO_ROOT, REPO_ROOT / "tests" / "fixtures" / "eval"):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
-
+# train.py's flags as train.py reads them, in every test whatever it imports: the registered evaluations' and
+# optimizers' own flag groups (`--eval_every`, `--muon_lr`) join the parser when their registries are imported.
+import training.evaluations.registry  # noqa: E402, F401
+import training.optimizers.registry  # noqa: E402, F401
 
 # ---- the project's own files ---------------------------------------------------------------------------------
 

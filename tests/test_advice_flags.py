@@ -114,6 +114,11 @@ def accepted() -> dict[str, set[str]]:
 
 @pytest.mark.parametrize("cli", CLIS)
 def test_every_flag_the_advice_names_exists(cli, accepted):
+    """Every `--flag` named in the one-line errors a CLI can raise (its modules, reached through imports, lazy ones too)
+    is one its `--help` lists, or one of the command the message names.
+
+    Seen to catch: the old HellaSwag advice (`--data` inside train.py) restored: fails naming
+    `eval/hellaswag_data.py`."""
     wrong = {}
     for path in sorted(project_modules_run_by(cli)):
         if (clis := scope(path)) is not None and cli not in clis:

@@ -1,4 +1,9 @@
-"""data.ahead: items made in a background thread come out in order, errors in their place, and close() stops it."""
+"""data.ahead: items made in a background thread come out in order, errors in their place, and close() stops it.
+
+At most `depth` items ahead; an error comes in its place and again after; `close()` runs `finish` once, in the thread.
+
+Seen to catch: `finish` not called when the thread ends (the stream left open):
+`test_close_stops_the_thread_and_finish_runs_once_in_it` fails."""
 from __future__ import annotations
 
 import threading

@@ -60,6 +60,9 @@ def project_imports(path: Path) -> set[str]:
 
 
 def test_packages_import_only_lower_layers():
+    """The package layering: no module imports a higher layer (docs/architecture.md).
+
+    Seen to catch: `model/hf_io.py` (now `model/pretrained.py`) importing `training.mfu`."""
     wrong = []
     for package, allowed in ALLOWED.items():
         for path in package_files(package):
@@ -90,7 +93,10 @@ def module_graph() -> dict[str, set[str]]:
 
 
 def test_no_module_imports_itself_back():
-    """No circle of imports between modules, lazy ones included (e.g. model.gpt -> model.pretrained -> model.gpt)."""
+    """No circle of imports between modules, lazy ones included (e.g. model.gpt -> model.pretrained -> model.gpt).
+
+    Seen to catch: a lazy `from model.gpt import GPT` inside a function of `model/pretrained.py`; `from model import
+    gpt` in `model/lora.py`. Each fails naming the circle through `model.gpt`."""
     graph, state, circles = module_graph(), {}, []
 
     def visit(node: str, path: list[str]) -> None:
@@ -128,6 +134,11 @@ def back_arrows(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_training_sub_packages_import_one_way():
+    """training/ has four sub-packages and a root of at most 12 modules, imported one way: root -> checkpoints ->
+    distributed -> optimizers, evaluations alone (the table in docs/architecture.md).
+
+    Seen to catch: `from training.checkpoints.resume import Progress` in `training/distributed/layout.py`: fails naming
+    that import."""
     graph = module_graph()
     assert back_arrows(graph) == []
     assert {training_part(m) for m in graph} - {None} == set(TRAINING_ALLOWED)  # no part without a row
@@ -173,7 +184,10 @@ def test_nothing_binds_the_name_eval():
 @pytest.mark.slow
 def test_importing_a_package_installs_no_handlers_or_filters():
     """Importing the training machinery must not change the process: signal handlers and logging
-    filters are installed by the objects that need them, when they are created."""
+    filters are installed by the objects that need them, when they are created.
+
+    Seen to catch: the tied-weight log filter installed when `training/checkpoints/checkpoint.py` is imported (as it
+    once was)."""
     script = (
         "import signal, logging\n"
         "before = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1))\n"
@@ -188,7 +202,9 @@ def test_importing_a_package_installs_no_handlers_or_filters():
 
 def test_the_planner_is_one_way_inside():
     """planner/: launch -> memory -> advice -> render -> cli, each module importing only those before it (the
-    package's docstring); `planner/__init__.py` gathers them and none imports it back."""
+    package's docstring); `planner/__init__.py` gathers them and none imports it back.
+
+    Seen to catch: `planner/memory.py` importing `planner.render`: this test and the import-circle test fail."""
     order = ["planner.launch", "planner.memory", "planner.advice", "planner.render", "planner.cli"]
     graph = module_graph()
     assert sorted(name for name in graph if name.startswith("planner")) == sorted(order + ["planner"])
@@ -219,5 +235,12 @@ def engine_branches() -> list[str]:
 
 
 def test_the_engine_is_asked_through_the_layout():
+    """What the rest of the code asks of an engine it asks the layout: outside `training/distributed/`, the checkpoint
+    code and the engines' names, at most 2 lines branch on the engine (`.kind ==`, `distributed_type ==`,
+    `isinstance(.., PipelinedGPT)`, `tensor_parallel > 1`, `pipeline_parallel > 1`, `zero_stage` comparisons; issue 54
+    asked for 8, from 57).
+
+    Seen to catch: it failed on the planner's and the header's 20 branches before `Launch` held a `Layout`; a merge's
+    `zero=engine.kind == DEEPSPEED` in train.py failed it at 3."""
     found = engine_branches()
     assert len(found) <= ENGINE_BRANCHES_ALLOWED, "\n".join(found)

@@ -1,6 +1,8 @@
 """benchmarks/bench_recipe.py, the scan behind the default run's recipe (docs/benchmarks.md): every recipe it names
 still parses as train.py's flags, its `before` is the recipe issue 55 replaced, and its compute is counted as the
-docstring says. The runs themselves are minutes each: the benchmark, not a test, measures them."""
+docstring says. The runs themselves are minutes each: the benchmark, not a test, measures them.
+
+Seen to catch: a recipe's `--muon_momentum` misspelt `--muon_mom`: unknown argument, did you mean `--muon_momentum`."""
 from __future__ import annotations
 
 import shlex

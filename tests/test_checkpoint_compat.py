@@ -51,6 +51,11 @@ def run(tree: Path, args: list[str], fault: str | None = None) -> subprocess.Com
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_a_checkpoint_of_the_old_format_resumes(old_tree, tmp_path, optimizer):
+    """A checkpoint written by the code before the redesign (commit 77d78a9; AdamW and Muon; a copy of the old code's
+    run resumed from its step 2) resumes under today's code; AdamW ends at the old code's own uninterrupted weights.
+
+    Seen to catch: the old optimizer count 2 no longer read as ("adamw", "muon"): the Muon case is refused as
+    damaged."""
     args = ARGS + ["--optimizer", optimizer]
     reference = run(old_tree, args + ["--out_dir", str(tmp_path / "reference")])  # the old code, uninterrupted
     assert reference.returncode == 0, reference.stderr[-3000:]

@@ -48,7 +48,11 @@ def test_the_command_line_answers_before_torch_is_imported():
     in modules without torch (Muon's torch optimizer is a module of its own), so `python train.py --help` (Muon's flags
     in it) and a mistyped flag's one line load neither torch, accelerate nor transformers: HfArgumentParser comes from
     its own module file (`configs._hf_argument_parser`). One process runs all three through train.py's entry point;
-    the figures (1.5-2 s before, ~0.3 s after) are docs/benchmarks.md's."""
+    the figures (1.5-2 s before, ~0.3 s after) are docs/benchmarks.md's.
+
+    Seen to catch: `from transformers import HfArgumentParser` back: the transformers modules are listed. `import torch`
+    at the top of `training/optimizers/muon.py`: the torch modules are listed. train.py without its import of the
+    optimizers' registry: Muon's flags are missing from `--help`."""
     code = """
 import runpy, sys
 for argv in (["--help"], ["--lerning_rate", "1"], ["--lr", "1e-3", "--n_layer", "2", "--plan_not"]):
@@ -87,6 +91,9 @@ def test_unknown_flags_suggest_the_field(argv, message):
 
 @pytest.mark.parametrize("argv", [["--mixed_precision", "bf16"], ["--num-processes=2"], ["--bf16"]])
 def test_accelerate_options_given_to_train_py_say_where_they_belong(argv):
+    """accelerate's options given to train.py say where they belong.
+
+    Seen to catch: not broken on purpose (a message's test)."""
     with pytest.raises(UserError) as err:
         parse_config(argv)
     assert f"{argv[0].split('=')[0]} is accelerate's, not train.py's" in str(err.value)
@@ -283,7 +290,11 @@ def test_val_loss_of_a_run_reproduces_the_logged_loss(tiny_run, capsys, where):
 
 def test_an_error_line_is_one_write_with_its_newline(monkeypatch):
     """Processes share stderr (a launch's ranks, torch elastic's agent): a line written in two parts can get another
-    process's line between them (CI, 2026-11-26: the agent's warning glued to our line), so it is one write."""
+    process's line between them (CI, 2026-11-26: the agent's warning glued to our line), so it is one write.
+
+    Seen to catch: `print(..., file=sys.stderr)` (two writes): fails. Found in CI, where
+    `test_elastic.py::test_an_error_of_one_rank_is_one_line_and_stops_after_the_first_restart[3]` read torch elastic's
+    warning glued to our line."""
     import io
 
     from common.errors import print_error

@@ -8,6 +8,7 @@ from conftest import project_files
 
 from common.errors import UserError
 from configs import PRESETS_DIR, PresetConfig, TrainConfig, parse_config
+from training.evaluations import registry as evaluations  # noqa: F401  their own flags, as train.py reads them
 from training.optimizers import registry  # noqa: F401  the optimizers' own flags, as train.py reads them
 
 
@@ -26,14 +27,16 @@ def test_flags_override_the_preset(tmp_path: Path):
     preset = tmp_path / "p.yaml"
     preset.write_text("lr: 6e-4\nmax_steps: 5\nbias: false\nhellaswag_limit: 3\n")  # YAML reads 6e-4 as a string
     cfg = parse_config(["--config", str(preset), "--max_steps", "7"])
-    assert (cfg.optim.lr, cfg.training.max_steps, cfg.model.bias, cfg.eval.hellaswag_limit) == (6e-4, 7, False, 3)
+    assert (cfg.optim.lr, cfg.training.max_steps, cfg.model.bias, cfg.added["hellaswag"].hellaswag_limit) == \
+        (6e-4, 7, False, 3)
 
 
 def test_gpt2_124m_preset_is_the_build_nanogpt_recipe():
     cfg = parse_config(["--config", "gpt2_124m_fineweb_edu.yaml"])
     model, training = cfg.model, cfg.training
     assert (model.n_layer, model.n_head, model.n_embd, model.block_size) == (12, 12, 768, 1024)
-    assert (training.total_batch_size, cfg.optim.lr, cfg.optim.warmup_steps, cfg.eval.hellaswag_every) == \
+    hellaswag = cfg.added["hellaswag"]
+    assert (training.total_batch_size, cfg.optim.lr, cfg.optim.warmup_steps, hellaswag.hellaswag_every) == \
         (524_288, 6e-4, 715, 250)
     assert training.max_steps * training.total_batch_size == pytest.approx(10e9, rel=1e-3)  # one pass over 10B
 
@@ -94,6 +97,10 @@ BAD_VALUES = [
 
 @pytest.mark.parametrize("flags,fragment", BAD_VALUES, ids=[" ".join(f)[:40] for f, _ in BAD_VALUES])
 def test_bad_values_are_one_line_user_errors(tmp_path: Path, flags, fragment):
+    """Each bad value is one UserError line. A window longer than the validation cap names both ways out, leading with
+    `--block_size` where the cap is at its default (`--block_size 100000` used to advise only `--val_tokens 100001`).
+
+    Seen to catch: `block_changed` always False: the `--block_size 100000` case fails (the val_tokens-first line)."""
     paths = _bad_paths(tmp_path)
     argv = [f.format(**paths) for f in flags]
     with pytest.raises(UserError) as err:
@@ -105,7 +112,12 @@ def test_bad_values_are_one_line_user_errors(tmp_path: Path, flags, fragment):
 
 def test_every_bad_value_names_its_flag(tmp_path: Path):
     """Each refusal above spells the flag it refuses as the user types it, `--name` (issue 55: "report_to must be one
-    of", "dropout must be in", without their --)."""
+    of", "dropout must be in", without their --).
+
+    A preset's unknown key suggests the key and its flag (`lr for learning_rate, the flag --lr`):
+    `test_cli.py::test_unknown_preset_fields_suggest_the_field`.
+
+    Seen to catch: `--report_to`'s `--` removed again: the rule test lists its message."""
     paths = _bad_paths(tmp_path)
     unnamed = []
     for flags, _ in BAD_VALUES:
@@ -126,7 +138,9 @@ def test_every_bad_value_names_its_flag(tmp_path: Path):
     ("grad_clip: .nan\n", "--grad_clip must be a finite number"),
 ])
 def test_bad_preset_types(tmp_path: Path, yaml_text, fragment):
-    """A value of the wrong type is named where it is: the preset file and its key, not a flag never passed."""
+    """A value of the wrong type is named where it is: the preset file and its key, not a flag never passed.
+
+    Seen to catch: the string handed on to argparse again: `argument --n_layer/--n-layer: invalid int value: 'two'`."""
     preset = tmp_path / "p.yaml"
     preset.write_text(yaml_text)
     with pytest.raises(UserError, match=re.escape(fragment)) as err:
@@ -139,21 +153,25 @@ def test_whole_floats_in_a_preset_are_ints(tmp_path: Path):
     preset = tmp_path / "p.yaml"
     preset.write_text("max_steps: 1.0e+3\nhellaswag_limit: 10.0\n")  # YAML reads both as floats
     cfg = parse_config(["--config", str(preset)])
-    assert (cfg.training.max_steps, cfg.eval.hellaswag_limit) == (1000, 10)
-    assert type(cfg.training.max_steps) is int and type(cfg.eval.hellaswag_limit) is int
+    hellaswag = cfg.added["hellaswag"]
+    assert (cfg.training.max_steps, hellaswag.hellaswag_limit) == (1000, 10)
+    assert type(cfg.training.max_steps) is int and type(hellaswag.hellaswag_limit) is int
 
 
 def test_good_paths_pass(tmp_path: Path):
     paths = _bad_paths(tmp_path)
     cfg = parse_config(["--out_dir", paths["folder"], "--resume", paths["folder"], "--init_from", "gpt2",
                         "--hellaswag_data", paths["file"], "--hellaswag_limit", "1", "--mfu_peak_flops", "1e12"])
-    assert (cfg.run.resume, cfg.model.init_from, cfg.eval.hellaswag_data) == (paths["folder"], "gpt2", paths["file"])
+    assert (cfg.run.resume, cfg.model.init_from, cfg.added["hellaswag"].hellaswag_data) == \
+        (paths["folder"], "gpt2", paths["file"])
 
 
 def test_the_evaluation_batch_defaults_to_the_micro_batch():
     """Left out, --eval_batch_size is the run's --micro_batch_size (an evaluation forward then holds no more tokens
     than a training one: its peak stays under the step's, issue 32), resolved once so config.yaml records the number
-    eval.val_loss reproduces the run's loss with; given, it keeps its value."""
+    eval.val_loss reproduces the run's loss with; given, it keeps its value.
+
+    Seen to catch: the default resolved to 16: fails."""
     cfg = parse_config(["--micro_batch_size", "4", "--total_batch_size", "512"])
     assert cfg.eval.eval_batch_size == 4 and cfg.flat()["eval_batch_size"] == 4
     given = parse_config(["--micro_batch_size", "4", "--total_batch_size", "512", "--eval_batch_size", "16"])

@@ -4,6 +4,11 @@ stops at once, keeping what was saved. Each resumed run ends with the weights of
 The Ctrl-C comes from tests/fault_train.py (`ctrl_c_in_step:N`) as step N begins, so the step it lands in is
 known: SIGINT to the process, or, under `accelerate launch`, to the launcher, which is where a terminal sends it
 (torch's elastic agent runs the workers in sessions of their own and forwards the signal to them).
+
+The resume is bit-exact on 1 process and on 2 under `accelerate launch`.
+
+Seen to catch: SIGINT not handled (the first Ctrl-C is `error: interrupted`, nothing saved); the second Ctrl-C only
+setting the flag (step 4 saved, exit 0).
 """
 from __future__ import annotations
 
@@ -31,8 +36,9 @@ def test_ctrl_c_saves_the_step_and_the_resume_is_bit_exact(uninterrupted, tmp_pa
     resumed = launch(RESUME_ARGS + ["--out_dir", str(out), "--resume", "latest"])
     assert_same_weights(uninterrupted, out)
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
-    val = read_metrics(out)[-1]["val_loss"]  # the end of a run: its last validation loss and what to run next
-    assert f"validation loss {val:.4f} at step 6; next: python -m model.sample --model {out}" in resumed.stdout
+    last = read_metrics(out)[-1]  # the end of a run: its last evaluations' scores and what to run next
+    assert (f"validation loss {last['val_loss']:.4f}, HellaSwag acc {last['hellaswag_acc']:.4f}, HellaSwag acc_norm "
+            f"{last['hellaswag_acc_norm']:.4f} at step 6; next: python -m model.sample --model {out}") in resumed.stdout
 
 
 @pytest.mark.slow
@@ -65,7 +71,12 @@ def test_ctrl_c_to_accelerate_launch_on_two_processes_saves_and_resumes_bit_exac
 
 def test_a_second_ctrl_c_says_what_the_run_kept(tmp_path, monkeypatch, capsys):
     """The second Ctrl-C's one line (in this process: the flag as train.py makes it, two real SIGINTs, run_cli) says
-    what was kept and how to go on; it said only `error: interrupted`."""
+    what was kept and how to go on; it said only `error: interrupted`.
+
+    It names the newest complete checkpoint, never a save it cut short; before any save, how to start over. The run's
+    real line: `test_a_second_ctrl_c_stops_at_once_keeping_the_last_checkpoint`.
+
+    Seen to catch: `PreemptionFlag` raising a bare KeyboardInterrupt again: `error: interrupted` instead of the line."""
     from common.errors import run_cli
     from common.run_dir import RunDir
     from training.preemption import PreemptionFlag, what_was_kept

@@ -64,6 +64,9 @@ def _loader(stream, world, rank, batch, **kw) -> StridedLoader:
 
 
 def test_sequences_overlap_by_one_token_and_y_is_shifted():
+    """Targets are the inputs shifted by one token.
+
+    Seen to catch: targets equal to the inputs."""
     tokens = _stream(8 * 10 + 1)
     loader = _loader(tokens, 1, 0, 3, shuffle=False)
     x, y = loader.next_batch()
@@ -84,6 +87,9 @@ def _global_steps(stream, world, batch, accum, steps, **kw):
 
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_world_size_invariance_of_global_batches(shuffle):
+    """The same global batches for any number of processes (docs/data.md).
+
+    Seen to catch: every rank reading the first rows of each global batch (`first = self.cursor`)."""
     stream = _stream(8 * 37 + 1)  # 37 sequences: steps of 4 wrap into the next epoch mid-window
     reference = _global_steps(stream, 1, 4, 1, 25, shuffle=shuffle, seed=3)
     assert _global_steps(stream, 2, 2, 1, 25, shuffle=shuffle, seed=3) == reference

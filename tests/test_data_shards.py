@@ -132,6 +132,10 @@ def test_interrupted_prepare_is_never_read_and_rerun_completes(tmp_path, prepare
 
 
 def test_rerun_of_a_finished_prepare_keeps_it_and_other_settings_are_refused(tmp_path, prepared):
+    """`data.prepare` into a folder prepared with other settings names each differing setting as its flag, with the
+    folder's value and the new one (issue 44); a rerun with the same settings keeps the folder.
+
+    Seen to catch: the message back to the recorded settings dict: the exact-line assertion fails."""
     out = tmp_path / "fw"
     prep.prepare(str(PARQUET), out, **SETTINGS)
     before = _files(out)
@@ -209,7 +213,13 @@ def test_resume_on_other_shards_of_the_same_length_is_refused(prepared, tmp_path
 @pytest.mark.slow
 def test_a_small_file_gets_a_tenth_as_validation_by_default(tmp_path, reference_tokens):
     """Without --val_tokens: a tenth of the data (the fixture: far below the 10M cap), the rest trains, no token
-    lost; the CLI does the same and writes no progress bar into redirected stderr."""
+    lost; the CLI does the same and writes no progress bar into redirected stderr.
+
+    At most 10M tokens (`test_adaptive_validation_is_capped`); a refused prepare removes the folder it began
+    (`test_a_refused_prepare_leaves_nothing_that_blocks_the_advised_retry`).
+
+    Seen to catch: the adaptive size not used (10M: refused); the cleanup removed (the retry finds "other settings");
+    `disable=not progress` (bars in the log)."""
     m = prep.prepare(str(PARQUET), tmp_path / "small", shard_tokens=3000, batch_docs=2, progress=False)
     total = len(reference_tokens)
     assert m["total_val_tokens"] == int(total * prep.VAL_FRACTION)
@@ -245,7 +255,11 @@ def test_a_refused_prepare_leaves_nothing_that_blocks_the_advised_retry(tmp_path
 
 def test_an_empty_file_is_said_to_hold_no_text(tmp_path):
     """Issue 44: an empty file was told "no documents left after the validation split; use a larger dataset or a
-    smaller --val_tokens", advice that cannot help; a run says "contains no text" of the same file. Nothing written."""
+    smaller --val_tokens", advice that cannot help; a run says "contains no text" of the same file. Nothing written.
+
+    `eval.hellaswag --limit 0` names `--limit` as the user spells it (test_eval_hellaswag.py's bad-data cases).
+
+    Seen to catch: the empty-file check off: the old advice, the test fails."""
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     out = tmp_path / "shards"

@@ -55,6 +55,12 @@ def test_local_text_of_every_form(dataset):
 
 
 def test_each_other_kind(tmp_path, shards):
+    """`--dataset` is parsed once into its kind (`data/source.py`): a shard folder before a local path,
+    prompt/completion by the first record, `id:config` with `--dataset_config` winning (also
+    `test_local_text_of_every_form`, `test_a_hub_source_streams_its_id_and_config`).
+
+    Seen to catch: local paths tried before the manifest (a shard folder parsed as text); `config or dataset_config`;
+    the stream opened without its config."""
     assert type(source("shakespeare")) is Shakespeare
     assert type(source(str(shards))) is TokenShards
     pairs = source(str(write_pairs(tmp_path / "p.jsonl")), prompt_field="prompt", completion_field="completion")
@@ -109,6 +115,9 @@ def test_an_empty_revision_is_refused_when_parsed():
 
 @pytest.mark.parametrize("dataset", ["my corpus", ":sample-10BT", "bad..name", "-x/y"])
 def test_neither_a_path_nor_a_hub_id_is_refused_when_parsed(dataset):
+    """A string that is neither a local path nor a Hub id is refused when parsed, in one line.
+
+    Seen to catch: `validate_repo_id` not called: no error."""
     with pytest.raises(UserError) as err:
         source(dataset)
     assert str(err.value).startswith(f"--dataset {dataset!r} is neither an existing local path nor a Hub dataset id; ")
@@ -116,6 +125,9 @@ def test_neither_a_path_nor_a_hub_id_is_refused_when_parsed(dataset):
 
 
 def test_prepare_refuses_what_is_not_text_before_writing_anything(tmp_path, shards):
+    """`data.prepare` parses as training does, and refuses shards and prompt/completion data before writing anything.
+
+    Seen to catch: the parse moved after the out folder is made: the folder is left behind."""
     pairs = write_pairs(tmp_path / "p.jsonl")
     for dataset, match in ((shards, "already holds token shards; train on it directly"),
                            (pairs, "holds prompt/completion records .* data.prepare packs text only")):
@@ -135,6 +147,10 @@ def test_a_missing_local_path_is_refused_when_first_read(tmp_path):
 # ---- prompt/completion detection reads the first record once ----------------------------------------------
 
 def test_the_first_record_is_read_once(tmp_path, monkeypatch):
+    """Prompt/completion detection reads the first record once: the parse, the train loader and the validation set open
+    the file twice in all.
+
+    Seen to catch: the train loader detecting again: 3 opens."""
     path = write_pairs(tmp_path / "once.jsonl")  # a new file: no cache of an earlier test holds it
     opened = []
     real_open = Path.open
@@ -161,6 +177,9 @@ def located(name, config, revision):
 
 
 def test_describe(tmp_path, shards, monkeypatch):
+    """The run header's data line; the card's data name and Hub id (`test_card_names_the_data`).
+
+    Seen to catch: `1000` for `1,000` documents; Shakespeare without its Hub id."""
     monkeypatch.setattr(source_module, "locate_hub_dataset", located)
     pairs = write_pairs(tmp_path / "p.jsonl")
     expected = {
@@ -208,6 +227,12 @@ def test_small_split_advice_of_each_kind(shards):
 # ---- the validation-window rule --------------------------------------------------------------------------
 
 def test_windows_of_block_size_plus_one_tokens_sharing_one():
+    """One validation-window rule (`data/settings.py`): windows of block_size + 1 tokens sharing one, the training
+    loader's cut. A set of block_size tokens is refused, block_size + 1 accepted
+    (`test_a_set_shorter_than_one_window_is_refused_and_one_window_is_not`); the split is refused with its source's
+    advice (`test_val_set_refuses_a_short_split_with_the_sources_advice`).
+
+    Seen to catch: `n // block_size` windows; `n < block_size` refused; the generic advice in `val_set`."""
     assert [count_windows(n, 4) for n in (0, 1, 4, 5, 8, 9, 13)] == [0, 0, 0, 1, 1, 2, 3]
     # The same cut as the training loader's sequences.
     assert StridedLoader(TokenStream([np.zeros(13, np.uint16)]), block_size=4, micro_batch_size=1, rank=0,

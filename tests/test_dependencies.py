@@ -94,6 +94,11 @@ def undeclared_imports(root: Path, pyproject: dict) -> list[str]:
 
 
 def test_every_imported_package_is_declared_where_a_fresh_install_gets_it():
+    """Every package the code imports is declared where a fresh install gets it: product code in the core dependencies
+    (lm-eval, the one optional bridge, in the `harness` extra), tests and benchmarks in core or `dev`.
+
+    Seen to catch: `peft` deleted from `[project].dependencies`: fails naming `model/lora.py` (and the 3 test imports).
+    `pyarrow` deleted: fails naming `data/local.py` and the benchmarks."""
     pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
     assert undeclared_imports(REPO_ROOT, pyproject) == []
 
@@ -110,7 +115,9 @@ def test_a_package_removed_from_pyproject_is_reported(tmp_path):
 
 
 def test_a_product_import_that_only_the_dev_extra_declares_is_reported(tmp_path):
-    """A package the tests get through `.[dev]` is still missing after a user's `pip install -e .`."""
+    """A package the tests get through `.[dev]` is still missing after a user's `pip install -e .`.
+
+    Seen to catch: not broken on purpose: this is the check's own test."""
     (tmp_path / "tool.py").write_text("def f():\n    import pytest\n")
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_x.py").write_text("import pytest\n")

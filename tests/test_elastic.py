@@ -63,7 +63,16 @@ def test_a_killed_worker_restarts_and_the_run_ends_as_if_uninterrupted(reference
     """SIGKILL to rank 1 between checkpoints (after step 5), while the checkpoint of step 6 is written (never
     published: the restart resumes step 3), or inside the evaluation after step 4: the survivor prints one line, the
     agent restarts both ranks (restart 1 of 1), they resume from step 3 and end bit-identical to the uninterrupted
-    run, each step once in metrics.jsonl and TensorBoard."""
+    run, each step once in metrics.jsonl and TensorBoard.
+
+    The restarted rank 1 starts 3 s late, the order that lost the race.
+
+    TensorBoard shows each step once after a restart (`tensorboard_steps`, read with TensorBoard's own
+    EventAccumulator).
+
+    Seen to catch: the attempt's key prefix removed (the group through env:// and the agent's store, as before): exit 1,
+    the restarted rank 0's `Gloo connectFullMesh failed ... Connection refused` to the dead rank 1's old port, no
+    restart left. `purge_step` removed: TensorBoard shows steps 1, 2, 3, 4, 5, 4, 5, 6, 7, 8."""
     out = tmp_path / "run"
     proc = launch(ARGS + ["--out_dir", str(out)], nproc=2, fault=fault, launcher_args=("--max_restarts", "1"))
     output = proc.stdout + proc.stderr
@@ -85,7 +94,9 @@ def test_a_hung_worker_ends_the_run_within_the_timeout_in_one_line_naming_a_whol
     """SIGSTOP to rank 1 after step 5, --collective_timeout 10: rank 0 gives up waiting after 10 s and names the
     step, the rank and the last checkpoint in one line; the agent ends the stopped rank (SIGKILL, 30 s after its
     SIGTERM); all within the timeout + 60 s of the stop. The checkpoint it names is whole (its manifest verifies):
-    what a resume from it gives is the kill tests' claim (a killed worker's run, below, resumes it)."""
+    what a resume from it gives is the kill tests' claim (a killed worker's run, below, resumes it).
+
+    Seen to catch: the timeout not passed (gloo's 30 minutes): still running 70 s after step 5."""
     from training.checkpoints.manifest import verify_checkpoint
     from training.checkpoints.resume import find_resume_point
 
@@ -117,7 +128,9 @@ def test_a_hung_worker_ends_the_run_within_the_timeout_in_one_line_naming_a_whol
 def test_an_error_of_one_rank_is_one_line_and_stops_after_the_first_restart(tmp_path, max_restarts):
     """A UserError on rank 1 alone as step 6 begins, in every attempt (deterministic): its line, and nothing from
     rank 0 (no traceback, no second line). With --max_restarts 3 the group restarts once, meets the same error, says
-    so and stops the launch instead of using up the other two restarts."""
+    so and stops the launch instead of using up the other two restarts.
+
+    Seen to catch: the agent not told to stop: the same line after restarts 1, 2 and 3, every restart used."""
     out = tmp_path / "run"
     proc = launch(ARGS + ["--out_dir", str(out)], nproc=2, fault="error_on_rank_1_at_step:5", check=False,
                   launcher_args=("--max_restarts", str(max_restarts)))
@@ -141,7 +154,10 @@ def test_an_error_of_one_rank_is_one_line_and_stops_after_the_first_restart(tmp_
 def test_a_crash_of_one_rank_keeps_its_traceback_and_stops_after_the_first_restart(tmp_path):
     """A RuntimeError (a bug, not a UserError) on rank 1 alone as step 6 begins, in every attempt, --max_restarts 3:
     its traceback in each of the two attempts, nothing from rank 0, and after the restart one line saying that the
-    same error came again and the launch stops (it does not use up the other two restarts)."""
+    same error came again and the launch stops (it does not use up the other two restarts).
+
+    Seen to catch: only UserErrors recorded (as before): rank 0's lost-peer line at every attempt, "the launcher
+    restarts the run (2 of 3)", every restart used."""
     out = tmp_path / "run"
     proc = launch(ARGS + ["--out_dir", str(out)], nproc=2, fault="crash_on_rank_1_at_step:5", check=False,
                   launcher_args=("--max_restarts", "3"))
@@ -159,7 +175,9 @@ def test_a_crash_of_one_rank_keeps_its_traceback_and_stops_after_the_first_resta
 def test_a_worker_killed_more_often_than_the_restarts_allow_leaves_the_last_checkpoint_intact(tmp_path):
     """Rank 1 killed after step 5 in every attempt, --max_restarts 1: the agent gives up after the restart (exit
     status 1), and the checkpoint of step 3, the only one, is whole (its manifest verifies): what a resume from it
-    gives is the killed-worker cases' claim (each resumes step 3 and ends bit-identical)."""
+    gives is the killed-worker cases' claim (each resumes step 3 and ends bit-identical).
+
+    Seen to catch: not broken on purpose (a new test)."""
     from training.checkpoints.manifest import verify_checkpoint
     from training.checkpoints.resume import find_resume_point
 
@@ -175,6 +193,10 @@ def test_a_worker_killed_more_often_than_the_restarts_allow_leaves_the_last_chec
 
 
 def test_the_line_names_the_silent_ranks_the_step_and_what_happens_next(tmp_path):
+    """The survivors' line names the silent ranks, the step, the checkpoint and what happens next; it also decides which
+    collective errors count as a lost peer.
+
+    Seen to catch: not broken on purpose (a new test)."""
     from training.distributed.elastic import Attempt, PeerWatch, lost_peer
 
     checkpoint = tmp_path / "checkpoints" / "step_000003"

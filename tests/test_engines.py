@@ -46,6 +46,14 @@ def engine_run(request, tmp_path_factory) -> tuple[str, Path]:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_engine_run_equals_one_process(engine_run, single_run):
+    """Each engine's 2-process run equals one process on the same global batch: final weights to float rounding
+    (`assert_weights_within_rounding`, tests/bounds.py), every step's loss and validation loss within 1e-6 relative, the
+    gradient norm within 1e-3 (`assert_same_metrics`). `final/` holds the whole weights gathered from the shards
+    (DeepSpeed: its fp32 master copy).
+
+    Seen to catch: ZeRO-3's export through `accelerate.get_state_dict` (the first code): None on rank 1, the run crashed
+    in `final/`. Gradient norms held to 1e-5 failed for every engine (1.37e-5: fp32 sums of 1.6M squares reordered),
+    hence a looser bound."""
     engine, folder = engine_run
     run = folder / "run"
     assert_weights_within_rounding(single_run, run)  # final/: the whole weights, gathered from the shards
@@ -60,7 +68,15 @@ SHARDS = {"fsdp_8gpu": ("FSDP", True, True), "zero1_8gpu": ("DEEPSPEED", False, 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_engine_really_shards(engine_run):
-    """accelerate falls back silently (to DDP, or to lone processes): the run's own ranks say what they held."""
+    """accelerate falls back silently (to DDP, or to lone processes): the run's own ranks say what they held.
+
+    FSDP2 and ZeRO-3 hold half the parameters and half the AdamW moments on each rank, ZeRO-1 and 2 every parameter and
+    half the moments; the header's `distributed:` names the engine.
+
+    Seen to catch: FSDP2 kept the root's parameters (embeddings, `ln_f`) gathered after a forward without backward (the
+    evaluation before the save): the probe counted 99% of the parameters on each rank. The evaluations and the health
+    check now reshard them (`training.evaluations.runner._reshard`). Without the shim's FSDP hook accelerate runs the
+    launch as DDP and train.py refuses it: no run, the test fails."""
     engine, folder = engine_run
     distributed_type, params_sharded, moments_sharded = SHARDS[engine]
     reports = [json.loads((folder / "probe" / f"rank{r}.json").read_text()) for r in range(2)]
@@ -82,7 +98,12 @@ def test_engine_resumes_its_own_checkpoint_bit_exact(engine, tmp_path_factory, t
     """A copy of the engine's run resumed from its checkpoint of step 2, in the engine's own format (each rank's
     shards): the final weights equal the uninterrupted run's, bit for bit, each step logged once. ZeRO-1's
     checkpoint is ZeRO-2's (whole parameters, each rank's partition of the optimizer state; the gradients that
-    ZeRO-2 also partitions are not in a checkpoint), read by the same DeepSpeed code: not run twice."""
+    ZeRO-2 also partitions are not in a checkpoint), read by the same DeepSpeed code: not run twice.
+
+    Whether a kill while saving leaves that checkpoint is for the one- and two-process kill tests.
+
+    Seen to catch: the data position not restored (`loader.load_state_dict` skipped): `[fsdp_8gpu]` and `[zero3_8gpu]`
+    fail, the weights apart. Before that it had passed at its first run for all four engines."""
     folder = _engine_run(tmp_path_factory, engine)
     out = tmp_path / "run"
     resumed = launch(DDP_ARGS + resume_copy(folder / "run", 2, out), nproc=2, engine=engine)
@@ -127,7 +148,15 @@ def test_an_engine_launch_accelerate_cannot_run_here_is_refused(tmp_path):
     ranks
     would come up alone only after DeepSpeed has built its CPU collective op with g++ (40-90 s; every shipped config:
     tests/test_launches.py, in process). The checks after the group opens stay as backstops
-    (`test_a_deepspeed_launch_on_a_cpu_meets_the_same_checks`, in process)."""
+    (`test_a_deepspeed_launch_on_a_cpu_meets_the_same_checks`, in process).
+
+    DeepSpeed's launch without a device is checked in process
+    (`test_a_deepspeed_launch_on_a_cpu_meets_the_same_checks`): its real launch first builds DeepSpeed's CPU op with
+    g++, 107 s of the suite.
+
+    Seen to catch: `check_world_size` made a no-op: the backstop `check_engine` still refuses, but on every rank (two
+    lines). Before `refuse_engine_on_cpu`, the DeepSpeed + `ACCELERATE_USE_CPU` launch ended in accelerate's
+    AttributeError traceback. `accelerate_runs_engines` answering yes: the FSDP launch fell to the backstop's line."""
     out = tmp_path / "run"
     alone = launch(DDP_ARGS + ["--out_dir", str(out)], nproc=2, engine="fsdp_8gpu", check=False,
                    extra_env={"ENGINE_SHIM": "0"})
@@ -180,7 +209,13 @@ FSDP, DDP = Engine("fsdp"), Engine("ddp")
 @pytest.mark.parametrize("engine", [FSDP, *ZERO.values()], ids=lambda e: e.name)
 def test_muon_and_lora_are_refused_under_a_sharding_engine(engine):
     """LoRA under every sharding engine, Muon under ZeRO with clipping on (for the measured reason its line names, and
-    the fix `--grad_clip 0`: test_muon.py); Muon runs under FSDP2, and under ZeRO with --grad_clip 0 (test_muon.py)."""
+    the fix `--grad_clip 0`: test_muon.py); Muon runs under FSDP2, and under ZeRO with --grad_clip 0 (test_muon.py).
+
+    A DeepSpeed `optimizer`, `scheduler` or `activation_checkpointing` block and `--on_nan skip` under DeepSpeed are
+    refused too (`test_what_deepspeed_does_not_run_is_refused`), one line each.
+
+    Seen to catch: these are the refusals' own tests; the first wording of the optimizer refusal ("has a "optimizer"
+    block") failed its test."""
     refused = [("adamw", True, "--lora_rank is not supported under")]
     if engine.kind == "deepspeed":
         refused.append(("muon", False, "--optimizer muon is not supported under"))
@@ -210,6 +245,10 @@ def test_what_deepspeed_does_not_run_is_refused(config, on_nan, words):
 
 
 def test_both_activation_checkpointings_under_fsdp_are_refused():
+    """`--activation_checkpointing` with accelerate's `fsdp_activation_checkpointing: true` is refused in one line (each
+    block would be recomputed twice, accelerate's pass with `preserve_rng_state=False`); either alone is accepted.
+
+    Seen to catch: not broken on purpose (the check's own test)."""
     for ours, accelerates in ((True, False), (False, True), (False, False)):
         refuse_unsupported(FSDP, _accelerator(FSDP, fsdp_ac=accelerates), "adamw", False, "stop", ours)
     with pytest.raises(UserError, match="would each recompute every block"):
@@ -217,6 +256,11 @@ def test_both_activation_checkpointings_under_fsdp_are_refused():
 
 
 def test_deepspeed_config_gets_the_runs_geometry_and_refuses_a_conflict():
+    """DeepSpeed's config gets the run's micro-batch, accumulation, global batch and `--grad_clip`; a config value that
+    disagrees is one line; ZeRO-3 gets bucket sizes from the width and gathers weights for `final/`.
+
+    Seen to catch: without it accelerate stops in `prepare` (`train_micro_batch_size_per_gpu` unknown, since train.py
+    passes no DataLoader), seen on the first launch."""
     accelerator = _accelerator(ZERO[3], {"gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 3}})
     fit_deepspeed(accelerator, micro_batch_size=4, accumulation=3, grad_clip=0.5, n_embd=64)
     config = accelerator.state.deepspeed_plugin.deepspeed_config
@@ -248,6 +292,9 @@ def test_a_deepspeed_launch_without_deepspeed_installed_is_one_line(monkeypatch)
 
 
 def test_the_shim_stops_on_versions_it_was_not_written_for(monkeypatch):
+    """The shim stops on versions it was not written for.
+
+    Seen to catch: not broken on purpose (the check's own test)."""
     import engine_shim
 
     monkeypatch.setitem(engine_shim.WRITTEN_FOR, "accelerate", (0, 1))
@@ -259,7 +306,14 @@ def test_the_shim_stops_on_versions_it_was_not_written_for(monkeypatch):
 def test_any_engines_checkpoint_reads_whole_on_one_process(engine_run):
     """A checkpoint of FSDP2 (shards in torch's distributed checkpoint) or of ZeRO-1/2/3 (DeepSpeed's partitions)
     loads as a whole GPT on one process, without a launcher (`GPT.from_pretrained`, and so `model.sample`, `eval.*`,
-    `publish.hub`): the checkpoint of the last step holds bit for bit the weights the run exported to final/."""
+    `publish.hub`): the checkpoint of the last step holds bit for bit the weights the run exported to final/.
+
+    Tensor parallelism's checkpoint too:
+    `test_tensor_parallel.py::test_a_tensor_parallel_checkpoint_reads_whole_on_one_process` (c_attn put back in the HF
+    order).
+
+    Seen to catch: the checkpoint's tensor-parallel degree not read (c_attn left in head-group order):
+    `transformer.h.0.attn.c_attn.weight` differs."""
     import torch
 
     from model import GPT
@@ -279,7 +333,9 @@ def test_any_engines_checkpoint_reads_whole_on_one_process(engine_run):
 def test_the_export_command_turns_an_engines_checkpoint_into_an_hf_folder(engine, tmp_path_factory, tmp_path, capsys):
     """`python -m model.export` (in process): the last checkpoint of a ZeRO-3 or an FSDP2 run becomes an HF folder
     whose weights are the engine's own final/'s, bit for bit, which transformers' text-generation pipeline loads
-    offline; a second export into the same folder is refused in one line, the folder untouched."""
+    offline; a second export into the same folder is refused in one line, the folder untouched.
+
+    Seen to catch: the existing-folder check removed: `DID NOT RAISE UserError` for both engines."""
     from safetensors.torch import load_file
     from transformers import pipeline
 
@@ -300,7 +356,9 @@ def test_the_export_command_turns_an_engines_checkpoint_into_an_hf_folder(engine
 
 
 def test_a_deepspeed_checkpoint_without_deepspeed_installed_is_one_line(tmp_path, monkeypatch):
-    """Reading a ZeRO checkpoint whole needs DeepSpeed's zero_to_fp32: on a core install, one line naming the extra."""
+    """Reading a ZeRO checkpoint whole needs DeepSpeed's zero_to_fp32: on a core install, one line naming the extra.
+
+    Seen to catch: not broken on purpose: it passed the first time."""
     import json
     import sys
     from dataclasses import asdict

@@ -102,6 +102,12 @@ def test_our_folders_resolve_to_hf_folders_and_their_run(tmp_path):
 
 
 def test_a_hub_revision_reaches_the_harness(tmp_path, monkeypatch):
+    """`eval.harness` passes a Hub id's revision to lm-eval, nothing downloaded first. `publish.card` and `publish.hub`
+    take only a run's weights: an incomplete checkpoint or an HF folder outside a run is one line
+    (`test_model_card.py::test_run_dir_must_name_a_runs_weights`).
+
+    Seen to catch: `revision` left out of lm-eval's `model_args`; the not-a-run check removed from
+    `publish.hub.run_weights` (an AttributeError traceback)."""
     import lm_eval
 
     seen = {}
@@ -161,7 +167,9 @@ def test_missing_lm_eval_is_one_line(monkeypatch):
 @pytest.mark.slow  # two harness runs on the tiny task
 def test_an_hf_folder_without_tokenizer_files_is_scored_with_gpt2s(tmp_path, at_repo_root):
     """A plain `save_pretrained` of a model has no tokenizer files: the bridge lends it GPT-2's (as eval.hellaswag
-    does) and scores it as the same folder with them."""
+    does) and scores it as the same folder with them.
+
+    Seen to catch: the folder passed on as it is: "lm-eval stopped on an assertion"."""
     opinionated_gpt().save_pretrained(tmp_path / "with")
     bare = tmp_path / "bare"
     shutil.copytree(tmp_path / "with", bare)

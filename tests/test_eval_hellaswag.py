@@ -174,7 +174,9 @@ def test_totals_exact_for_any_world_size(single_process, world, batch_size):
 @pytest.mark.parametrize("world", [1, 3, 8])
 def test_metric_gets_every_item_once_in_order_on_the_main_process(single_process, monkeypatch, world):
     """The accuracies are computed once, on rank 0, from the single-process records in item order
-    (the accuracies alone would not show a shuffle: labels and scores would move together)."""
+    (the accuracies alone would not show a shuffle: labels and scores would move together).
+
+    Seen to catch: no reordering of the gathered records; every rank computing the metric."""
     model, _ = single_process
     items = load_items(TINY)
     calls, real = [], hellaswag._accuracies
@@ -197,7 +199,13 @@ def test_metric_gets_every_item_once_in_order_on_the_main_process(single_process
 @pytest.mark.multiprocess
 def test_cli_two_processes_match_one(tmp_path):
     """The CLI on a saved tiny model: `accelerate launch --config_file accelerate_configs/cpu_2proc.yaml` with 2
-    real gloo ranks over 7 items gives the totals that one process computes, printed and written once."""
+    real gloo ranks over 7 items gives the totals that one process computes, printed and written once.
+
+    Under `accelerate_configs/cpu_2proc.yaml` as shipped (no `ACCELERATE_USE_CPU`): one gloo group, `world_size: 2`;
+    `test_eval_val_loss.py::test_cli_two_processes_match_one` for eval.val_loss.
+
+    Seen to catch: `cli_accelerator` back to `Accelerator(cpu=cpu)`: both launches end in the backstop's one line (exit
+    1 through the launcher); with the backstop off too, the two copies of the issue."""
     tiny_gpt(seed=3, block_size=128).save_pretrained(tmp_path / "tiny")
     one = evaluate_hellaswag(GPT.from_pretrained(tmp_path / "tiny"), load_items(TINY), batch_size=3)
     args = ["-m", "eval.hellaswag", "--model", str(tmp_path / "tiny"), "--data", str(TINY),
@@ -239,7 +247,9 @@ def test_a_cli_launched_on_several_processes_groups_them_or_refuses_in_one_line(
     """Under `accelerate launch` of several processes the evaluations' CLIs form one group, on the CPU over gloo where
     the machine has no CUDA (accelerate's launcher never passes cpu_2proc.yaml's use_cpu: each rank came up alone,
     evaluated everything, printed it and wrote the same --output, recording world size 1); ranks that still come up
-    alone are one line naming the plain command, printed by rank 0."""
+    alone are one line naming the plain command, printed by rank 0.
+
+    Seen to catch: `cli_accelerator` back to `Accelerator(cpu=cpu)`: `[False, False] != [False, True]`."""
     import accelerate
     import torch
 
@@ -345,7 +355,12 @@ HAND = [(A, 0), (A, 3), (A, 3), (A, 1), (A, 1), (A, 1), (T, 1), (T, 0)]
 
 def test_accuracies_by_hand_ties_go_to_the_first_ending():
     """acc: items 0 and 6 (2/8); acc_norm: items 1, 2 and 7 (3/8); acc_norm_tokens: items 3-6 (4/8).
-    Ties going to a later ending would lose item 6 for acc and acc_norm_tokens and item 7 for acc_norm."""
+    Ties going to a later ending would lose item 6 for acc and acc_norm_tokens and item 7 for acc_norm.
+
+    acc, acc_norm (characters) and acc_norm_tokens as the harness and build-nanogpt define them; ties go to the first
+    ending.
+
+    Seen to catch: ties going to the last ending; character and token lengths swapped."""
     lls = np.array([scores for (scores, _, _), _ in HAND], dtype=np.float64)
     meta = np.array([[label, *chars, *tokens] for (_, chars, tokens), label in HAND], dtype=np.int64)
     assert hellaswag._accuracies(lls, meta) == {"n": 8, "acc": 2 / 8, "acc_norm": 3 / 8,
@@ -353,6 +368,9 @@ def test_accuracies_by_hand_ties_go_to_the_first_ending():
 
 
 def test_missing_evaluate_is_a_one_line_user_error_before_scoring(monkeypatch):
+    """HellaSwag without `evaluate` is one line, before any forward pass.
+
+    Seen to catch: the early package check removed; a two-line message."""
     monkeypatch.setitem(sys.modules, "evaluate", None)  # `import evaluate` now raises ImportError
     with pytest.raises(UserError) as info:
         require_metric_packages()
@@ -388,10 +406,10 @@ def test_a_damaged_jsonl_gz_is_one_line_naming_the_file(tmp_path, damage):
 
 def suggested_hellaswag(run: Path, hellaswag_data: str | None) -> list[str]:
     """The arguments of the eval.hellaswag command that a run's `next:` line suggests."""
-    from common.run_dir import RunDir
-    from training.checkpoints.export import next_steps
+    from training.evaluations.hellaswag import HellaSwagFlags
+    from training.evaluations.runner import next_steps
 
-    line = next_steps(RunDir(run), (6, 5.0), hellaswag_data)
+    line = next_steps(run, (6, {"val_loss": 5.0}), {"hellaswag": HellaSwagFlags(hellaswag_data=hellaswag_data)})
     (command,) = [part for part in line.split(", python -m ") if part.startswith("eval.hellaswag ")]
     return shlex.split(command.partition(" (")[0])[1:]  # the command, without its note in parentheses
 
@@ -400,7 +418,13 @@ def suggested_hellaswag(run: Path, hellaswag_data: str | None) -> list[str]:
 def test_the_end_of_run_hellaswag_command_parses_and_reads_its_items_offline(tmp_path, monkeypatch, own):
     """The run's `next:` line suggests eval.hellaswag on a local file (issue 44: without `--data` it read the Hub,
     which offline failed after 32 s): its arguments, from the repository root where train.py ran, parse and name
-    items that load offline (HF_HUB_OFFLINE=1, conftest: reading the Hub would be a refusal)."""
+    items that load offline (HF_HUB_OFFLINE=1, conftest: reading the Hub would be a refusal).
+
+    Run whole on a tiny model it scores the 7 shipped items
+    (`test_the_end_of_run_hellaswag_command_runs_offline_as_written`).
+
+    Seen to catch: the suggestion back to `--model <run>` without `--data`: both fail, "cannot load Rowan/hellaswag from
+    the Hub: offline"."""
     monkeypatch.chdir(REPO_ROOT)
     own_file = REPO_ROOT / "tests" / "fixtures" / "eval" / "hellaswag_uniform.jsonl"
     args = hellaswag.parser().parse_args(suggested_hellaswag(tmp_path / "run", str(own_file) if own else None))

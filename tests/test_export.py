@@ -45,6 +45,9 @@ def same_weights(a: GPT, b: GPT) -> bool:
 
 
 def test_export_loads_in_transformers_with_same_logits(exported):
+    """The export loads in transformers with the same logits.
+
+    Seen to catch: the Conv1D transpose dropped from `save_pretrained`."""
     from transformers import AutoModelForCausalLM
 
     model, folder = exported
@@ -203,6 +206,9 @@ def test_missing_path_is_not_sent_to_the_hub(tmp_path):
 
 
 def test_a_mistyped_run_path_is_not_reported_as_a_hub_problem(tmp_path, monkeypatch):
+    """A mistyped local run path is not reported as a Hub problem.
+
+    Seen to catch: not broken on purpose (a new test)."""
     (tmp_path / "out" / "my_run").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError, match=r"^no folder out/my_rnu \(though out/ exists\); check the path"):
@@ -297,7 +303,9 @@ def test_fsdp_sharded_and_damaged_checkpoints_are_user_errors(tmp_path):
 def test_the_trainers_export_builds_no_second_model(tmp_path, monkeypatch):
     """train.py's export writes final/ from the trained parameters themselves (issue 32: it built a second GPT to
     hold a copy of them, 0.46 GiB more for GPT-2 124M at the end of a run); the file is the one save_pretrained
-    writes, tensor for tensor. And the optimizer state is freed before it (the last checkpoint holds it)."""
+    writes, tensor for tensor. And the optimizer state is freed before it (the last checkpoint holds it).
+
+    Seen to catch: the export back to `GPT(arch)` + `load_state_dict`: fails with "the export built a GPT"."""
     from accelerate import Accelerator
 
     from common.run_dir import RunDir

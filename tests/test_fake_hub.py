@@ -190,6 +190,10 @@ def _folder_bytes(folder: Path) -> dict[str, bytes]:
 # --- listing and metadata (this process's client, fast) --------------------------------------------------------
 
 def test_the_parquet_conversion_branch_is_listed_through_its_encoded_ref(in_process_client: FakeHub):
+    """`refs/convert/parquet` is listed through its encoded ref, paged as the Hub pages.
+
+    Seen to catch: no `Link` header on a full page: the client lists 2 of 5 entries. Accepting only encoded special refs
+    was not caught: the clients never send them unencoded, so the unencoded form was removed."""
     from huggingface_hub import HfApi
     from huggingface_hub.hf_api import RepoFile, RepoFolder
 
@@ -221,6 +225,9 @@ def test_the_parquet_conversion_branch_is_listed_through_its_encoded_ref(in_proc
 
 
 def test_file_metadata_and_byte_ranges_through_the_client(in_process_client: FakeHub):
+    """Streamed reads are byte ranges, and a range is served exactly.
+
+    Seen to catch: the server ignoring `Range` (the whole file, 200): the client reads the wrong bytes."""
     from huggingface_hub import HfFileSystem, get_hf_file_metadata, hf_hub_url
 
     hub = in_process_client
@@ -249,6 +256,10 @@ def test_file_metadata_and_byte_ranges_through_the_client(in_process_client: Fak
 
 @pytest.mark.slow  # a transformers import and three client processes
 def test_snapshot_download_by_the_renamed_id_and_at_a_revision(hub: FakeHub, gpt2_folders, tmp_path: Path):
+    """A renamed model id downloads through the Hub's 307s, at a tag and a sha, every byte from the server.
+
+    Seen to catch: resolve requests of the old id not redirected (401 RepoNotFound); `X-Repo-Commit` left off file
+    answers (FileMetadataError)."""
     new, old = gpt2_folders
     hub.add_model("openai-community/gpt2", new, revisions={"legacy": old}, tags={"v1.0": "legacy"})
     hub.rename("gpt2", "openai-community/gpt2")
@@ -384,6 +395,10 @@ def test_hellaswag_loads_its_validation_split_with_string_labels(hub: FakeHub, t
 
 @pytest.mark.slow  # two client processes
 def test_what_the_clients_raise_for_unknown_repos_revisions_configs_and_offline(hub: FakeHub, tmp_path: Path):
+    """The exception each client raises for an unknown repo, a private repo, revision, file, config or split, and
+    offline.
+
+    Seen to catch: RevisionNotFound answered without its `X-Error-Code` (a plain HfHubHTTPError)."""
     hub.add_model("openai-community/gpt2", {"config.json": "{}", "model.safetensors": b"\0" * 64})
     hub.add_model("alice/private", {"config.json": "{}"}, private=True)
     hub.add_dataset(FINEWEB, {"README.md": FINEWEB_CARD, "sample/10BT/000_00000.parquet": docs_parquet(0, 5),
@@ -478,6 +493,10 @@ def test_what_streaming_does_on_5xx_and_dropped_connections(hub: FakeHub, tmp_pa
 
 @pytest.mark.slow  # one client process
 def test_what_snapshot_download_does_on_5xx_and_dropped_connections(hub: FakeHub, tmp_path: Path):
+    """What each client retries: a 5xx, a body cut short (also
+    `test_what_streaming_does_on_5xx_and_dropped_connections`).
+
+    Seen to catch: a drop that sends the whole body; a fault never used up (the retried HEAD fails again)."""
     weights = os.urandom(300_000)
     cases = ["info-500", "head-500", "get-500", "drop"]
     for case in cases:

@@ -97,6 +97,11 @@ def damage(file: Path, how: str, marker: Path) -> None:
 @pytest.mark.parametrize("name", FILES)
 @pytest.mark.parametrize("how", ["delete", "truncate", "garbage", "pickle"])
 def test_every_damaged_checkpoint_file_is_refused_by_name(run_copy, tmp_path, name, how):
+    """A damaged checkpoint is refused before anything is loaded. On a real run's checkpoint, each of the 28 damages:
+    the readers refuse it exactly where a weights file is damaged, naming step_000002, and read it where only a resume's
+    file is (the cases the quick tests build by hand, on the files a run writes).
+
+    Seen to catch: the sha256 comparison skipped."""
     newest = run_copy / "checkpoints" / "step_000004"
     marker = tmp_path / "code_was_run"
     damage(newest / name, how, marker)
@@ -125,7 +130,9 @@ def test_every_damaged_checkpoint_file_is_refused_by_name(run_copy, tmp_path, na
 @pytest.mark.slow
 def test_a_checkpoint_without_manifest_still_refuses_a_bad_rng_state_and_never_runs_it(run_copy, tmp_path):
     """Checkpoints from before manifests resume (presence checks) but a damaged RNG pickle, which accelerate
-    would skip with an info-level log, is refused, and its code is never run."""
+    would skip with an info-level log, is refused, and its code is never run.
+
+    Seen to catch: the RNG pre-read removed."""
     newest = run_copy / "checkpoints" / "step_000004"
     (newest / "manifest.json").unlink()  # as written before manifests (run_state format 1)
     state = json.loads((newest / "run_state.json").read_text())
@@ -158,7 +165,9 @@ def test_train_py_refuses_a_damaged_checkpoint_then_resumes_from_the_earlier_one
 @pytest.mark.slow
 def test_resuming_a_finished_run_says_it_had_finished(run_copy):
     """`--resume latest` of a finished run with its own --max_steps (a requeued job, a command run twice): it trains
-    nothing and writes final/ again, and now says the run had finished (it said only `resumed from ... at step 4`)."""
+    nothing and writes final/ again, and now says the run had finished (it said only `resumed from ... at step 4`).
+
+    Seen to catch: the line's condition off (`if False:`): fails."""
     logged = read_metrics(run_copy)
     stdout, _ = train_in_process(RUN + ["--out_dir", str(run_copy), "--resume", "latest"])
     assert (f"resumed from {run_copy / 'checkpoints' / 'step_000004'} at step 4 (256 tokens)\nthe run had already "
@@ -178,7 +187,12 @@ def test_a_checkpoint_past_max_steps_is_refused(run_copy, monkeypatch, capsys):
 # ---- a resume that changes the recipe (training/recipe.py) ------------------------------------------------
 
 def test_every_config_field_has_a_resume_rule():
-    """Refused, accepted (announced and recorded) or not compared: a decision for each field, a new one too."""
+    """Refused, accepted (announced and recorded) or not compared: a decision for each field, a new one too.
+
+    The recipe check reads the declarations (`common/resume_rules.py`).
+
+    Seen to catch: before the rules moved to the fields: `hub_push_every` left out of `ACCEPTED`. Since: `--seed`
+    declared `ACCEPTED` at its field, and the `--seed` case of the (slow) refusal test fails."""
     from configs.schema import field_names
     from training.recipe import FlagRules
 
@@ -193,7 +207,9 @@ def test_every_config_field_has_a_resume_rule():
 def test_init_from_without_a_commit_resumes_a_fine_tune_pinned_to_one(tmp_path, now, same):
     """A full fine-tune's resume downloads nothing, so `--init_from gpt2` (or `gpt2@main`, requeued as it was
     given) cannot be resolved to the commit config.yaml records: the repo ids are compared and the pin is kept.
-    Another commit or other weights are refused."""
+    Another commit or other weights are refused.
+
+    Seen to catch: the repo-id rule off: both same-weights cases are refused."""
     import yaml
 
     from configs import ModelConfig, OptimConfig
@@ -216,7 +232,10 @@ def test_init_from_without_a_commit_resumes_a_fine_tune_pinned_to_one(tmp_path, 
 
 def test_every_refused_change_of_a_resume_is_in_its_one_line(tmp_path):
     """A resume that changes several refused fields (a run started before issue 55 changed the defaults, resumed
-    with the same command) names them all, and the fix that resumes is one command: every flag as recorded."""
+    with the same command) names them all, and the fix that resumes is one command: every flag as recorded.
+
+    Seen to catch: only the first refused change raised (`refused = refused[:1]`): the line names total_batch_size
+    alone."""
     import yaml
 
     from configs import ModelConfig, OptimConfig
@@ -241,7 +260,10 @@ def test_every_refused_change_of_a_resume_is_in_its_one_line(tmp_path):
                                           ("--beta2", "0.99", "0.95")])
 def test_a_resume_that_changes_the_recipe_is_refused_in_one_line(run_copy, monkeypatch, capsys, flag, old, new):
     """The batch in tokens, the data order, and what the optimizer state restores: refused before anything is
-    written, naming the field, both values and the fix."""
+    written, naming the field, both values and the fix.
+
+    Seen to catch: the refusal in `training/recipe.py` skipped (`elif False:`): total_batch_size and beta2 resumed
+    without a word, and seed refused only later, by the data position, in other words."""
     before = tree_digest(run_copy)
     err = run_in_process(monkeypatch, capsys, RUN + ["--out_dir", str(run_copy), "--resume", "latest", flag, new])
     name = flag.removeprefix("--")
@@ -255,7 +277,9 @@ def test_a_resume_that_extends_the_run_is_announced_and_recorded_as_a_new_segmen
     """The finished 4-step run extended to 6 steps with another micro-batch: each change in one line, the LR jump
     at step 5 in one line (the cosine stretched over 6 steps: 3e-4 on the old schedule's end, 1.65e-3 now), and
     config.yaml keeps its keys (today's values) with a `resumes` entry that keeps the old ones. A later resume
-    that changes nothing keeps that record."""
+    that changes nothing keeps that record.
+
+    Seen to catch: `config_yaml()` without the entry (`KeyError: 'resumes'`); the LR line not printed."""
     import yaml
 
     from configs import read_run_config
@@ -292,7 +316,9 @@ def test_a_resume_that_extends_the_run_is_announced_and_recorded_as_a_new_segmen
 @pytest.mark.slow
 def test_a_warmup_longer_than_the_run_is_a_warning_with_its_reason(tmp_path):
     """A run whose warmup outlasts it never reaches its peak LR: one warning line saying so, and the run goes on
-    (the default 10-step warmup outlasts a 3-step smoke run). Extended past the warmup by a resume: no warning."""
+    (the default 10-step warmup outlasts a 3-step smoke run). Extended past the warmup by a resume: no warning.
+
+    Seen to catch: the warning not printed."""
     out = tmp_path / "run"
     args = TINY + ["--out_dir", str(out), "--micro_batch_size", "2", "--total_batch_size", "64", "--save_every", "2",
                    "--eval_every", "100", "--warmup_steps", "10"]
@@ -311,7 +337,9 @@ def test_a_warmup_longer_than_the_run_is_a_warning_with_its_reason(tmp_path):
 @pytest.mark.parametrize("on_nan", ["stop", "skip"])
 def test_an_exploding_run_keeps_only_good_checkpoints(tmp_path, monkeypatch, capsys, on_nan):
     """lr 1e6: the first update leaves finite but useless weights whose loss is not finite. That state is
-    never saved (or named as the last good one), and --on_nan skip does not skip forever."""
+    never saved (or named as the last good one), and --on_nan skip does not skip forever.
+
+    Seen to catch: the health check skipped."""
     out = tmp_path / "run"
     args = TINY + ["--out_dir", str(out), "--max_steps", "30", "--micro_batch_size", "2", "--total_batch_size", "64",
                    "--lr", "1e6", "--warmup_steps", "1", "--save_every", "1", "--on_nan", on_nan,
@@ -322,6 +350,9 @@ def test_an_exploding_run_keeps_only_good_checkpoints(tmp_path, monkeypatch, cap
 
 
 def test_skipped_steps_are_bounded(tmp_path):
+    """`--on_nan skip` stops after `--max_nan_skips` in a row.
+
+    Seen to catch: the bound removed."""
     from accelerate import Accelerator
 
     from common.run_dir import RunDir
@@ -339,6 +370,9 @@ def test_skipped_steps_are_bounded(tmp_path):
 # ---- one run per folder -------------------------------------------------------------------------------------
 
 def test_a_second_run_in_a_locked_folder_is_refused(tmp_path, monkeypatch, capsys):
+    """One run per `--out_dir`.
+
+    Seen to catch: the lock not taken."""
     from filelock import FileLock
 
     out = tmp_path / "run"
@@ -368,7 +402,10 @@ def test_a_lock_file_left_by_a_dead_run_is_no_obstacle(tmp_path):
 @pytest.mark.multiprocess
 def test_an_error_of_every_rank_is_printed_when_rank_0_is_the_slowest(tmp_path):
     """Rank 1 finds the error 5 s before rank 0 (a busy machine): it waits for rank 0 to print it instead of exiting
-    first, which made the launcher stop rank 0 (SIGTERM) before its line, and the user read no error at all."""
+    first, which made the launcher stop rank 0 (SIGTERM) before its line, and the user read no error at all.
+
+    Seen to catch: rank 1 exiting at once (`_leave_the_report_to_rank_0` not called): no `error:` line, rank 0 ended by
+    SIGTERM. This failed the README's suite on a busy machine before the fix."""
     proc = launch(TINY + ["--out_dir", str(tmp_path / "r"), "--lr", "-1"], nproc=2, fault="slow_rank_0:5",
                   check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -380,7 +417,10 @@ def test_an_error_of_every_rank_is_printed_when_rank_0_is_the_slowest(tmp_path):
 @pytest.mark.multiprocess
 def test_two_process_errors_print_once(tmp_path):
     """A refusal found during setup (the ranks agree on it), under torchrun rather than accelerate: printed once. (A
-    config error, which every rank parses alike: the test above.)"""
+    config error, which every rank parses alike: the test above.)
+
+    Seen to catch: every rank printing; later, the setup refusal alone printed twice (`print_error` before the other
+    ranks' wait)."""
     finished = tmp_path / "finished"
     (finished / "final").mkdir(parents=True)
     (finished / "final" / "config.json").write_text("{}")
@@ -410,7 +450,10 @@ def test_two_process_errors_print_once(tmp_path):
 def test_a_full_disk_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path, monkeypatch, capsys, at):
     """ENOSPC in the second checkpoint (or in final/): one line, no partial folder, the first checkpoint intact,
     and --resume latest then finishes the run. In the first checkpoint: the line says there is none yet (it said
-    the earlier ones were intact), and --resume latest runs it again from the start."""
+    the earlier ones were intact), and --resume latest runs it again from the start.
+
+    Seen to catch: the partial folder not removed. For the first save: the old message back ("the earlier checkpoints
+    are intact")."""
     import errno
 
     from accelerate import Accelerator
@@ -454,7 +497,9 @@ def test_a_full_disk_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path, mon
 
 def test_a_refused_resume_leaves_no_lock_file_it_did_not_find(tmp_path, monkeypatch, capsys):
     """A run folder without .lock (copied, downloaded), resumed with another model config: refused in one line,
-    and the folder is as it was (byte for byte, no .lock). A .lock that was there stays."""
+    and the folder is as it was (byte for byte, no .lock). A .lock that was there stays.
+
+    Seen to catch: the unlink on an error removed: `.lock` left behind."""
     out = tmp_path / "run"
     args = TINY + ["--out_dir", str(out), "--max_steps", "2", "--micro_batch_size", "2", "--total_batch_size", "64",
                    "--save_every", "1", "--max_steps", "1"]
@@ -473,7 +518,9 @@ def test_a_refused_resume_leaves_no_lock_file_it_did_not_find(tmp_path, monkeypa
 @pytest.mark.parametrize("flag,new", [("--lr", "0.005"), ("--micro_batch_size", "1")])
 def test_a_finished_run_resumed_with_a_change_is_refused(run_copy, monkeypatch, capsys, flag, new):
     """Issue 44: the finished 4-step run resumed with another setting and no step left trained nothing, yet recorded
-    the change in config.yaml and rewrote final/'s card with it (exit 0). Now one line, nothing touched."""
+    the change in config.yaml and rewrote final/'s card with it (exit 0). Now one line, nothing touched.
+
+    Seen to catch: the check off (`if False:`): both cases (`--lr`, `--micro_batch_size`) fail."""
     before = tree_digest(run_copy)
     err = run_in_process(monkeypatch, capsys, RUN + ["--out_dir", str(run_copy), "--resume", "latest", flag, new])
     assert f"is where this run finished (step 4 of --max_steps 4): a resume trains no step, so nothing would use " \
@@ -484,7 +531,9 @@ def test_a_finished_run_resumed_with_a_change_is_refused(run_copy, monkeypatch, 
 @pytest.mark.slow
 def test_a_folder_another_run_writes_into_is_refused_as_such_before_its_contents(run_copy, monkeypatch, capsys):
     """Issue 44: a second run in a folder while the first runs was told "already holds a run; pass --resume
-    latest", which then met the lock. The lock is judged first: the advice that works is to wait."""
+    latest", which then met the lock. The lock is judged first: the advice that works is to wait.
+
+    Seen to catch: the probe removed from train.py: "already holds a run" comes first and the test fails."""
     from filelock import FileLock
 
     before = tree_digest(run_copy)
@@ -501,7 +550,9 @@ def test_a_folder_another_run_writes_into_is_refused_as_such_before_its_contents
 
 @pytest.mark.slow
 def test_no_sample_prints_no_sample_block(tmp_path):
-    """Issue 44: --sample_tokens 0 still printed an empty `---` block at every validation."""
+    """Issue 44: --sample_tokens 0 still printed an empty `---` block at every validation.
+
+    Seen to catch: the check off: the `---` lines come back and the test fails."""
     stdout, _ = train_in_process(TINY + ["--out_dir", str(tmp_path / "run"), "--max_steps", "2", "--eval_every", "1",
                                          "--sample_tokens", "0", "--warmup_steps", "1", "--micro_batch_size", "2",
                                          "--total_batch_size", "64"])

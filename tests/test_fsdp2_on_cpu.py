@@ -24,7 +24,17 @@ SCRIPT = REPO_ROOT / "tests" / "fixtures" / "fsdp" / "fsdp2_steps.py"
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_fsdp2_sharded_step_with_activation_checkpointing_and_evaluations_equal_one_process(tmp_path):
-    """`GPT.activation_checkpointing` on the sharded model: the one-process step, evaluations and weights."""
+    """`GPT.activation_checkpointing` on the sharded model: the one-process step, evaluations and weights.
+
+    torch's `fully_shard` on gloo: a step on the sharded model (sharded gradients, accumulation, each block gathered
+    again to recompute), validation loss and HellaSwag forwards on every rank, and the full state dict gathered from the
+    shards equal one unsharded process. Without activation checkpointing, train.py's FSDP2 run through accelerate's
+    plugin is test_engines.py's, its 2-D run with HellaSwag test_tensor_parallel.py's.
+
+    Seen to catch: the validation loss with each rank running only its own number of batches: the ranks' collectives no
+    longer line up, the run hangs and the test fails at its timeout. The local shard of the grad-norm DTensor used
+    instead of `full_tensor()` is not caught: FSDP2's total norm is replicated, so both are equal. The recomputation
+    part was not broken on purpose."""
     recompute = ["activation_checkpointing"]
     sys.path.insert(0, str(SCRIPT.parent))
     import fsdp2_steps as ref_script  # the same config and data, run here on one process without sharding

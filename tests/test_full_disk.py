@@ -5,6 +5,11 @@ Each case makes one real write fail as the disk would: the file's own writer (to
 Python's file object) runs under a file-size limit of 0 bytes (`RLIMIT_FSIZE`, lowered for that call only, with
 SIGXFSZ ignored), so the error is the one that writer really raises when the kernel refuses its bytes
 (torch's is a RuntimeError without an errno: `[enforce fail at inline_container.cc:...] . unexpected pos ...`).
+
+`final/` and the Hub staging too.
+
+Seen to catch: torch's serializer RuntimeError not recognised (optimizer and RNG: a traceback); the Hub staging's
+failure not caught.
 """
 from __future__ import annotations
 
@@ -135,7 +140,9 @@ def test_the_final_export_and_the_hub_staging_failing_are_one_line(tmp_path, mon
 def test_files_moved_into_place_get_the_plain_mode(tmp_path):
     """Issue 44: safetensors creates its files 0600, so a teammate could not read the weights of a shared --out_dir
     while every other file was 0644. Whatever `rename_into_place` moves gets the mode `open()` gives (0666 less the
-    umask), the same for a folder's files."""
+    umask), the same for a folder's files.
+
+    Seen to catch: the chmod off: 0600 stays, the test fails."""
     import os
 
     from common.atomic import rename_into_place, temp_path

@@ -52,6 +52,11 @@ def smoke(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
 
 @pytest.mark.slow
 def test_smoke_run_reports_every_stage_with_its_figures(smoke):
+    """`python benchmarks/gpu_acceptance.py --smoke --lease` runs every stage, in the lease's order, and reports each
+    with its figures (docs/benchmarks.md).
+
+    Seen to catch: the kill fault not passed to the first launch (`env={}`): the stage reports "the run meant to be
+    killed finished"."""
     out, proc = smoke
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "acceptance.json").read_text())
@@ -124,6 +129,9 @@ def test_smoke_run_reports_every_stage_with_its_figures(smoke):
 
 @pytest.mark.slow
 def test_a_failing_stage_is_reported_and_earlier_results_are_kept(smoke):
+    """A failing stage is reported, and the stages of an earlier call in the same `--out` are kept.
+
+    Seen to catch: the earlier acceptance.json not read (`if False:`)."""
     out, _ = smoke
     proc = acceptance(out, "--stages", "hellaswag", "--hellaswag_data", str(out / "missing.jsonl"))
     assert proc.returncode == 1
@@ -136,6 +144,9 @@ def test_a_failing_stage_is_reported_and_earlier_results_are_kept(smoke):
 
 @pytest.mark.slow
 def test_module_form_and_unknown_stages(tmp_path):
+    """The GPU acceptance run has a `memory_plan` stage, skipped in `--smoke` on the CPU.
+
+    Seen to catch: the smoke skip removed: the stage tried CUDA and failed, exit status 1."""
     proc = acceptance(tmp_path / "acc", "--stages", "fsdp,memory_plan", module=True)
     assert proc.returncode == 0, proc.stderr
     stages = json.loads((tmp_path / "acc" / "acceptance.json").read_text())["stages"]
@@ -163,7 +174,15 @@ def one_sleeping_stage(monkeypatch, tmp_path, budget_s: float, sleep_s: float, *
 
 @pytest.mark.slow
 def test_a_smoke_stage_past_its_budget_passes(monkeypatch, tmp_path):
-    """3 s for a stage of 2 s: in --smoke, as on a slow or busy machine, it goes on and passes."""
+    """3 s for a stage of 2 s: in --smoke, as on a slow or busy machine, it goes on and passes.
+
+    A slow or busy machine does not fail `--smoke`: budgets are not asserted there, and its limit, `SMOKE_HANG_FACTOR`
+    times the budget, only ends a hang, reported as `timeout`
+    (`test_a_smoke_stage_that_hangs_is_reported_as_a_timeout`). The GPU run keeps its real budgets
+    (`test_the_gpu_run_keeps_its_real_budgets`).
+
+    Seen to catch: each alone: the smoke limit set back to the budget (the 3 s stage times out); the hang factor applied
+    to the GPU run too; the `TimeoutExpired` clause removed (a hang reported as `fail`: two tests fail)."""
     code, stage = one_sleeping_stage(monkeypatch, tmp_path, 2, 3, "--smoke")
     assert (code, stage["status"], stage.get("figures")) == (0, "pass", {"slept_s": 3}), stage.get("error")
     assert stage["seconds"] > 2 and stage["budget_s"] == 2 * gpu_acceptance.SMOKE_HANG_FACTOR
@@ -186,7 +205,12 @@ def test_the_gpu_run_keeps_its_real_budgets(monkeypatch, tmp_path):
 
 def test_the_lease_fits_calls_of_8_minutes():
     """A window's first call runs the sweep, its second the acceptance stages, each with its whole budget; each call
-    ends a minute before 8 minutes."""
+    ends a minute before 8 minutes.
+
+    Issues 42 and 53: the sweep takes 420 s and nothing else fits beside it; the must-have stages take 405 s; every
+    stage fits in some call.
+
+    Seen to catch: the sweep's lease budget 400 -> 420 s: fails (a bound on constants)."""
     assert gpu_acceptance.LEASE_CALL_S <= 8 * 60 and gpu_acceptance.LEASE_SPARE_S >= 60
     assert gpu_acceptance.LEASE_BUDGET_S + gpu_acceptance.LEASE_SPARE_S <= gpu_acceptance.LEASE_CALL_S
     budgets = {s.name: s.lease_budget_s for s in gpu_acceptance.STAGES}
@@ -224,6 +248,11 @@ def lease_call(monkeypatch, tmp_path, behaviour: dict[str, tuple[float, object]]
 
 
 def test_a_lease_call_goes_on_from_the_last_one(monkeypatch, tmp_path):
+    """A lease call starts no stage whose budget does not fit in what is left; a later call skips what passed, and runs
+    the stages never tried before the ones that failed (stages that start no process).
+
+    Seen to catch: each alone: passed stages run again; the fit rule removed (`if left < 30:` alone); the failed-last
+    order removed (`key=LEASE_ORDER.index`)."""
     broken = gpu_acceptance.StageError("broken")
     code, stages, ran = lease_call(monkeypatch, tmp_path, {"a": (10, {"x": 1}), "b": (10, broken), "c": (100, {}),
                                                            "d": (10, {"y": 2})}, budget=60)
@@ -242,7 +271,9 @@ def test_a_lease_call_goes_on_from_the_last_one(monkeypatch, tmp_path):
 
 def test_a_lease_call_short_of_the_sweeps_budget_runs_what_fits_of_it(monkeypatch, tmp_path):
     """The sweep's variants each end in a row: with 200 s of a call left it starts (its 120 s minimum fit) and gets
-    what is left, where a stage of 400 s without a minimum waits for the next call."""
+    what is left, where a stage of 400 s without a minimum waits for the next call.
+
+    Seen to catch: the minimum ignored (`need = nominal`): fails."""
     ran = {}
 
     def stage(name: str, lease_min_s: float | None) -> gpu_acceptance.Stage:
@@ -264,6 +295,10 @@ def test_a_lease_call_short_of_the_sweeps_budget_runs_what_fits_of_it(monkeypatc
 
 
 def test_version_mismatches_name_the_stages_they_affect():
+    """A version other than the device image's (torch 2.11, transformers 5.17, accelerate 1.15) is listed with the
+    stages it affects.
+
+    Seen to catch: a prefix match without the dot (1.150 taken for 1.15): fails."""
     assert gpu_acceptance.version_mismatches({"torch": "2.11.0+cu130", "transformers": "5.17.0",
                                               "accelerate": "1.15.0"}) == []
     lines = gpu_acceptance.version_mismatches({"torch": "2.13.0+cpu", "transformers": "5.17.1",
@@ -278,6 +313,12 @@ HELLASWAG_TINY = REPO_ROOT / "tests" / "fixtures" / "eval" / "hellaswag_tiny.jso
 
 
 def test_prepare_lease_fills_the_folder_and_prints_the_call(tmp_path, capsys):
+    """`benchmarks/prepare_lease.py` copies the HellaSwag file, keeps a brought-back report, removes stale wheels and
+    prints a command under the device tool's 2,000 characters with its carry and timeout. A missing file or a folder
+    over 64 MiB is one line, exit 2 (`test_prepare_lease_refuses_in_one_line`); the pydantic-core pin is read from the
+    wheel (`test_the_pydantic_core_pin_is_read_from_the_wheel`).
+
+    Seen to catch: the stale wheels left with `--no_wheels`: fails."""
     folder = tmp_path / ".lease"
     (folder / "acc").mkdir(parents=True)
     (folder / "acc" / "acceptance.json").write_text("{}")  # a window's report, brought back: kept
@@ -316,7 +357,10 @@ def test_the_pydantic_core_pin_is_read_from_the_wheel(tmp_path):
 
 
 def test_stages_whose_package_did_not_travel_are_skipped_with_the_fix(monkeypatch, tmp_path):
-    """On the device without the wheels, zero3 and memory_plan say what to carry instead of failing a launch."""
+    """On the device without the wheels, zero3 and memory_plan say what to carry instead of failing a launch.
+
+    Seen to catch: the DeepSpeed check removed (`if False:`): the stage tried the launch and failed. Found on the H100:
+    memory_plan failed for want of evaluate."""
     real = gpu_acceptance.importlib.util.find_spec
     monkeypatch.setattr(gpu_acceptance.importlib.util, "find_spec",
                         lambda name, *a: None if name in ("deepspeed", "evaluate") else real(name, *a))
@@ -330,7 +374,9 @@ def test_stages_whose_package_did_not_travel_are_skipped_with_the_fix(monkeypatc
 def test_the_muon_fsdp_stage_runs_on_2_gpus_and_says_why_not_on_fewer(monkeypatch, tmp_path):
     """Muon under FSDP2 (issue 47) needs 2 GPUs: with 1 it is skipped with the count; with 2 it runs the train stage
     with --optimizer muon on 2 processes, holds the header to Muon's whole-matrix gathering and reads the
-    benchmark's medians (here stand-ins: no process starts)."""
+    benchmark's medians (here stand-ins: no process starts).
+
+    Seen to catch: the header check reduced to the optimizer's name: `DID NOT RAISE StageError`."""
     import subprocess as sp
 
     gpus, launched = [1], []
@@ -415,7 +461,15 @@ def stand_in_sweep(tmp_path, monkeypatch, variants, behaviour, timeout=600.0):
 def test_the_sweep_runs_by_priority_and_a_crash_costs_one_row(tmp_path, monkeypatch):
     """Each variant its own process, in order; an OOM, a knob this code lacks, a variant that no longer fits, a
     stacked Muon the baseline already ran: each is its row's status, and the next variant runs. "best" takes the
-    fastest loss whose first loss agrees with the baseline's."""
+    fastest loss whose first loss agrees with the baseline's.
+
+    Each row is a JSON line in `sweep.jsonl`; a hang is `timeout`; a first loss off by more than 1e-3 is flagged and
+    kept out of "best"; a later call's "best" and loss check read the earlier rows; the stage fails without its baseline
+    (`test_the_sweep_fails_when_its_baseline_does_not_run`). The real 3 processes on CPU:
+    `test_smoke_run_reports_every_stage_with_its_figures`.
+
+    Seen to catch: each alone: the fit rule removed (`elif False:`), the loss check left out of "best", the
+    same-as-baseline check removed, the earlier rows not read."""
     sweep = {v.name: v for v in gpu_acceptance.SWEEP}
     warm = [gpu_acceptance.replace(sweep[n], cold=False) for n in ("muon_16x2", "adamw_16x2", "adamw_16x2_chunk16384",
                                                                   "adamw_16x2_full")]
@@ -481,7 +535,11 @@ def test_the_sweep_fails_when_its_baseline_does_not_run(tmp_path, monkeypatch):
 def test_the_step_probes_count_syncs_by_phase_and_sort_ops_into_categories():
     """benchmarks/step_probe.py on a CPU: a deliberate .item() inside and outside a wrapped optimizer step is counted
     where it ran, the wrapped calls are timed, and an extra step's failure is its figure's only. (profile_step: the
-    smoke run's rows; the profiler's first start takes seconds.)"""
+    smoke run's rows; the profiler's first start takes seconds.)
+
+    Kernel and op names are sorted into GEMM / attention / triton / elementwise / optimizer / memcpy / other.
+
+    Seen to catch: the phase not set around the optimizer step: fails."""
     class Opt:
         def step(self):
             torch.ones(2).sum().item()

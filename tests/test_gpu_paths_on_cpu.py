@@ -32,7 +32,10 @@ BF16 = {"ACCELERATE_MIXED_PRECISION": "bf16"}
 def test_bf16_inductor_on_two_processes_trains_evaluates_checkpoints_and_exports(ddp_run, tmp_path):
     """2 processes x accumulation 2, bf16 autocast, inductor: no recompilation after the first step (not per
     micro-step, not for the DDP no-sync steps, not for the evaluations, which run on the plain module),
-    validation loss close to the fp32 run's, a checkpoint and a plain-keyed final export."""
+    validation loss close to the fp32 run's, a checkpoint and a plain-keyed final export.
+
+    Seen to catch: evaluations run on the compiled module (`keep_torch_compile=True`): dynamo's recompile log
+    appears."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--mixed_precision", "bf16", "--dynamo_backend", "inductor", "--main_process_port", str(free_port()),
@@ -53,7 +56,9 @@ def test_bf16_inductor_on_two_processes_trains_evaluates_checkpoints_and_exports
 @pytest.mark.slow
 def test_a_bf16_run_resumes_bit_exact(tmp_path):
     """bf16 autocast keeps fp32 weights and optimizer state: the run resumed from its own checkpoint of step 2 ends
-    bit-identical."""
+    bit-identical.
+
+    Seen to catch: not broken on purpose (a new test)."""
     reference, out = tmp_path / "ref", tmp_path / "run"
     launch(RESUME_ARGS + ["--out_dir", str(reference)], extra_env=BF16)
     resumed = launch(RESUME_ARGS + resume_copy(reference, 2, out), extra_env=BF16)

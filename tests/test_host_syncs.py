@@ -47,6 +47,12 @@ RUN = TINY + ["--max_steps", "6", "--micro_batch_size", "2", "--total_batch_size
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_a_step_that_shows_nothing_reads_nothing_from_the_device(counted, tmp_path, optimizer):
+    """A step never waits for the device: from one `train_step` to the next, a step that shows nothing (no log line,
+    evaluation or checkpoint) reads no device value on the host, with AdamW and with Muon; a logged step does read. The
+    counter is the sweep's dispatch counter (`_local_scalar_dense`, `equal`, `is_nonzero`, `nonzero`, `masked_select`),
+    the optimizers' own steps left out.
+
+    Seen to catch: before the change, a quiet step read once (the data flag's `.item()`): `{1: 1} != {1: 0}`."""
     train_in_process(RUN + ["--optimizer", optimizer, "--out_dir", str(tmp_path / "run")])
     reads = counted()
     assert len(reads) == 6
@@ -56,7 +62,9 @@ def test_a_step_that_shows_nothing_reads_nothing_from_the_device(counted, tmp_pa
 
 @pytest.mark.slow
 def test_a_deliberate_read_in_the_step_is_counted(counted, tmp_path, monkeypatch):
-    """The counter catches what it is there for: an `.item()` inside the step."""
+    """The counter catches what it is there for: an `.item()` inside the step.
+
+    Seen to catch: this test is the break itself."""
     original = training.step.to_device
 
     def reading(batch, device):

@@ -184,7 +184,9 @@ def test_interrupted_run_goes_to_a_branch_with_its_training_state(hub, run_dir, 
 def test_a_training_state_that_would_not_resume_is_not_pushed(hub, run_dir):
     """--include_state uploads the newest checkpoint for a later resume: each of its files is checked against its
     manifest as a resume checks it (a lost optimizer state stops the push, not only the weights' files), one line,
-    nothing pushed."""
+    nothing pushed.
+
+    Seen to catch: the check off: `DID NOT RAISE`."""
     from common.manifest import write_manifest
 
     shutil.rmtree(run_dir / "final")

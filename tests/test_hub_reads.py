@@ -72,6 +72,9 @@ def openwebtext(server: FakeHub) -> dict[str, bytes]:
 
 
 def test_a_revision_is_read_at_the_commit_it_points_at(client: FakeHub):
+    """A Hub dataset is read at one commit, the revision's; what a run records reads it again.
+
+    Seen to catch: the breaks of `test_unknown_revisions_configs_and_repos_are_one_line`."""
     fineweb(client)
     main, tag = locate(f"{FINEWEB}:sample-10BT"), locate(f"{FINEWEB}:sample-10BT@v1.0.0")
     assert main == HubData(FINEWEB, client.commit_sha(FINEWEB, repo_type="dataset"), "sample-10BT")
@@ -81,6 +84,10 @@ def test_a_revision_is_read_at_the_commit_it_points_at(client: FakeHub):
 
 
 def test_unknown_revisions_configs_and_repos_are_one_line(client: FakeHub):
+    """An unknown revision, an undeclared config, an unknown repo, a repo without data files, a script-only repo without
+    conversion: one line each.
+
+    Seen to catch: the config check disabled: `DID NOT RAISE`."""
     fineweb(client)
     client.add_dataset("someone/empty", {"README.md": "# nothing yet\n"})
     client.add_dataset("someone/script-only", {"README.md": "# a script\n", "script-only.py": "# loads from afar\n"})
@@ -98,6 +105,10 @@ def test_unknown_revisions_configs_and_repos_are_one_line(client: FakeHub):
 
 
 def test_a_script_only_repo_is_read_from_its_conversion_listing(client: FakeHub):
+    """A script-only repo is read from its conversion's file list (`partial-<split>`), under a renamed id and at a
+    pinned conversion commit.
+
+    Seen to catch: the `partial-` prefix not recognised: fails."""
     converted = openwebtext(client)
     where = locate(OWT)
     commit = client.commit_sha(OWT, PARQUET_BRANCH, repo_type="dataset")
@@ -116,6 +127,10 @@ def test_a_script_only_repo_is_read_from_its_conversion_listing(client: FakeHub)
 
 
 def test_init_from_at_a_revision_downloads_that_commit(client: FakeHub, gpt2_folders):  # noqa: F811
+    """`--init_from id@revision` downloads that commit through the server and records `id@sha`; conflicting revisions
+    are refused.
+
+    Seen to catch: the revision after `@` dropped: main's weights are read."""
     new, old = gpt2_folders
     client.add_model("openai-community/gpt2", new, revisions={"legacy": old}, tags={"v1.0": "legacy"})
     client.rename("gpt2", "openai-community/gpt2")

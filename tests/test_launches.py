@@ -31,7 +31,9 @@ ACCELERATES_LINE = "ImportError: DeepSpeed is not installed => run `pip3 install
 def test_a_zero_config_on_a_core_install_stops_in_accelerates_launcher_before_train_py(tmp_path):
     """docs/install.md's claim for a ZeRO config without DeepSpeed: accelerate's launcher stops it, exit 1, its last
     line naming the install, and train.py never starts (no run folder). No config of ours can reach train.py first: a
-    DEEPSPEED config always goes through that check, and only it tells the processes their ZeRO settings."""
+    DEEPSPEED config always goes through that check, and only it tells the processes their ZeRO settings.
+
+    Seen to catch: not broken on purpose: this is accelerate's behaviour, held so that the docs stay true."""
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "zero2_8gpu.yaml"),
@@ -46,7 +48,9 @@ def test_a_zero_config_on_a_core_install_stops_in_accelerates_launcher_before_tr
 def test_a_deepspeed_process_on_a_core_install_is_one_line(tmp_path):
     """A process told by its environment that it runs under DeepSpeed (a launcher other than accelerate's, such as
     torchrun with accelerate's variables set by hand) on a core install: train.py's one line, not accelerate's
-    traceback from inside the Accelerator."""
+    traceback from inside the Accelerator.
+
+    Seen to catch: `deepspeed_missing` made to answer None: accelerate's traceback from `start_accelerator`."""
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "train.py", *TINY, "--max_steps", "2", "--out_dir", str(out)],
                           cwd=REPO_ROOT, env=_core_install_env(ACCELERATE_USE_DEEPSPEED="true"),
@@ -140,6 +144,14 @@ def test_every_shipped_config_is_covered():
 
 @pytest.mark.parametrize("name", list(ON_THIS_CPU))
 def test_every_launch_on_a_cpu_says_what_it_runs_or_refuses(monkeypatch, name):
+    """Every launch says what it runs, or refuses (`training/distributed/machine.py`): every shipped accelerate config
+    (`test_every_shipped_config_is_covered`), and `--cpu --num_processes 2`, `--mixed_precision fp16`, with the
+    environment accelerate's own launcher code gives its processes, on a 2-core machine without a GPU and on an 8-GPU
+    one.
+
+    Seen to catch: each alone: `several_in_one` forced False (`[--cpu --num_processes 2]` fails); the fp16 refusal
+    removed (`[--mixed_precision fp16]`); `runs_here` answering None (`[8gpu]`, `[cpu_2proc]`, `[single_gpu]`,
+    `[multinode_2x8]`)."""
     from training.distributed.machine import Machine
 
     env = launched_environment(_config_args(name))
@@ -167,7 +179,9 @@ def _accelerate_launch(launcher_args: list[str], run_args: list[str]) -> subproc
 def test_the_cpu_flag_with_several_processes_is_refused_before_anything_is_built(tmp_path):
     """The issue's `accelerate launch --cpu --num_processes 2 train.py`: one line, nothing written. accelerate's
     single-process launcher then raises its own CalledProcessError (exit 1, its traceback after the line), unless
-    told --quiet (-q), which ends the launch on the line."""
+    told --quiet (-q), which ends the launch on the line.
+
+    Seen to catch: `check_launch` left out of `process_state`: the launch trained one process."""
     out = tmp_path / "run"
     proc = _accelerate_launch(["--cpu", "--num_processes", "2"], ["--out_dir", str(out)])
     line = "error: accelerate launch started 1 process where several were asked"
@@ -189,7 +203,17 @@ def test_a_refusal_after_the_processes_start_is_the_first_line_and_the_reports_r
     """2 gloo processes (cpu_2proc.yaml) refused after their group is open (`--tensor_parallel 2` on this CPU: the
     layout is read once the processes run). torch's elastic agent fails the launch (exit 1) and accelerate prints its
     traceback; the project's line comes first, and the agent's report ends on it: its root cause's `traceback :`
-    line, read from the error file train.py wrote (common.errors.tell_the_elastic_agent)."""
+    line, read from the error file train.py wrote (common.errors.tell_the_elastic_agent).
+
+    An error of rank 1 alone is the report's root cause, rank 1's
+    (`test_elastic.py::test_an_error_of_one_rank_is_one_line_and_stops_after_the_first_restart[0]`). The project's line
+    is the only line of the launch's output that starts with `error:`, so `grep -m1 '^error:'` finds it
+    (docs/faults.md).
+
+    Seen to catch: `tell_the_elastic_agent` writing nothing: the report's root cause read "To enable traceback see",
+    both tests fail. Rank 1 printing the shared line too (`run_cli` with `quiet=False` and no wait for rank 0): two
+    `error:` lines. A timestamp a second early, against a tie with the ranks the agent stops, was tried and dropped: the
+    rank-1 case passed 3 of 3 without it."""
     out = tmp_path / "run"
     proc = _accelerate_launch(["--config_file", str(CONFIGS / "cpu_2proc.yaml")],
                               ["--out_dir", str(out), "--tensor_parallel", "2"])
@@ -209,7 +233,10 @@ def test_a_refusal_after_the_processes_start_is_the_first_line_and_the_reports_r
 def test_tensor_parallel_on_a_cpu_says_no_launch_here_runs_it(monkeypatch, name):
     """Before, one process, cpu_2proc.yaml and 8gpu.yaml said "launch with accelerate_configs/fsdp_8gpu.yaml",
     fsdp_8gpu.yaml on a CPU said "launch with accelerate_configs/cpu_2proc.yaml ..., which trains the same run", and
-    cpu_2proc.yaml refused tensor parallelism. Now each hop says that no launch on this machine runs it."""
+    cpu_2proc.yaml refused tensor parallelism. Now each hop says that no launch on this machine runs it.
+
+    Seen to catch: `tensor_parallel_here` answering None (the three DDP hops fail); `_FIX` without its tensor-parallel
+    clause (the fsdp_8gpu hop fails)."""
     from common.errors import UserError
     from training.distributed.layout import Layout
     from training.distributed.machine import Machine, check_launch
@@ -247,7 +274,12 @@ finally:
 def test_a_run_and_a_cli_that_do_not_use_deepspeed_never_import_it(tmp_path):
     """With DeepSpeed installed (`.[dev]`), train.py on one process (a checkpoint, an evaluation, the export) and
     `python -m eval.val_loss` on its run: DeepSpeed is never imported, so its `[WARNING] ... Setting accelerator to
-    CPU` is no longer their first line (accelerate's unwrapping imported it: model/unwrap.py)."""
+    CPU` is no longer their first line (accelerate's unwrapping imported it: model/unwrap.py).
+
+    ZeRO runs still unwrap through accelerate (`test_engines.py::test_engine_run_equals_one_process[zero2_8gpu]`,
+    `[zero3_8gpu]`).
+
+    Seen to catch: the run header's unwrap put back to `accelerator.unwrap_model`: `deepspeed imported: True`."""
     out = tmp_path / "run"
     for kind, target, args in (("path", "train.py", [*TINY, "--max_steps", "2", "--save_every", "1", "--eval_every",
                                                       "1", "--out_dir", str(out)]),
@@ -266,7 +298,10 @@ def test_a_multi_node_config_alone_waits_in_torchs_rendezvous_before_train_py_st
     waits for machine 1 inside torch's static rendezvous (900 s at 127.0.0.1:<port>) before it starts any process,
     so no code of the project runs and none can say a word; `LOGLEVEL=INFO` makes torch say what it waits for;
     Ctrl-C (SIGINT to the group) does not end the wait, SIGTERM does. Each claim the row makes is read here from
-    the installed torch and accelerate: a release that changes one fails this test, and the row is rewritten."""
+    the installed torch and accelerate: a release that changes one fails this test, and the row is rewritten.
+
+    Seen to catch: the config's `num_machines: 1`: `min_nodes: 2` not in the log, fails. `rdzv_backend: c10d` in the
+    config is not caught: accelerate still launches it static."""
     import signal
     import time
 

@@ -16,6 +16,13 @@ from training.distributed.machine import Machine
 
 
 def test_the_degrees_multiply_to_the_world_tensor_parallel_innermost():
+    """The launch's layout is one object (`training/distributed/layout.py`): the degrees multiply to the world with
+    tensor parallelism innermost; it is read from the accelerate environment with the refusals
+    (`test_of_launch_reads_the_accelerate_environment`); DeepSpeed's running stage is taken from its plugin
+    (`test_running_takes_the_zero_stage_deepspeed_runs`); the planner's `Launch` holds the same layout.
+
+    Seen to catch: not broken on purpose: new with the object, while the tensor-parallel and planner suites (50 tests)
+    passed unchanged over it."""
     layout = Layout(8, "fsdp", tensor_parallel=2)
     assert layout.data_parallel_size == 4
     assert [layout.data_parallel_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
@@ -43,7 +50,13 @@ ANSWERS = {
 
 @pytest.mark.parametrize("layout", list(ANSWERS), ids=lambda layout: layout.name)
 def test_the_layout_answers_for_its_engine(layout):
-    """What the planner and the header ask of an engine, answered by the layout (the engines' facts in one place)."""
+    """What the planner and the header ask of an engine, answered by the layout (the engines' facts in one place).
+
+    One row per engine (one process, DDP, FSDP2, FSDP2 x TP, ZeRO-1/2/3, ZeRO-2 alone, a pipeline): the sharded terms,
+    full replicas, DeepSpeed's buckets, bf16 parameters, the fp32 master copy, DTensor matrices, pipelined, the plan's
+    words, the sharded layout the advice moves to.
+
+    Seen to catch: ZeRO-1 made to shard the gradients (`shards_gradients` from stage 1): the ZeRO-1 row fails."""
     asked = ((layout.shards_parameters, layout.shards_gradients, layout.shards_optimizer_state), layout.full_replicas,
              layout.reduces_in_buckets, layout.bf16_parameters, layout.fp32_master, layout.dtensor_matrices,
              layout.pipelined, layout.describe(), layout.sharded().name)
@@ -51,7 +64,11 @@ def test_the_layout_answers_for_its_engine(layout):
 
 
 def test_the_engine_words_are_composed_once():
-    """The engine's name, the run header's words and the plan's end the same way (`degrees`)."""
+    """The engine's name, the run header's words and the plan's end the same way (`degrees`).
+
+    E.g. `DEEPSPEED (ZeRO-3)`, `FSDP x tensor parallel 2`, `MULTI_GPU x pipeline 4 (1F1B; this stage: ...)`.
+
+    Seen to catch: the degrees left out of `Engine.header_words`: fails."""
     assert Engine(DEEPSPEED, 3).header_words("DEEPSPEED") == "DEEPSPEED (ZeRO-3)"
     assert Engine(FSDP, tensor_parallel=2).header_words("FSDP") == "FSDP x tensor parallel 2"
     assert Engine(pipeline_parallel=4).header_words("MULTI_GPU", "blocks 0-2 of 12") == \
@@ -61,6 +78,10 @@ def test_the_engine_words_are_composed_once():
 
 
 def test_a_layout_no_engine_runs_is_refused_in_one_line():
+    """A layout no engine runs (a ZeRO stage under FSDP2, ZeRO-4, an unknown engine, a degree of 0) is refused in one
+    line by `Layout.check`, which the planner's `Launch` calls too.
+
+    Seen to catch: the ZeRO-stage-under-another-engine check removed: fails."""
     for layout, words in ((Layout(8, FSDP, 3), "ZeRO stage 3 under FSDP"), (Layout(8, DEEPSPEED, 4), "ZeRO stage 4"),
                           (Layout(8, "megatron"), "engine 'megatron'"),
                           (Layout(8, FSDP, tensor_parallel=0), "--tensor_parallel must be positive")):
@@ -89,7 +110,11 @@ def test_running_takes_the_zero_stage_deepspeed_runs():
 
 
 def test_the_planner_holds_the_run_layout():
-    """The planner's `Launch` holds the run's `Layout`; what it shards over how many ranks is the layout's say."""
+    """The planner's `Launch` holds the run's `Layout`; what it shards over how many ranks is the layout's say.
+
+    FSDP2 x TP 2 over 8 shards all three terms over the 4 data-parallel ranks; ZeRO-1 the optimizer state only.
+
+    Seen to catch: `Shards.of` over the world size instead of the data-parallel ranks: fails."""
     layout = Layout(8, FSDP, tensor_parallel=2)
     launch = Launch(4, layout)
     assert launch.layout is layout and launch.shards == Shards(4, 4, 4)  # FSDP2 over the 4 data-parallel ranks

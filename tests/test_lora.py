@@ -62,6 +62,10 @@ def reference(base, tmp_path_factory):
 
 @pytest.mark.slow
 def test_only_the_adapters_train_and_checkpoints_hold_only_them(base, reference):
+    """A LoRA checkpoint holds the adapter and its optimizer state, no base weights (under 1/20 of the base).
+
+    Seen to catch: the save hook keeping the full model (`weights.pop` removed): `model.safetensors` found in the
+    checkpoint."""
     out, _ = reference
     base_weights, merged = load_file(base / "model.safetensors"), load_file(out / "final" / "model.safetensors")
     for key, tensor in base_weights.items():
@@ -79,6 +83,11 @@ def test_only_the_adapters_train_and_checkpoints_hold_only_them(base, reference)
 
 @pytest.mark.slow
 def test_final_and_final_adapter_give_the_merged_models_logits_in_transformers(base, reference):
+    """`final/` loads in transformers and `final_adapter/` on `GPT2LMHeadModel` through `PeftModel`, both with our
+    merged model's logits.
+
+    Seen to catch: `fan_in_fan_out: false` in `final_adapter/` is not caught by the logits (peft sees Conv1D and sets it
+    itself, with a warning); the test now also checks the config field and the base's name."""
     from peft import PeftModel
     from transformers import GPT2LMHeadModel
 
@@ -102,6 +111,9 @@ def test_final_and_final_adapter_give_the_merged_models_logits_in_transformers(b
 
 @pytest.mark.slow
 def test_the_hub_push_holds_the_merged_model_and_the_adapter(reference):
+    """The Hub push holds the merged model and the adapter (`adapter/`).
+
+    Seen to catch: not broken on purpose (a new test)."""
     out, pushed = reference
     assert pushed["model.safetensors"] == (out / "final" / "model.safetensors").read_bytes()
     for name in ("adapter_config.json", "adapter_model.safetensors"):
@@ -111,7 +123,13 @@ def test_the_hub_push_holds_the_merged_model_and_the_adapter(reference):
 @pytest.mark.slow
 def test_a_lora_run_resumes_its_own_checkpoint_bit_exact(base, reference, tmp_path):
     """Resumed from its checkpoint of step 2 (the adapters and their optimizer state only; conftest.resume_copy):
-    final/ and final_adapter/ byte-equal to the uninterrupted run's."""
+    final/ and final_adapter/ byte-equal to the uninterrupted run's.
+
+    With 2 processes too, and the 2-process LoRA run equals the 1-process one to float rounding
+    (`test_two_process_lora_run_resumes_bit_exact_and_equals_one_process`).
+
+    Seen to catch: the load hook not loading the adapter: weights 0.09 apart. Also caught: `adapter_config.json`'s
+    `target_modules` in set order, which differs between processes (now sorted)."""
     out = tmp_path / "run"
     launch(lora_args(base) + resume_copy(reference[0], 2, out))
     assert_same_weights(reference[0], out)
@@ -139,7 +157,13 @@ def test_two_process_lora_run_resumes_bit_exact_and_equals_one_process(base, ref
 def test_final_adapter_loads_by_itself_through_auto_peft_model(base, tmp_path, monkeypatch):
     """The user's case: a LoRA run on a run of ours (`--init_from` a run folder, whose final/ is the tiny GPT-2),
     given as a relative path. peft's AutoPeftModelForCausalLM loads final_adapter/ with nothing else (the base is
-    the folder its config names), from another working directory, and gives final/'s merged logits."""
+    the folder its config names), from another working directory, and gives final/'s merged logits.
+
+    A Hub base is named at the commit the run downloaded
+    (`test_final_adapter_names_a_hub_base_at_the_commit_the_run_downloaded`).
+
+    Seen to catch: the base's name no longer rewritten in `save_adapter_folder`: `ValueError: Unrecognized model in
+    .../pretrained` (the user's error). The Hub base named at `weights.revision`: `main` instead of the commit."""
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM
 
@@ -166,6 +190,11 @@ def test_final_adapter_names_a_hub_base_at_the_commit_the_run_downloaded(tmp_pat
 
 
 def test_only_adapter_matrices_get_gradients():
+    """Only the adapter matrices get gradients; after training every non-targeted weight equals the base bit for bit
+    (`test_only_the_adapters_train_and_checkpoints_hold_only_them`).
+
+    Seen to catch: every parameter set trainable after `inject_adapter_in_model`: both fail (gradients on `wte`;
+    1,640,320 trainable in the header)."""
     from model import GPT, GPTConfig
     from model.lora import add_adapters, lora_config
 
@@ -191,6 +220,11 @@ def test_only_adapter_matrices_get_gradients():
     (["--lora_rank", "4", "--optimizer", "muon"], "--lora_rank trains its adapters with AdamW only"),
 ])
 def test_bad_lora_flags(monkeypatch, capsys, tmp_path, base, flags, message):
+    """Bad LoRA input is one line, nothing written, LoRA with `--optimizer muon` included; LoRA and full checkpoints
+    never resume into each other (`test_lora_and_full_checkpoints_do_not_mix`).
+
+    Seen to catch: `check_resume` disabled: the full resume then fails inside accelerate on a missing
+    `pytorch_model.bin`. The Muon message is pinned, not broken."""
     args = TINY + ["--init_from", str(base), "--out_dir", str(tmp_path / "r"), *flags]
     assert message in run_in_process(monkeypatch, capsys, args)
     assert not (tmp_path / "r").exists()

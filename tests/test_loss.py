@@ -1,6 +1,14 @@
 """The training loss's two paths (model/loss.py) against F.cross_entropy over full logits: loss and gradients (hidden
 states, output weight) in fp32 and under bf16 autocast, ignored targets, padded vocabulary, a frozen weight, the whole
-GPT (tied embedding) and torch.compile; the path's default per device, the model's attribute and train.py's flag."""
+GPT (tied embedding) and torch.compile; the path's default per device, the model's attribute and train.py's flag.
+
+Bounds: fp32 1e-6 relative; the whole tied GPT 1e-5, with the loss and the final hidden states' gradient within the
+rounding bound; bf16 autocast no further from fp32 than the plain bf16 path; bf16 parameters without autocast: an fp32
+loss, bf16 gradients within 1e-2.
+
+Seen to catch: the padding mask dropped (7 tests fail); the ignore mask dropped (7); the upstream gradient not applied
+(2); ignored rows not zeroed (7); a 2% error in the bf16 weight gradient (2); the full path's fp32 upcast dropped (the 2
+bf16-parameter cases)."""
 from __future__ import annotations
 
 import pytest
@@ -123,7 +131,14 @@ def rounding_bounds(x, w, targets, n_valid, reduction, autocast, upstream=UPSTRE
 @pytest.mark.parametrize("rows", PATHS)
 def test_both_paths_equal_cross_entropy_within_the_rounding_bound(rows, reduction, autocast):
     """Each path's loss, grad_x and grad_w lie within `rounding_bounds` (derived there) of the exact F.cross_entropy(
-    F.linear(x, w), t) over the valid columns, element by element; ignored tokens and padding rows get exactly 0."""
+    F.linear(x, w), t) over the valid columns, element by element; ignored tokens and padding rows get exactly 0.
+
+    Full logits (0), chunks of 7 rows of 50 tokens (the last short) and one chunk of 512, in fp32 and under bf16
+    autocast, with ignored targets and padding columns; seen up to 0.53 of the bound. The fp32 bound is 1/128 of what a
+    dropped padding mask moves the loss (`test_the_bound_is_tight_enough_to_see_a_dropped_padding_mask`).
+
+    Seen to catch: the full path's -inf padding bias dropped: the 4 full-path cases fail (and 11 other full-path tests).
+    Its `reduction` not passed on: the 2 "sum" cases (7 tests in all)."""
     x, w, targets = inputs(4)
     ours = loss_and_grads(path(rows), x, w, targets, reduction, autocast)
     exact, bounds = rounding_bounds(x, w, targets, N_VALID, reduction, autocast)
@@ -186,7 +201,9 @@ def test_bf16_parameters_without_autocast_match_plain_within_bf16_rounding(rows,
 
 @pytest.mark.parametrize("rows", PATHS)
 def test_large_logits_stay_finite_and_exact(rows):
-    """Logits in the hundreds (exp overflows fp32 beyond 88): the softmax is taken relative to each row's max."""
+    """Logits in the hundreds (exp overflows fp32 beyond 88): the softmax is taken relative to each row's max.
+
+    Seen to catch: the row max not subtracted (`* 0`): only this test fails."""
     x, w, targets = inputs(3)
     x = x * 100
     ref, ours = loss_and_grads(plain, x, w, targets, "mean"), loss_and_grads(path(rows), x, w, targets, "mean")
@@ -207,7 +224,10 @@ def test_frozen_weight_gets_no_gradient_and_x_still_does(rows):
 @pytest.mark.parametrize("rows, chunks", [(7, [7] * 7 + [1]), (16, [16, 16, 16, 2]), (512, [50]), (0, [50])])
 def test_the_walk_takes_the_rows_it_is_given(rows, chunks):
     """The logits are computed N token rows at a time (50 tokens: the last chunk short), or all at once for 0: every
-    tensor of V columns the forward makes has that many rows."""
+    tensor of V columns the forward makes has that many rows.
+
+    Seen to catch: the walk ignoring its N (`rows = LOSS_CHUNK_ROWS`): 2 cases fail, while every numeric test passed
+    it."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     seen = []
@@ -251,7 +271,13 @@ def test_per_token_losses_without_gradients_equal_plain_cross_entropy(rows):
 def test_the_default_path_by_device_type(monkeypatch):
     """Chunks of LOSS_CHUNK_ROWS on the CPU, the full logits on CUDA and other accelerators; resolved from the
     tensors' device when no path is given (a "meta" tensor stands for an accelerator's: the CPU's is the only
-    device type that walks chunks)."""
+    device type that walks chunks).
+
+    `loss_chunk_rows` None is resolved at each forward from the hidden states' device; a value set afterwards is taken
+    by the next forward (`test_the_model_resolves_its_default_from_the_device_it_runs_on`).
+
+    Seen to catch: 512 on every device: both fail (and the planner's hand-computed paths). `GPT.forward` passing None
+    instead of its attribute: the second fails. 0 dispatched to the walk: 20 tests fail."""
     assert default_loss_chunk_rows("cpu") == model.loss.LOSS_CHUNK_ROWS == 7  # (this file's fixture)
     assert default_loss_chunk_rows("cuda") == default_loss_chunk_rows("xpu") == default_loss_chunk_rows("mps") == 0
     x, w, targets = inputs()
@@ -335,7 +361,14 @@ def test_gpt_evaluation_loss_is_chunked_in_fp32_and_equals_the_full_logits_path(
                                                                                 rows, monkeypatch):
     """Evaluation (eval mode, no grad, under bf16 autocast as a bf16 run evaluates): the chunked walk whatever the
     training path, never the full logits (F.cross_entropy is not called), with the output layer in fp32 as
-    `all_logits` computes it."""
+    `all_logits` computes it.
+
+    "mean", "sum" and per-token "none" equal the full-logits path within 1e-6; "none" without gradients equals the plain
+    per-token losses, 0 at ignored targets (`test_per_token_losses_without_gradients_equal_plain_cross_entropy`), and
+    with gradients is refused by the walk (`test_bad_reduction_and_bad_path`).
+
+    Seen to catch: the chunked path taken in training only: the 3 evaluation cases fail ("full logits in evaluation").
+    Evaluation on the training path (`if True:`): the 6 cases fail."""
     gpt, x, y = gpt_and_batch
     loss_path(rows)
     gpt.eval()
@@ -370,7 +403,9 @@ def test_the_model_resolves_its_default_from_the_device_it_runs_on(monkeypatch):
 
 def test_the_pipelines_last_stage_takes_the_models_path(monkeypatch):
     """`GPTStage` (model/pipeline.py) carries the model's `loss_chunk_rows` and its loss takes that path in training,
-    the chunk walk in evaluation."""
+    the chunk walk in evaluation.
+
+    Seen to catch: `GPTStage` not copying it (None): fails."""
     from model.pipeline import GPTStage
 
     gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=100))
@@ -391,7 +426,12 @@ def test_the_pipelines_last_stage_takes_the_models_path(monkeypatch):
 
 def test_the_flag_parses_is_refused_when_negative_and_reaches_the_model(capsys):
     """--loss_chunk_rows: None by default (the device's), 0 and N as given, changeable on a resume (ACCEPTED); a
-    negative value is one line and exit status 2; build_model puts it on the GPT."""
+    negative value is one line and exit status 2; build_model puts it on the GPT.
+
+    It is in config.yaml's keys; the run header says `loss: 512-row chunks` or `loss: full logits` (checked by hand with
+    `python train.py --max_steps 3 [--loss_chunk_rows 0]`, as was a resume changing it).
+
+    Seen to catch: `build_model` not setting it; the schema's check removed: each fails."""
     from common.resume_rules import ACCEPTED
     from training.network import build_model
 

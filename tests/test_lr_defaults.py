@@ -58,6 +58,10 @@ def trained(tmp_path_factory) -> tuple[Path, float]:
 
 
 def test_each_job_gets_its_own_default_and_an_explicit_lr_wins():
+    """With no `--lr`, each job gets its default (from scratch with Muon or AdamW, full fine-tuning, LoRA), named in the
+    header and recorded in config.yaml; an explicit `--lr` wins.
+
+    Seen to catch: not broken on purpose (configuration)."""
     scratch, finetune, lora = ModelConfig(), ModelConfig(init_from="gpt2"), ModelConfig(init_from="gpt2", lora_rank=8)
     assert plan_optimizers(OptimConfig(), scratch).lr == DEFAULT_LRS["from scratch with Muon"]
     assert plan_optimizers(OptimConfig(optimizer="adamw"), scratch).lr == DEFAULT_LRS["from scratch with AdamW"]
@@ -71,6 +75,10 @@ def test_each_job_gets_its_own_default_and_an_explicit_lr_wins():
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_fine_tuning_a_trained_run_with_no_lr_does_not_raise_its_validation_loss(trained, tmp_path, monkeypatch,
                                                                                  capsys, lora):
+    """Fine-tuning a trained run on its own data with no `--lr` (full and LoRA) never goes 0.05 above its validation
+    loss and ends below it; the from-scratch 1e-2 goes 0.5 above in 10 steps.
+
+    Seen to catch: the full fine-tuning default set to 1e-2: 7.16 against 6.18."""
     base, before = trained
     tune = SMALL + ["--init_from", str(base), "--max_steps", "60", "--eval_every", "10", "--save_every", "60"]
     tune += ["--lora_rank", "8"] if lora else []

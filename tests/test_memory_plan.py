@@ -41,6 +41,10 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 @pytest.mark.parametrize("config", [GPTConfig.from_name("tiny"), GPTConfig.from_name("mini", bias=False),
                                     GPTConfig(n_layer=3, n_head=2, n_embd=48, block_size=32, vocab_size=1000)])
 def test_parameter_bytes_are_the_real_models_parameters_times_four(config):
+    """The planned parameter bytes are the real model's parameter count x 4 (the tied weight once, with and without
+    biases); the optimizer state x 8.
+
+    Seen to catch: the breaks of `test_hand_computed_gpt2_xl_plan` fail it too."""
     model = GPT(config)
     n = sum(p.numel() for p in model.parameters())  # the tied weight once
     counts = ParamCounts.of(config)
@@ -52,7 +56,13 @@ def test_parameter_bytes_are_the_real_models_parameters_times_four(config):
 
 
 def test_hand_computed_gpt2_xl_plan():
-    """gpt2-xl, micro-batch 4 x 1024, bf16 autocast, 8 processes, DDP, the chunked loss, worked out by hand."""
+    """gpt2-xl, micro-batch 4 x 1024, bf16 autocast, 8 processes, DDP, the chunked loss, worked out by hand.
+
+    Every term equals the hand-computed bytes: DDP's forward's-end and optimizer-step totals, FSDP2's shards and
+    unsharded blocks, Muon's state, checkpointed activations.
+
+    Seen to catch: the optimizer state left out of the forward's end: that total is off (27.6 GB). 13 instead of 14
+    activation-sized tensors per layer: fails (and `test_activations_are_what_autograd_saves` too)."""
     config = model_config("gpt2-xl", 1024)
     P = 48 * (12 * 1600**2 + 13 * 1600) + (50304 + 1024) * 1600 + 2 * 1600
     assert P == 1_557_686_400 and ParamCounts.of(config).total == P
@@ -89,7 +99,14 @@ def test_hand_computed_loss_paths():
     docstring's accounting). Chunked, N rows: the N x V fp32 buffer, its bf16 copy, the hidden states' gradient and
     a weight-sized one, the bf16 weight-gradient product. Full logits (L = 8,192 x 50,304): the forward's fp32 upcast
     and log-softmax (8 L) and the matmul's bf16 input, the backward's log-softmax, its gradient and the logits'
-    gradient (12 L). The default is the chunked loss on a CPU, the full logits on CUDA."""
+    gradient (12 L). The default is the chunked loss on a CPU, the full logits on CUDA.
+
+    A negative `--loss_chunk_rows` is refused in one line; the full path's saved tensors are checked by
+    `test_activations_are_what_autograd_saves`, the presets' fit on their path by
+    `test_presets_fit_8_devices_of_80_gb_as_the_planner_says`.
+
+    Seen to catch: 8 bytes a logit at the backward's start instead of 12, or the run's N ignored (512 always): fails.
+    The matmul's input left out: this test and the 2 full-path cases of the saved-tensor test fail."""
     config = model_config("gpt2", 1024)
     V, C, btc, L = 50304, 768, 8 * 1024 * 768, 8 * 1024 * 50304
 
@@ -117,7 +134,9 @@ def test_tensor_parallel_splits_the_blocks_and_their_activations_by_hand():
     """gpt2 (12 heads), micro-batch 4 x 1024, bf16, 8 processes as FSDP2 over 2 x tensor parallel 4: each rank holds
     a quarter of the blocks' matrices and column-wise biases, the rest whole, then FSDP2's half of that; a quarter
     of q, k, v, SDPA's output and the GELU's in and out (12a BTC) and of the logsumexp. Degrees that do not divide
-    the heads, or the processes, or without FSDP2: one line."""
+    the heads, or the processes, or without FSDP2: one line.
+
+    Seen to catch: the activations not divided by the degree: fails."""
     config = model_config("gpt2", 1024)
     L, C, T = 12, 768, 1024
     whole = ParamCounts.of(config)
@@ -144,7 +163,11 @@ def test_tensor_parallel_splits_the_blocks_and_their_activations_by_hand():
 @pytest.mark.parametrize("autocast", [False, True])
 def test_activations_are_what_autograd_saves(autocast, loss_chunk_rows):
     """The activation formula against the tensors autograd really keeps (saved-tensor hooks), on the CPU; the loss's
-    saved tensors on each path."""
+    saved tensors on each path.
+
+    Seen to catch: 13 instead of 14 activation-sized tensors per layer: fp32 and bf16 both fail (fp32: 34,441,220 bytes
+    saved, 33,916,932 planned). Written with these hooks, the planner first counted SDPA's output and `c_proj`'s input
+    twice; they are one tensor (68 -> 64 bytes per B x T x C in fp32)."""
     config, B = GPTConfig.from_name("mini"), 2
     model = GPT(config).train()
     model.loss_chunk_rows = loss_chunk_rows
@@ -178,12 +201,20 @@ def test_activations_are_what_autograd_saves(autocast, loss_chunk_rows):
 
 @pytest.mark.slow
 def test_planned_peak_matches_the_measured_cpu_peak():
-    """One cheap shape measured in a fresh process (two fp32 steps, peak RSS) against the plan: within 15%."""
+    """One cheap shape measured in a fresh process (two fp32 steps, peak RSS) against the plan: within 15%.
+
+    Seen to catch: the peak read from `ru_maxrss`: +31% under pytest, since Linux carries the parent's peak over the
+    exec (now VmHWM). Figures for 4 shapes: docs/benchmarks.md."""
     result = measure_in_subprocess("mini", 8, 128)
     assert abs(result["error"]) <= 0.15, {k: v for k, v in result.items() if k != "torch"}
 
 
 def test_a_plan_that_does_not_fit_names_the_setting_to_change():
+    """A plan that does not fit is one line naming the setting to change: a smaller `--micro_batch_size` (the largest
+    that fits), `--activation_checkpointing`, `--fsdp`, more devices.
+
+    Seen to catch: the micro-batch advice skipped (`if False:`): the line named checkpointing instead of "lower
+    --micro_batch_size to 15"."""
     xl = model_config("gpt2-xl", 1024)
     line = advice(xl, Launch(32, Layout(8)), 80 * GB)
     assert line is not None and "\n" not in line
@@ -207,6 +238,11 @@ def test_a_plan_that_does_not_fit_names_the_setting_to_change():
 
 
 def test_bad_input_is_one_line():
+    """Bad input is one line, exit 2 (an unknown model, non-positive sizes, Muon with ZeRO). The CLI prints every item
+    and "computed ... not measured", and exits 1 when the plan does not fit (`test_cli_prints_the_plan_and_its_verdict`,
+    slow).
+
+    Seen to catch: not broken on purpose."""
     with pytest.raises(UserError, match="--micro_batch_size must be positive"):
         Launch(0)
     with pytest.raises(UserError, match="--optimizer muon is not supported under DeepSpeed ZeRO-2"):
@@ -257,6 +293,12 @@ def test_cli_prints_the_plan_and_its_verdict(monkeypatch, capsys):
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_presets_fit_8_devices_of_80_gb_as_the_planner_says(preset):
+    """The three presets fit 8 x 80 GB as the planner says (their micro-batch, accumulation, DDP) and divide the 0.5M
+    batch.
+
+    Seen to catch: gpt2_1558m's micro_batch_size 8 -> 32: fails with the planner's line "needs 130.41 GiB ... lower
+    --micro_batch_size to 12". The 350M preset without `loss_chunk_rows: 512` (the full logits in eager, 104.5 GB):
+    fails."""
     cfg = parse_config(["--config", preset])
     config = GPTConfig(n_layer=cfg.model.n_layer, n_head=cfg.model.n_head, n_embd=cfg.model.n_embd,
                        block_size=cfg.model.block_size)
@@ -309,7 +351,9 @@ def train_plan(monkeypatch, capsys, *flags: str, preset: str = "gpt2_350m_finewe
 
 def test_train_plan_advice_names_a_micro_batch_the_run_accepts(monkeypatch, capsys):
     """Micro-batch 64 of the 350M preset does not fit one 80 GB device: the advice is 32, which divides the
-    524,288-token batch (it was 40, the largest that fits, which the run refuses), and applied it plans a fit."""
+    524,288-token batch (it was 40, the largest that fits, which the run refuses), and applied it plans a fit.
+
+    Seen to catch: the search over every micro-batch again: 40 instead of 32 (40 does not divide the batch)."""
     from training.distributed.processes import BatchGeometry
 
     out = train_plan(monkeypatch, capsys)
@@ -325,7 +369,9 @@ def test_train_plan_advice_names_a_micro_batch_the_run_accepts(monkeypatch, caps
 
 def test_train_plan_says_which_device_it_plans_for(monkeypatch, capsys):
     """On a machine with a GPU, its first GPU; for an FSDP or DeepSpeed launch on a machine without one (which the
-    run refuses there), the 80 GB device it asks for, and how to plan for another size."""
+    run refuses there), the 80 GB device it asks for, and how to plan for another size.
+
+    Seen to catch: the device line not printed: fails."""
     out = train_plan(monkeypatch, capsys)
     assert "device cuda" in out and out.splitlines()[-1] == "  planned for cuda:0 of this machine: a test GPU, 80.0 GB"
     out = train_plan(monkeypatch, capsys, env={"WORLD_SIZE": "8", "ACCELERATE_USE_FSDP": "true"}, gpu_gb=None)
@@ -342,7 +388,10 @@ def test_train_plan_under_a_cpu_launch_plans_this_machine_and_advises_what_runs_
     big preset named an FSDP launch that this machine refuses. The device is where the run trains
     (`training.distributed.machine.trains_on`): this machine's memory, shared by its processes, said in the last line;
     `--cpu` too on a machine with a GPU. The advice names no sharding engine there: one process where several share
-    the memory, else more memory than the machine has."""
+    the memory, else more memory than the machine has.
+
+    Seen to catch: the device read from ACCELERATE_USE_CPU alone, as before: `device cuda` planned under cpu_2proc.yaml.
+    The advice allowed to shard on the CPU: it names fsdp_8gpu.yaml over 2 devices."""
     cpu_2proc = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0"}
     no_gpu = "(this machine has no GPU: the run trains on the CPU; to plan a GPU run, python -m benchmarks.memory_plan"
     for env, gpu_gb, processes, why in (({}, None, 1, no_gpu), (cpu_2proc, None, 2, no_gpu),
@@ -366,6 +415,11 @@ def test_train_plan_under_a_cpu_launch_plans_this_machine_and_advises_what_runs_
 
 @pytest.mark.slow
 def test_train_plan_prints_before_anything_is_built(tmp_path, monkeypatch, capsys):
+    """`train.py --plan` prints the plan for the preset and the launch's environment (8 processes, FSDP, bf16,
+    accumulation) and exits 0 before anything is built (no run folder). Without FSDP it advises micro-batch 8, which
+    divides the batch (it said 15).
+
+    Seen to catch: `exit_after_plan` never stopping: train.py went on to start the run and failed."""
     import train
 
     out = tmp_path / "run"
@@ -390,7 +444,12 @@ def test_train_plan_prints_before_anything_is_built(tmp_path, monkeypatch, capsy
 
 def test_a_run_plan_has_every_phase_and_its_peak_is_the_largest():
     """Step, validation, HellaSwag (when on), checkpoint save, export; the run's peak is the largest phase, and what
-    lives between steps is what the step keeps: parameters and optimizer state (gradients freed), DDP's buckets."""
+    lives between steps is what the step keeps: parameters and optimizer state (gradients freed), DDP's buckets.
+
+    The export holds no optimizer state. An evaluation batch equal to the micro-batch stays under the step for
+    micro-batch 1, 8 and 32, with and without activation checkpointing.
+
+    Seen to catch: the export planned with the optimizer state kept: fails."""
     config = model_config("gpt2", 1024)
     launch = Launch(8, dtype="fp32", device="cpu", activation_checkpointing=True)
     plan = plan_run(config, launch, RunPhases(eval_batch_size=8))
@@ -415,7 +474,9 @@ def test_a_run_plan_has_every_phase_and_its_peak_is_the_largest():
 
 def test_the_sharded_terms_come_from_the_engine():
     """Every phase takes the parameters, gradients and optimizer state from `Launch.shards` (one place an engine
-    such as a ZeRO stage will change): FSDP2 over 8 splits all three in the step and in the evaluations alike."""
+    such as a ZeRO stage will change): FSDP2 over 8 splits all three in the step and in the evaluations alike.
+
+    Seen to catch: the optimizer state not divided by `shards.optimizer_state`: fails."""
     config = model_config("gpt2-xl", 1024)
     alone, sharded = Launch(4, Layout(8)), Launch(4, Layout(8, FSDP))
     assert (sharded.shards.parameters, sharded.shards.gradients, sharded.shards.optimizer_state) == (8, 8, 8)
@@ -431,7 +492,9 @@ def test_a_zero_stage_shards_what_it_says_and_plans_by_hand(stage):
     """DeepSpeed ZeRO-1 shards the optimizer state, ZeRO-2 also the gradients, ZeRO-3 also the parameters (over 8
     processes). gpt2-xl fp32: each term by hand; ZeRO-1/2 reduce through DeepSpeed's buckets, ZeRO-3 gathers its
     units as FSDP2 does. Under DeepSpeed's bf16 the parameters and gradients are bf16 and the optimizer keeps an
-    fp32 master copy (3 fp32 tensors per parameter, sharded)."""
+    fp32 master copy (3 fp32 tensors per parameter, sharded).
+
+    Seen to catch: ZeRO-2 planned with whole gradients (gradients sharded only from stage 3): fails."""
     config = model_config("gpt2-xl", 1024)
     P = ParamCounts.of(config).total
     launch = Launch(4, Layout(8, DEEPSPEED, stage), dtype="fp32")
@@ -468,7 +531,10 @@ def test_zero_with_muon_or_fsdp_is_refused_and_train_plan_reads_the_zero_stage(m
 
 def test_the_advice_names_the_setting_of_the_phase_that_decides_the_peak():
     """A run whose evaluation batch decides its peak is told to lower --eval_batch_size, to a value that fits; one
-    whose step decides it gets the step's advice; a Hub staging of every checkpoint, --hub_push_every 0."""
+    whose step decides it gets the step's advice; a Hub staging of every checkpoint, --hub_push_every 0.
+
+    Seen to catch: the validation's setting replaced by "the weights themselves": no `--eval_batch_size` in the line,
+    fails."""
     config = model_config("gpt2", 1024)
     launch = Launch(1, activation_checkpointing=True)
     run = RunPhases(eval_batch_size=64)
@@ -512,7 +578,10 @@ def test_an_evaluation_forward_adds_what_the_plan_says(rows, vocab):
     """A no-grad forward with the chunked loss, GPT-2's width, every tensor mmapped (so the RSS counts the bytes
     tensors hold), in a fresh process: what it adds over the model is `evaluation_bytes` within 15%. One window of
     GPT-2's vocabulary: the loss's working set decides; 12 windows (a small vocabulary, to be quick): a block's live
-    tensors (the q/k/v of the block before used to stay alive through the next one too: 18 of them, not 15)."""
+    tensors (the q/k/v of the block before used to stay alive through the next one too: 18 of them, not 15).
+
+    Seen to catch: `GPT.forward` keeping each block's `(k, v)` through the next block again (21f8934 undone): 0.638 GiB
+    measured at 12 windows against 0.527 planned, 17.3% off, fails."""
     proc = subprocess.run([sys.executable, "-c", EVAL_PROBE, str(rows), str(vocab)], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=600, env={**os.environ,
                                                                             "MALLOC_MMAP_THRESHOLD_": "65536"})
@@ -525,7 +594,9 @@ def test_an_evaluation_forward_adds_what_the_plan_says(rows, vocab):
 
 def test_train_plan_prints_every_phase_of_the_run(monkeypatch, capsys):
     """train.py --plan plans the run: each phase's peak (HellaSwag only when on), the largest named; an evaluation
-    batch that decides the peak gets the advice to lower --eval_batch_size."""
+    batch that decides the peak gets the advice to lower --eval_batch_size.
+
+    Seen to catch: `exit_after_plan` rendering the step only (no `run`): no phase lines, fails."""
     out = train_plan(monkeypatch, capsys, "--micro_batch_size", "32")  # the preset scores HellaSwag
     for phase in ("step", "validation", "hellaswag", "checkpoint save", "export"):
         assert re.search(rf"^    {phase} +\d+\.\d\d GiB", out, re.M), phase
@@ -542,7 +613,10 @@ def test_train_plan_prints_every_phase_of_the_run(monkeypatch, capsys):
 def test_the_run_level_probe_records_every_phase_of_a_real_run(tmp_path):
     """benchmarks.run_phases runs train.py itself and records each phase's peak RSS (every call it wraps is one
     train.py still makes: a renamed one fails here, not silently in the benchmark); the whole process's is the
-    kernel's high-water mark, at least every phase's."""
+    kernel's high-water mark, at least every phase's.
+
+    Seen to catch: `PHASES` naming `export_finale`: the probe stops with an AttributeError, fails. The figures of 4
+    shapes: docs/benchmarks.md, "The whole run, phase by phase"."""
     import json
 
     from benchmarks.bench_run_memory import Shape
@@ -563,7 +637,10 @@ def test_the_run_level_probe_records_every_phase_of_a_real_run(tmp_path):
 
 def test_a_cpu_plan_is_made_against_this_machines_memory(monkeypatch, capsys):
     """Issue 44: a CPU launch was planned against an 80 GB "device" ("69.47 GiB to spare" on a 24 GiB machine).
-    Now this machine's memory, shared by the processes it runs; a CUDA plan keeps its device."""
+    Now this machine's memory, shared by the processes it runs; a CUDA plan keeps its device.
+
+    Seen to catch: benchmarks.memory_plan's CPU default set back to 80 GB: the device line reads 80 GB and the test
+    fails."""
     from planner import device_here, machine_memory
 
     total = machine_memory()
@@ -583,7 +660,9 @@ def test_muon_on_whole_matrices_plans_one_stacked_shape_split_over_the_ranks():
     """Muon on whole matrices (one process, DDP) orthogonalises one shape's matrices at once (training.optimizers.muon):
     the optimizer step holds the largest shape's stack (c_fc's, one 4C x C matrix per layer): its fp32 updates and
     two bf16 copies a matrix, two bf16 C x C products; on 8 DDP ranks each rank's share of 2, then every matrix
-    gathered in bf16. GPT-2 124M: 243 MiB on one GPU, 81 MiB a rank on 8."""
+    gathered in bf16. GPT-2 124M: 243 MiB on one GPU, 81 MiB a rank on 8.
+
+    Seen to catch: not broken on purpose: it passed the first time."""
     config = model_config("gpt2", 1024)
     C, matrix = 768, 4 * 768 ** 2
 
@@ -601,7 +680,9 @@ def test_muon_on_whole_matrices_plans_one_stacked_shape_split_over_the_ranks():
 
 def test_muon_under_sharding_plans_its_whole_matrix():
     """Muon under FSDP2 (or tensor parallelism) gathers each matrix whole for Newton-Schulz: the optimizer step holds
-    the largest one (c_fc's 4C x C) and 4 working copies, in fp32; with replicas (DDP) the matrix is there already."""
+    the largest one (c_fc's 4C x C) and 4 working copies, in fp32; with replicas (DDP) the matrix is there already.
+
+    Seen to catch: not broken on purpose: it passed the first time."""
     config = model_config("gpt2", 1024)
     fsdp = plan_memory(config, Launch(4, Layout(8, FSDP), optimizer="muon"))
     assert {i.name: i.bytes for i in fsdp.by_moment["optimizer step"]}["Muon's whole matrix"] == 20 * 4 * 768 ** 2

@@ -43,6 +43,11 @@ def hf_and_ours(request, tmp_path_factory):
 
 
 def test_hf_parity_logits_and_loss(hf_and_ours):
+    """Logits and loss equal `transformers.GPT2LMHeadModel`'s.
+
+    Seen to catch: the exact GELU instead of the tanh one in `model/gpt.py`. It was not caught at first: with GPT-2's
+    0.02 init the MLP inputs are so small that both GELUs agreed within the old 1e-5. The test now scales the MLP inputs
+    up and holds the logits to 1e-6."""
     hf, ours = hf_and_ours
     V = hf.config.vocab_size
     assert ours.config.vocab_size == V and ours.config.padded_vocab_size % 64 == 0
@@ -235,7 +240,9 @@ def test_no_path_modifies_a_blocks_output_in_place(recompute):
     """FSDP2 warns that a wrapped block returns a view (its k and v are views of the c_attn projection) and that an
     in-place op on such an output would silently drop the pre-backward hook and skip the all-gather. No path does
     one: every block output keeps its version counter (bumped by any in-place op) through a training forward and
-    backward (with activation checkpointing too), an evaluation, and generation that extends the KV cache."""
+    backward (with activation checkpointing too), an evaluation, and generation that extends the KV cache.
+
+    Seen to catch: `kv[1].mul_(1.0)` after each block in `GPT.forward`: fails."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=16, block_size=16, dropout=0.1))
     model.activation_checkpointing = recompute

@@ -128,7 +128,9 @@ def test_the_card_in_final_is_the_card_of_the_hub_export(tmp_path):
 @pytest.mark.parametrize("block_size", [8, 16, 1024])
 def test_the_cards_usage_example_runs_within_the_models_context(tmp_path, block_size):
     """The card's Python example, run as written against the exported folder (a short-context model used
-    to fail: the prompt plus 40 new tokens did not fit)."""
+    to fail: the prompt plus 40 new tokens did not fit).
+
+    Seen to catch: the old fixed prompt + 40 new tokens."""
     import re
 
     folder = tmp_path / "model"

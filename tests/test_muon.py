@@ -6,6 +6,13 @@ uninterrupted run for resume, transformers' own GPT-2 for the export. A gradient
 bits (another summation order) moves Muon's update by what its Newton-Schulz dtype rounds: with bfloat16 (GPUs,
 CPUs with bf16 units) a few percent of an update; with float32 (other CPUs) a few millionths. Those comparisons
 hold each tensor's update to a bound for the dtype this machine uses (`NS_BF16`), the resume none.
+
+Every trainable parameter is in exactly one optimizer; Muon holds exactly the blocks' 2-D matrices. Kill -9 and resume
+is bit-exact, the export is an ordinary GPT-2 in transformers, and FSDP or an optimizer change on resume are refused in
+one line.
+
+Seen to catch: Muon given every 2-D parameter, embeddings included: the parameter split fails. The resume, export and
+refusal tests were not broken on purpose.
 """
 from __future__ import annotations
 
@@ -56,7 +63,13 @@ def test_muon_trains_the_blocks_matrices_and_adamw_everything_else():
 
 def test_what_muon_gathers_a_step_under_sharding_for_gpt2():
     """docs/training.md's cost of Muon under FSDP2 / tensor parallelism: each rank gathers every block matrix whole once
-    a step, GPT-2 124M's 84.9M values (12 layers x 12 C^2), 324 MiB in fp32."""
+    a step, GPT-2 124M's 84.9M values (12 layers x 12 C^2), 324 MiB in fp32.
+
+    The planner's whole matrix: 45 MiB for GPT-2 124M, 195 MiB for gpt2-xl
+    (`test_memory_plan.py::test_muon_under_sharding_plans_its_whole_matrix`).
+
+    Seen to catch: Muon claiming every >= 2-D parameter (`claimed_names`): 124,354,560 values instead of 12 x 12 x
+    768^2."""
     with torch.device("meta"):
         model = GPT(GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024))
     named = dict(model.named_parameters())
@@ -106,7 +119,10 @@ def _per_matrix(params, **kwargs) -> Muon:
 def test_our_muon_in_bfloat16_is_torchs_muon_bit_for_bit(nesterov):
     """With torch's dtype and one matrix at a time (`stacked = False`), our step is torch's: the same weights and
     momentum buffers after 3 steps (momentum, Nesterov or not, weight decay, the LR scaled for a tall matrix), and
-    the state dicts load into each other."""
+    the state dicts load into each other.
+
+    Seen to catch: the tall matrix not iterated on its wide orientation (`tall = False`): this test and the fp32 one
+    fail."""
     params, grads = _matrices_and_gradients()
     kwargs = {"lr": 0.02, "momentum": 0.95, "nesterov": nesterov, "weight_decay": 0.1}
     theirs, torch_opt = _train(torch.optim.Muon, params, grads, **kwargs)
@@ -121,7 +137,9 @@ def test_our_muon_in_bfloat16_is_torchs_muon_bit_for_bit(nesterov):
 
 def test_float32_newton_schulz_agrees_with_torchs_bfloat16_to_its_rounding():
     """One step from zero momentum moves each weight by the orthogonalised gradient (x the LR): ours in float32
-    lies within bf16's rounding of torch's bf16 one, and is closer to the float64 iteration than torch's is."""
+    lies within bf16's rounding of torch's bf16 one, and is closer to the float64 iteration than torch's is.
+
+    Seen to catch: `tall = False` (the bit-for-bit test's break) fails it too."""
     params, grads = _matrices_and_gradients(seed=1)
     kwargs = {"lr": 1.0, "momentum": 0.0, "weight_decay": 0.0}
     theirs, _ = _train(torch.optim.Muon, params, grads[:1], **kwargs)
@@ -161,7 +179,10 @@ def test_stacked_muon_is_torchs_muon_to_the_rounding_of_its_products(nesterov, n
     these shapes at 2 x 64; 3.5e-3 on GPT-2's c_attn, 2304 x 768). In fp32: within fp32 Newton-Schulz's own rounding
     (1e-5, the bound `test_float32_newton_schulz_agrees_with_torchs_bfloat16_to_its_rounding` holds to float64; seen
     9e-7: a tall matrix's mm reads a transposed view, bmm a contiguous stack) of the same iteration one matrix at a
-    time, and within bf16's rounding (3e-2, the same test's) of torch's bf16 one."""
+    time, and within bf16's rounding (3e-2, the same test's) of torch's bf16 one.
+
+    Seen to catch: the stack normalised by its whole norm instead of each matrix's: matrix 0 is 0.739 apart, all 4 cases
+    fail."""
     params, grads = _gpt_like_matrices_and_gradients()
     kwargs = {"lr": 0.02, "momentum": 0.95, "nesterov": nesterov, "weight_decay": 0.1}
     theirs, torch_opt = _train(torch.optim.Muon, params, grads, **kwargs)
@@ -182,7 +203,10 @@ def test_stacked_muon_is_torchs_muon_to_the_rounding_of_its_products(nesterov, n
 
 def test_stacked_false_is_one_matrix_at_a_time(monkeypatch):
     """The sweep's baseline (`Muon.stacked = False`, the class attribute or one optimizer's) takes torch's loop: one
-    Newton-Schulz per matrix, none stacked; the default one stacked iteration per shape."""
+    Newton-Schulz per matrix, none stacked; the default one stacked iteration per shape.
+
+    Seen to catch: the attribute ignored: 8 stacked iterations instead of 4. The bit-for-bit test does not catch this:
+    on this CPU the stacked bf16 step equals torch's on its shapes."""
     from training.optimizers import muon_optimizer as muon_module
 
     calls = {"per matrix": 0, "stacked": 0}
@@ -209,7 +233,10 @@ def test_the_stacked_newton_schulz_compiles_once_per_shape_without_graph_breaks(
     """Compiled (`compile_backend`, here a backend that records each graph and runs it as traced), the stacked
     iteration is one whole graph per stack shape (fullgraph=True: a break fails), not recompiled when the learning
     rate changes every step, and gives the eager step's weights: the 4 shapes stack as 3 (c_fc's 4C x C and
-    mlp.c_proj's C x 4C both iterate as C x 4C)."""
+    mlp.c_proj's C x 4C both iterate as C x 4C).
+
+    Seen to catch: a per-step float passed into the compiled iteration (`eps * lr / lr`): 3 more graphs than the 3
+    shapes."""
     params, grads = _gpt_like_matrices_and_gradients()
     graphs = []
 
@@ -231,6 +258,10 @@ def test_the_stacked_newton_schulz_compiles_once_per_shape_without_graph_breaks(
 
 
 def test_newton_schulz_dtype_is_bfloat16_where_the_device_multiplies_it_natively(monkeypatch):
+    """Newton-Schulz runs in fp32 on CPUs without bf16 matrix units, in bf16 on accelerators and AVX-512-BF16/AMX CPUs;
+    the header names it.
+
+    Seen to catch: bf16 everywhere."""
     assert newton_schulz_dtype("cuda") == torch.bfloat16
     for capabilities, dtype in [({"avx2": True}, torch.float32), ({"avx512_bf16": True}, torch.bfloat16),
                                 ({"amx_bf16": True}, torch.bfloat16), ({"bf16": True}, torch.float32)]:  # ARM: fp32
@@ -247,7 +278,15 @@ def test_newton_schulz_dtype_is_bfloat16_where_the_device_multiplies_it_natively
 
 def test_the_header_says_how_muon_stacks_compiles_and_splits_its_work():
     """The optimizer line names the shapes stacked, the compile and the ranks the work is split over (`place` sets the
-    same on the optimizer); one matrix at a time (`Muon.stacked = False`, a sweep's baseline) it says nothing more."""
+    same on the optimizer); one matrix at a time (`Muon.stacked = False`, a sweep's baseline) it says nothing more.
+
+    The placement is the ranks that average the gradients: DDP's group, a pipeline stage's replicas (2 pipelines x 2
+    stages: split over 2, and that run equals one process to the DDP bound), none for one process or one pipeline
+    (`test_the_step_placement_is_the_ranks_that_average_the_gradients`,
+    `test_muon_in_two_pipelines_splits_over_each_stages_replicas_and_matches_one`). The compile backend is accelerate's.
+
+    Seen to catch: `step_placement` blind to a pipeline's replicas: the placement test and the 4-process run's header
+    check fail."""
     from training.optimizers.muon import SPEC
 
     model = GPT(SMALL)
@@ -274,7 +313,9 @@ def test_the_header_says_how_muon_stacks_compiles_and_splits_its_work():
 def test_muon_fine_tuning_at_its_from_scratch_lr_says_so():
     """`--optimizer muon --init_from ...` keeps Muon's 0.02, measured from scratch, where AdamW takes the fine-tuning
     default: the header says so (issue 55: it kept it without a word); a --muon_lr of one's own, or a run from
-    scratch, says nothing more."""
+    scratch, says nothing more.
+
+    Seen to catch: the note's condition off (`if False:`): fails on the line."""
     from training.optimizers.muon import MuonFlags
 
     model = GPT(SMALL)
@@ -318,7 +359,11 @@ def test_the_step_placement_is_the_ranks_that_average_the_gradients():
 
 
 def test_muon_with_accumulation_applies_the_big_batch_update():
-    """Two Muon+AdamW steps from 4 accumulated micro-batches end where two steps on the one big batch end."""
+    """Two Muon+AdamW steps from 4 accumulated micro-batches end where two steps on the one big batch end.
+
+    Muon's matrices within 1% of their move, AdamW's parameters to 1e-5.
+
+    Seen to catch: only the last micro-batch's gradient kept."""
     from accelerate import Accelerator
 
     from training.step import train_step
@@ -435,6 +480,13 @@ def assert_updates_agree(reference: Path, other: Path, half: bool = False) -> No
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_muon_on_two_processes_matches_one(muon_run, tmp_path):
+    """Two processes, Muon's orthogonalisations split over the 2 ranks, train like one: each tensor within 5% of its
+    update (bf16 Newton-Schulz; 0.1% in fp32), and every logged loss and validation loss within 1e-5 relative after 4
+    steps (9e-8 seen), as docs/engines.md tells a user to check it.
+
+    Seen to catch: no gradient all-reduce (`accelerator.no_sync` for every micro-step): 20% apart. The loss check is
+    newer and was not broken on purpose; a rank training alone on its half of the batch moves the losses far beyond
+    1e-5."""
     reference, _ = muon_run
     out = tmp_path / "ddp"
     proc = launch(MUON_ARGS + ["--out_dir", str(out)], nproc=2)
@@ -481,7 +533,13 @@ def muon_fsdp_run(tmp_path_factory) -> tuple[Path, str]:
 @pytest.mark.slow
 def test_muon_under_fsdp2_matches_one_process(muon_run, muon_fsdp_run):
     """FSDP2 shards every matrix (half the rows on each rank): Muon gathers each whole for its Newton-Schulz and
-    keeps its momentum sharded; the run ends as one process does."""
+    keeps its momentum sharded; the run ends as one process does.
+
+    Under tensor parallelism 2 too (`test_muon_with_tensor_parallelism_matches_one_process`): each tensor's update
+    within 5% of one process's move (bf16 Newton-Schulz); the header says each matrix is gathered whole.
+
+    Seen to catch: each rank orthogonalising its own shard (`to_local`) instead of the gathered matrix:
+    `transformer.wte.weight` moved 3.36, apart 0.254 (FSDP2) and 0.262 (TP)."""
     reference, _ = muon_run
     out, output = muon_fsdp_run
     assert "distributed: FSDP" in output and "optimizer: Muon (" in output
@@ -490,7 +548,13 @@ def test_muon_under_fsdp2_matches_one_process(muon_run, muon_fsdp_run):
 
 @pytest.mark.slow
 def test_muon_under_fsdp2_resumes_bit_exact(muon_fsdp_run, tmp_path):
-    """The sharded momentum buffers are in FSDP2's checkpoint: a copy resumed at step 2 ends bit for bit."""
+    """The sharded momentum buffers are in FSDP2's checkpoint: a copy resumed at step 2 ends bit for bit.
+
+    `optimizer_1/` is saved beside accelerate's `optimizer_0/`, since accelerate's `save_state` pairs the i-th optimizer
+    with the i-th model.
+
+    Seen to catch: before `training.distributed.prepare` kept Muon out of accelerate, `save_state` failed with an
+    IndexError at the first checkpoint."""
     reference, _ = muon_fsdp_run
     launch(MUON_ARGS + resume_copy(reference, 2, tmp_path / "copy"), nproc=2, engine="fsdp_8gpu")
     assert_same_weights(reference, tmp_path / "copy")
@@ -499,7 +563,13 @@ def test_muon_under_fsdp2_resumes_bit_exact(muon_fsdp_run, tmp_path):
 @pytest.mark.slow
 def test_a_muon_fsdp2_checkpoint_moves_to_one_process(muon_run, muon_fsdp_run, tmp_path):
     """Both optimizers' sharded states (Muon's momentum in optimizer_1/) read whole and resumed on one process
-    (training.checkpoints.moving): the run ends as the one that never moved."""
+    (training.checkpoints.moving): the run ends as the one that never moved.
+
+    A Muon checkpoint resumed under ZeRO is one line, the run folder as it was
+    (`test_a_muon_checkpoint_resumed_under_zero_is_one_line_and_writes_nothing`).
+
+    Seen to catch: AdamW's `optimizer_0/` read in place of Muon's `optimizer_1/`: the move stops with "the checkpoint
+    holds no optimizer state for transformer.h.0.attn.c_attn.weight". The ZeRO case passed the first time."""
     reference, _ = muon_fsdp_run
     out = tmp_path / "run"
     proc = launch(MUON_ARGS + resume_copy(reference, 2, out))
@@ -529,7 +599,12 @@ def test_muon_under_zero2_with_clipping_off_matches_one_process_and_resumes_bit_
     run's learning rates at every step, its momentum and weight decay, AdamW beside it; it ends within the DDP test's
     bound of one process (DeepSpeed's Newton-Schulz in fp16 or fp32, ours in bf16 or fp32: seen 3.7% of a matrix's
     move with ours in bf16), and a copy resumed from its own checkpoint of step 2 (Muon's momentum in DeepSpeed's
-    partitions) ends bit for bit. The header says which Muon runs."""
+    partitions) ends bit for bit. The header says which Muon runs.
+
+    Seen to catch: every group at AdamW's LR (`LR_OF` ignored): losses 0.032 apart. Muon's weight decay left at 0:
+    losses apart (at 0.1 it was not caught, since 4 steps of 2e-3 decay stay inside the bf16 bound: hence 1.0). Muon's
+    momentum left at DeepSpeed's 0.95: c_attn.weight moved 0.38, apart 0.0272. By hand, DeepSpeed's "standard"
+    Newton-Schulz instead of "gram": 5.1% of c_attn's move, just over the bound (why "gram")."""
     from deepspeed.runtime.zero.muon.original_muon import ns_compute_dtype
 
     from training.optimizers.muon_deepspeed import NS_METHOD
@@ -583,7 +658,10 @@ def test_muon_with_tensor_parallelism_matches_one_process(muon_run, muon_tp_run)
 def test_muon_with_tensor_parallelism_killed_then_resumed_ends_bit_exact(muon_tp_run, tmp_path):
     """SIGKILL to both ranks after step 3 (the checkpoint of step 2 on disk, Muon's momentum split like its
     matrices in `optimizer_1/`), then `--resume latest` on the same launch: the uninterrupted TP run's weights, bit
-    for bit, each step logged once."""
+    for bit, each step logged once.
+
+    Seen to catch: Muon's `optimizer_1/` not loaded on resume (`load_fsdp_optimizer` skipped): `c_attn.bias differs (max
+    0.000217)`."""
     reference, _ = muon_tp_run
     out = ["--out_dir", str(tmp_path / "run")]
     killed = launch(MUON_TP_ARGS + out, nproc=2, engine="fsdp_8gpu", fault="kill_after_step:3", check=False)
@@ -619,7 +697,11 @@ def test_deepspeeds_muon_under_zero_clips_the_update_not_the_gradient():
     setting), held against the installed DeepSpeed: its own Muon (MuonWithAuxAdam, ZeRO-2, 2 gloo processes) ends
     within float rounding of ours on one process with clipping off (seen 6.2e-6 of the weights' move, both in fp32),
     and far from it at train.py's --grad_clip 1 (seen 18%), because it clips the orthogonalised update. When DeepSpeed
-    clips the gradient instead, the second bound fails: time to let it run with clipping on too."""
+    clips the gradient instead, the second bound fails: time to let it run with clipping on too.
+
+    Seen to catch: DeepSpeed's Newton-Schulz left in bf16 in the fp32 variants: 0.00363 apart, over the 1e-4 bound.
+    DeepSpeed's `gradient_clipping` 0 and ours off in every variant (as if it clipped like torch): 6.2e-6 apart, under
+    the 10% the test asks for."""
     import re
     import subprocess
     import sys
@@ -644,7 +726,11 @@ def test_bench_muon_sharded_runs_every_side_and_muon_split_over_2_ranks_is_one_p
     (no figure asserted: the machine is shared), and the bench's own check holds: Muon split over the 2 ranks (3
     matrices of each shape: each rank's share 2, the second padded) ends one step with the weights of one process's
     stacked step, bit for bit on both ranks (each matrix's Newton-Schulz runs the same kernels in a stack of 2 as of
-    3), else exit 1."""
+    3), else exit 1.
+
+    Seen to catch: the root `fully_shard(model)` left out (the embeddings whole): the bench's own check stops it, exit
+    1. Each rank orthogonalising the other's share (its slot in the gather wrong): "0 of 12 matrices equal bit for bit",
+    exit 1."""
     import re
     import subprocess
     import sys

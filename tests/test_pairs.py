@@ -76,6 +76,9 @@ def test_detection_by_the_first_record(tmp_path, pairs):
 
 
 def test_targets_are_the_completion_and_its_eot_only(tmp_path):
+    """Targets are the completion and its end-of-text only (against tiktoken ids).
+
+    Seen to catch: no prompt mask; one token too many masked; padding with 0."""
     path = tmp_path / "two.jsonl"
     path.write_text(json.dumps({"prompt": "Translate: cat", "completion": " chat"}) + "\n"
                     + json.dumps({"prompt": "", "completion": " hello world"}) + "\n")
@@ -93,6 +96,9 @@ def test_targets_are_the_completion_and_its_eot_only(tmp_path):
 
 
 def test_an_epoch_gives_every_example_whole_once_and_ranks_disjoint(pairs):
+    """An epoch gives every example whole, once; ranks read disjoint rows.
+
+    Seen to catch: padding with 0; every rank reading the same rows."""
     train, _ = split_pairs(read_pairs(str(pairs)))
     assert len(train) == 36  # 40 examples, the last 4 held out
     seen = []
@@ -108,6 +114,9 @@ def test_an_epoch_gives_every_example_whole_once_and_ranks_disjoint(pairs):
 
 
 def test_an_example_too_long_is_never_cut(pairs):
+    """An example too long is never cut: one line at start.
+
+    Seen to catch: the check removed."""
     lengths = [len(t) for t in read_pairs(str(pairs)).tokens]
     block = sorted(lengths)[-3] - 1  # the two longest do not fit (unless tied with the third)
     too_long = sum(n > block + 1 for n in lengths)
@@ -160,6 +169,9 @@ def test_resume_continues_exactly_with_another_world_size(pairs):
 # ---- validation loss -------------------------------------------------------------------------------------
 
 def test_masked_val_loss_equals_a_per_example_reference(pairs):
+    """Held-out pairs are scored with the training mask.
+
+    Seen to catch: the mask broken; padding counted."""
     from pairs_grads import tiny_gpt
 
     from eval.val_loss import evaluate_loss
@@ -206,6 +218,10 @@ def accumulated_gradient(pairs: Path, out: Path) -> tuple[dict[str, torch.Tensor
 
 @pytest.mark.slow
 def test_two_processes_one_process_and_one_big_batch_give_the_same_gradient(pairs, tmp_path):
+    """The step's gradient is that of the mean over all target tokens of the global batch: 2 processes x 2 micro-steps =
+    1 x 4 = one big batch (5.8e-8).
+
+    Seen to catch: the mean of micro-batch means (1 x 4 fails); the scale without world_size (2 x 2 fails)."""
     out = tmp_path / "ddp.safetensors"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -238,6 +254,10 @@ RUN_ARGS = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size",
 
 @pytest.mark.slow
 def test_train_py_on_pairs_resumes_its_own_checkpoint_bit_exact(pairs, tmp_path):
+    """A run on pairs resumed from its own checkpoint is bit-exact; a resume with another world size continues the same
+    examples (`test_resume_continues_exactly_with_another_world_size`).
+
+    Seen to catch: a state_dict that saves cursor 0."""
     from conftest import assert_same_weights, launch, read_metrics, resume_copy
 
     args = RUN_ARGS + ["--dataset", str(pairs)]

@@ -46,6 +46,9 @@ def pipeline_run(tmp_path_factory):
 # ---- the stages, in one process --------------------------------------------------------------------------------
 
 def test_stages_take_consecutive_blocks_the_earlier_ones_more():
+    """The stages take consecutive blocks, as even as they divide, the earlier ones one more.
+
+    Seen to catch: the remainder given to the last stage: fails."""
     assert stage_blocks(5, 2) == [range(0, 3), range(3, 5)]
     assert stage_blocks(4, 4) == [range(i, i + 1) for i in range(4)]
     assert [b for r in stage_blocks(12, 5) for b in r] == list(range(12))
@@ -54,6 +57,10 @@ def test_stages_take_consecutive_blocks_the_earlier_ones_more():
 
 
 def test_chained_stages_compute_the_whole_models_loss_and_hold_only_their_parts():
+    """The stages chained in one process compute the whole GPT's loss (1e-6 relative) and hold the whole model's
+    parameters between them under its names, only the tied embedding on two.
+
+    Seen to catch: not broken on purpose: new with the stages, it passed the first time."""
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=100, n_layer=3, n_head=2, n_embd=32, block_size=16, dropout=0.0)
     whole = GPT(config).eval()
@@ -75,6 +82,10 @@ def test_chained_stages_compute_the_whole_models_loss_and_hold_only_their_parts(
 
 
 def test_activation_checkpointing_inside_a_stage_gives_the_same_gradients():
+    """Activation checkpointing inside a stage gives the gradients of the plain stages (1e-5 relative).
+
+    Seen to catch: not broken on purpose: it passed the first time. A whole 2-stage run with
+    `--activation_checkpointing` was checked by hand: the same validation losses as without."""
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=100, n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=0.0)
     state = GPT(config).state_dict()
@@ -107,6 +118,12 @@ def test_fewer_micro_batches_than_stages_is_one_line():
     (["--pipeline_parallel", "3"], "--pipeline_parallel 3 needs a multiple of 3 processes"),
 ])
 def test_a_pipeline_this_launch_cannot_run_is_one_line(monkeypatch, capsys, tmp_path, flags, message):
+    """Refusals, one line each: a launch that is not a multiple of the stages, more stages than blocks
+    (`test_more_stages_than_blocks_is_one_line`), fewer micro-batches than stages
+    (`test_fewer_micro_batches_than_stages_is_one_line`), under FSDP2 or ZeRO, with TP or LoRA. The planner refuses the
+    same (`test_the_planner_refuses_a_pipeline_as_the_run_does`; `test_support.py`, the `DDP x PP` column).
+
+    Seen to catch: not broken on purpose (new with the refusals)."""
     err = run_in_process(monkeypatch, capsys, DDP_ARGS + flags + ["--out_dir", str(tmp_path / "run")])
     assert message in err
     assert not (tmp_path / "run").exists()
@@ -122,6 +139,15 @@ def test_more_stages_than_blocks_is_one_line():
 
 @pytest.mark.slow
 def test_two_stages_train_as_one_process(pipeline_run, single_run):
+    """2 stages on 2 processes, and 2 pipelines x 2 stages on 4
+    (`test_two_pipelines_of_two_stages_train_as_one_process`), train as one process: final weights to float rounding,
+    every step's loss and validation loss and the gradient norm (`assert_same_metrics`); `final/` is the whole model
+    gathered from the stages. Measured for 2 stages: losses equal to the bit, the gradient norm 5.9e-6 to 6.0e-5
+    relative over the 4 steps, growing as ZeRO's does, under the 1e-3 bound.
+
+    Seen to catch: the tied embedding's gradients not summed across the first and last stage: 28 tensors beyond
+    rounding. The tied weight's gradient counted twice in the norm: 28 tensors (clipping then scales every step
+    otherwise)."""
     run = pipeline_run / "run"
     assert_weights_within_rounding(run, single_run)  # final/: the whole model, gathered from the stages
     assert_same_metrics(run, single_run)
@@ -131,6 +157,13 @@ def test_two_stages_train_as_one_process(pipeline_run, single_run):
 
 @pytest.mark.slow
 def test_each_rank_holds_only_its_stage(pipeline_run):
+    """Each rank holds only its stage (`PIPELINE_PROBE` in tests/fault_train.py): its blocks, the embeddings on the
+    first, `ln_f` and the output layer's copy on the last, nothing twice but that copy. The header's optimizer line says
+    it counts rank 0's stage (`optimizer (this stage's, blocks 0-0 of 2; each stage steps its own): ...`), with that
+    stage's parameters as the probe counts them.
+
+    Seen to catch: `stage=None` in `run_header`: the line reads `optimizer: AdamW ... 1.62M` again. The probe part
+    passed the first time."""
     held = {int(p.stem[4:]): json.loads(p.read_text()) for p in (pipeline_run / "probe").glob("rank*.json")}
     assert sorted(held) == [0, 1] and [held[r]["stage"] for r in (0, 1)] == [0, 1]
     blocks = [{n.split(".")[2] for n in held[r]["params"] if n.startswith("transformer.h.")} for r in (0, 1)]
@@ -154,6 +187,13 @@ def test_two_pipelines_of_two_stages_train_as_one_process(tmp_path, single_run):
 
 @pytest.mark.slow
 def test_a_pipeline_checkpoint_resumes_bit_exact(pipeline_run, tmp_path):
+    """A pipeline checkpoint resumes bit for bit (a copy resumed at step 2; and killed by SIGKILL after step 3, then
+    `--resume latest`: `test_a_pipeline_killed_then_resumed_ends_bit_exact`), each step logged once. Its files are a DDP
+    run's, written and read by `training/checkpoints/ddp_files.py`.
+
+    Seen to catch: the gathered optimizer state numbered in another order: the resume stops with docs/faults.md's one
+    line (before the shape check: a traceback at the next step). Moving the format to `ddp_files`, the gathered settings
+    passed where the numbering goes: every pipeline save failed with a TypeError."""
     launch(PP_ARGS + resume_copy(pipeline_run / "run", 2, tmp_path / "copy"), nproc=2)
     assert_same_weights(tmp_path / "copy", pipeline_run / "run")
     assert [m["step"] for m in read_metrics(tmp_path / "copy")] == [1, 2, 3, 4]  # each step logged once
@@ -171,7 +211,9 @@ def test_a_pipeline_killed_then_resumed_ends_bit_exact(pipeline_run, tmp_path):
 @pytest.mark.slow
 def test_a_pipeline_checkpoint_resumes_on_one_process_and_the_reverse(pipeline_run, single_run, tmp_path):
     """The pipeline's checkpoints are the files a DDP run writes: one process continues a pipeline's step 2, and a
-    pipeline continues one process's, each ending within rounding of the one-process run."""
+    pipeline continues one process's, each ending within rounding of the one-process run.
+
+    Seen to catch: not broken on purpose: it passed the first time."""
     launch(DDP_ARGS + resume_copy(pipeline_run / "run", 2, tmp_path / "to_one"))
     assert_weights_within_rounding(tmp_path / "to_one", single_run)
     launch(PP_ARGS + resume_copy(single_run, 2, tmp_path / "to_pipeline"), nproc=2)
@@ -181,6 +223,10 @@ def test_a_pipeline_checkpoint_resumes_on_one_process_and_the_reverse(pipeline_r
 # ---- the memory plan -----------------------------------------------------------------------------------------
 
 def test_the_plan_of_a_pipeline_is_its_fuller_stage_with_the_bubble():
+    """The plan of a pipeline is its fuller stage (first or last; the first holding 1F1B's micro-batches in flight); the
+    stages' parameters add up to the model plus the output layer's copy; the bubble is (N-1)/(m+N-1).
+
+    Seen to catch: not broken on purpose (new with the plan)."""
     from planner import Launch, ParamCounts, plan_memory
     from planner.render import render
 
@@ -202,7 +248,9 @@ def test_the_plan_of_a_pipeline_is_its_fuller_stage_with_the_bubble():
 
 def test_the_advice_resizes_a_pipeline_by_its_pipelines():
     """A pipeline reads one stream of batches: a micro-batch the advice tries gets the accumulation the run gives it
-    over the pipelines (the data-parallel ranks), not over every process (which held fewer micro-batches in flight)."""
+    over the pipelines (the data-parallel ranks), not over every process (which held fewer micro-batches in flight).
+
+    Seen to catch: `resized` over every process (what it did before): 8 micro-batches where the run has 32, fails."""
     from planner import Launch, resized
     from training.distributed.processes import BatchGeometry
 

@@ -91,7 +91,12 @@ def test_low_disk_warns_with_the_estimate(tmp_path: Path, monkeypatch, capsys):
 
 def test_the_low_disk_estimate_counts_only_the_checkpoints_the_run_saves(tmp_path: Path, monkeypatch, capsys):
     """A short run never reaches --keep_last (issue 55: the default run saves once, and the warning counted
-    keep_last 3 + 2 more): it holds the checkpoints it saves, and final/."""
+    keep_last 3 + 2 more): it holds the checkpoints it saves, and final/.
+
+    It counts as many as the run saves (every `--save_every` and the last, from its start step), at most `--keep_last`,
+    one more while replacing, and final/.
+
+    Seen to catch: `held_at_once` counting `keep_last` whatever the saves: a run that saves once warns."""
     assert [saves_ahead(*args) for args in [(0, 100, 100), (0, 6, 2), (0, 7, 2), (4, 6, 2), (6, 6, 2), (0, 50, 1000)]] \
         == [1, 3, 4, 1, 0, 1]
     _free(monkeypatch, 2 * 1000)
@@ -132,15 +137,16 @@ def test_a_validation_split_shorter_than_a_window_is_refused_with_working_advice
     n_val = len(local_tokens(str(corpus))) - int(len(local_tokens(str(corpus))) * 0.9)
     cfg = parse_config(TINY_MODEL + ["--dataset", str(corpus), "--out_dir", str(tmp_path / "run")])
     with pytest.raises(UserError) as err:
-        TrainingEvals(cfg.eval, open_source(cfg.data), cfg.model.block_size, cfg.training.seed, accelerator=None)
+        TrainingEvals(cfg.eval, cfg.added, open_source(cfg.data), cfg.model.block_size, cfg.training.seed,
+                      accelerator=None)
     assert str(err.value) == (
         f"the validation set has {n_val} tokens, fewer than one window of block_size + 1 = 33; the validation split "
         f"of {corpus} is the last 10% of its tokens; pass --block_size {n_val - 1} or less, or add text to the corpus "
         "(about 330 tokens in all)")
     # The advice works: that block_size gives a validation window.
     smaller = parse_config(TINY_MODEL + ["--dataset", str(corpus), "--block_size", str(n_val - 1)])
-    evals = TrainingEvals(smaller.eval, open_source(smaller.data), smaller.model.block_size, smaller.training.seed,
-                          accelerator=None)
+    evals = TrainingEvals(smaller.eval, smaller.added, open_source(smaller.data), smaller.model.block_size,
+                          smaller.training.seed, accelerator=None)
     assert len(evals.val_tokens) >= n_val
 
 

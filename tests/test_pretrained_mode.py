@@ -24,6 +24,13 @@ def python_api_snippet() -> str:
 
 def test_the_python_api_gives_the_same_loss_and_greedy_text_on_every_call(tiny_hf_gpt2: Path, tmp_path, monkeypatch,
                                                                           capsys):
+    """`GPT.from_pretrained` returns the model in eval mode: the Python API of docs/generate.md, run as written on a
+    GPT-2 folder with dropout 0.1, gives the same loss on a second call and the same `temperature=0` text twice. A
+    fine-tune from loaded weights has every module in training mode at every step
+    (`test_a_fine_tune_from_loaded_weights_trains_with_dropout`).
+
+    Seen to catch: `.eval()` dropped from `model/pretrained.load`: losses 10.8244 and 10.8304. train.py's
+    `model.train()` before the loop removed: step 1 runs in eval mode."""
     code = python_api_snippet()
     assert SNIPPET_MODEL in code, "the Python API's snippet changed: update SNIPPET_MODEL"
     monkeypatch.chdir(tmp_path)  # its save_pretrained("export/") writes here
@@ -61,7 +68,11 @@ def test_the_python_api_imports_from_the_repository_root_or_with_it_on_pythonpat
     """docs/faults.md's answer (issue 55): the packages are imported from the clone, never installed (`pip install -e
     .` installs the dependencies only), so the Python API's snippet (docs/generate.md) run from another folder stops
     at its first import of ours; with the repository root on PYTHONPATH it imports. Its import lines, in a new
-    interpreter in another folder."""
+    interpreter in another folder.
+
+    Seen to catch: not broken on purpose (installing the packages would change the shared venv). By reading: the first
+    half asserts the import error, so installing the packages (pyproject's `packages = []` replaced) trips it, and
+    docs/faults.md's row must then change."""
     import os
     import subprocess
     import sys

@@ -1,5 +1,14 @@
 """conftest.project_files, what the tests that read the code read: the project's own files, never a virtual
-environment, a run's output or anything .gitignore names, in a git clone and in a tarball alike."""
+environment, a run's output or anything .gitignore names, in a git clone and in a tarball alike.
+
+`test_architecture.py`, `test_dependencies.py` and `test_config.py::test_every_preset_parses` read files through it, so
+a `.venv/` inside the clone changes nothing for them.
+
+Seen to catch: a `.venv/` holding a non-UTF-8 `.py` and a copy of peft: the older versions of test_architecture and
+test_dependencies fail (`UnicodeDecodeError`, issue 36), the current ones pass, and still fail when their claims are
+broken (`import eval.common` in train.py or in an untracked `scratch_break.py`; `peft` undeclared). In the helper: the
+NOT_THE_PROJECTS filter removed, `--exclude-standard` dropped, or the walk's .gitignore check dropped: each fails a test
+here."""
 from __future__ import annotations
 
 import subprocess

@@ -29,6 +29,10 @@ def quick_start() -> list[tuple[str, str]]:
 
 
 def test_the_quick_start_is_what_ci_runs_with_each_time_stated():
+    """The Quick start gives the first training first, then the quick tier, then the rest, each with its time on 2
+    cores; its install and test commands are those `.ci/run` runs, as written (issue 44).
+
+    Seen to catch: the README's quick-tier command changed to `-n 4`: fails naming that command."""
     commands = [cmd for cmd, _ in quick_start()]
     assert commands[2] == "python train.py"  # the first training first, then the tiers
     assert commands[3].endswith('-m "not slow"') and commands[4].endswith("-m slow")
@@ -41,6 +45,10 @@ def test_the_quick_start_is_what_ci_runs_with_each_time_stated():
 
 
 def test_the_layout_names_files_that_are_there():
+    """The README's Layout names only files that are there (issue 44: it said `data/` held HF tokenizer files; it holds
+    `gpt2.tiktoken`, from which `data/hf_tokenizer.py` builds them for an export).
+
+    Seen to catch: `vocab.json` named in `data/`'s line: fails naming `data/vocab.json`."""
     named = 0
     folder = None
     for line in code_block_after("## Layout"):
@@ -65,8 +73,26 @@ CHECKED_ELSEWHERE = ("python -m venv", "source .venv/bin/activate", "pip install
 
 
 def test_the_readme_stays_under_two_thousand_words():
+    """The README stays a front page: under 2,000 words (issue 55: it had grown to 6,739, a 28-minute read).
+
+    Seen to catch: 800 words appended to README.md: `README.md has 2002 words; move the detail to a docs/ page and link
+    it`."""
     words = len(README.read_text(encoding="utf-8").split())
     assert words < MAX_WORDS, f"README.md has {words} words; move the detail to a docs/ page and link it"
+
+
+MAP_MAX_WORDS = 2000  # issue 61's bound for docs/testing.md: a map read in minutes, not a ledger
+
+
+def test_the_testing_page_stays_a_map_of_the_suite():
+    """docs/testing.md stays the map of the suite (tiers, fixtures, conventions, where each area's tests live): at most
+    2,000 words. Issue 61: it had grown to 21,889, a 95-minute ledger of every claim and its break, which now live in
+    each test's docstring.
+
+    Seen to catch: 150 words appended to the page: `docs/testing.md has 2050 words; ...`."""
+    words = len((DOCS / "testing.md").read_text(encoding="utf-8").split())
+    assert words <= MAP_MAX_WORDS, (f"docs/testing.md has {words} words; put a test's claim and its break in the "
+                                    "test's docstring, not on the map")
 
 
 def anchors(page) -> set[str]:
@@ -81,7 +107,9 @@ def anchors(page) -> set[str]:
 
 def test_every_link_of_the_readme_and_the_docs_resolves():
     """Every relative link of README.md and docs/*.md names a file that is there, and a heading of it where the link
-    names one (`docs/engines.md#what-fits-where`)."""
+    names one (`docs/engines.md#what-fits-where`).
+
+    Seen to catch: engines.md's `## What fits where` renamed `## What fits`: fails naming the three links to it."""
     broken = []
     for page in [README, *sorted(DOCS.glob("*.md"))]:
         for target in LINK.findall(page.read_text(encoding="utf-8")):
@@ -97,6 +125,9 @@ def test_every_link_of_the_readme_and_the_docs_resolves():
 
 
 def test_every_docs_page_is_linked_from_the_readme():
+    """Every docs/ page is linked from the README.
+
+    Seen to catch: the README's link to docs/hub_reads.md removed: fails naming `hub_reads.md`."""
     linked = {(REPO_ROOT / target.partition("#")[0]).resolve() for target in LINK.findall(README.read_text())}
     missing = [page.name for page in sorted(DOCS.glob("*.md")) if page.resolve() not in linked]
     assert not missing, f"docs pages the README does not link: {missing}"
@@ -183,5 +214,12 @@ def test_the_readme_shows_its_commands():
 def test_every_command_the_readme_shows_parses_as_written(command, monkeypatch):
     """Each command of the README, its flags read by the parser of the program it runs (train.py's own, each
     `python -m` CLI's), its presets and accelerate configs there: what a user copies runs as written, up to what it
-    needs from outside (a GPU, the network, their own `my_corpus.txt`)."""
+    needs from outside (a GPU, the network, their own `my_corpus.txt`).
+
+    Inline `python ...`, `accelerate launch ...`, `sbatch ...` and `trackio ...` commands count too
+    (`test_the_readme_shows_its_commands`); trackio's `--project` is train.py's default `--wandb_project`.
+
+    Seen to catch: each alone: `--lora_rnk 8` (unknown argument, did you mean `--lora_rank`);
+    `accelerate_configs/8gpus.yaml` and `configs/gpt2_350m.yaml` (no such file); data.prepare's `--out` spelled
+    `--out_dir` (a required argument missing); `trackio show --project gpt2_accelerate` (not the default project)."""
     parse_as_written(command, monkeypatch)

@@ -18,7 +18,11 @@ from conftest import RESUME_ARGS, TINY, assert_same_weights, launch, read_metric
 def test_kill_at_more_moments_then_resume_is_bit_exact(uninterrupted, tmp_path, fault):
     """RESUME_ARGS with rotation keeping one checkpoint, against the session's uninterrupted RESUME_ARGS run
     (conftest.py): --keep_last only decides which checkpoint folders are deleted, so the weights it ends with are
-    those of the same arguments without it."""
+    those of the same arguments without it.
+
+    Rotation also removes an older folder a crash left half-deleted (`[kill_in_rotation:4]`).
+
+    Seen to catch: rotation deleting only complete (listed) checkpoints: `step_000002` left."""
     out = tmp_path / "run"
     args = RESUME_ARGS + ["--out_dir", str(out), "--keep_last", "1"]
     killed = launch(args, fault=fault, check=False)
@@ -49,6 +53,11 @@ def _resumed_twice(reference: Path, out: Path, args: list[str], env: dict[str, s
 
 @pytest.mark.slow
 def test_token_shards_through_train_py_resume_exactly(tmp_path):
+    """Token shards and a streamed Hub dataset (`test_a_streamed_dataset_through_train_py_resumes_exactly_twice`) resume
+    bit for bit through train.py, twice.
+
+    Seen to catch: not broken on purpose (new tests); the loaders' own resume breaks are in test_data_streaming.py and
+    test_data_shards.py."""
     from data.prepare import prepare
 
     shards = tmp_path / "shards"

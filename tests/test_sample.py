@@ -53,6 +53,10 @@ def run_main(capsys, *argv: str, stdin: str = "") -> tuple[str, str]:
 
 @pytest.mark.parametrize("where", ["hf", "run"])
 def test_greedy_prints_exactly_what_generate_gives(tiny, capsys, where):
+    """`--temperature 0` prints exactly the prompt + `enc.decode` of `GPT.generate`'s new tokens, from an HF folder and
+    a run folder, past `block_size`.
+
+    Seen to catch: the first prompt token dropped before `generate_stream`."""
     model, hf, run = tiny
     prompt = "The meaning of life is"
     # 40 new tokens run past block_size=32: the sliding window is part of what must match.
@@ -63,6 +67,10 @@ def test_greedy_prints_exactly_what_generate_gives(tiny, capsys, where):
 
 
 def test_seeded_samples_are_generate_with_seed_plus_j(tiny, capsys):
+    """Sample j is `GPT.generate` with a generator seeded `seed + j`; the same seed repeats; the random seed shown on
+    stderr repeats the sample.
+
+    Seen to catch: every sample seeded with `args.seed` (no `+ j`)."""
     model, hf, _ = tiny
     args = ["--model", str(hf), "--prompt", "Once upon a time", "--max_new_tokens", "12", "--top_k", "40",
             "--top_p", "0.9", "--temperature", "0.8", "--device", "cpu"]
@@ -81,6 +89,9 @@ def test_seeded_samples_are_generate_with_seed_plus_j(tiny, capsys):
 
 
 def test_generate_stream_is_generate_one_token_at_a_time(tiny):
+    """`GPT.generate_stream` yields a token after one forward pass, and its tokens are `generate`'s for a seed.
+
+    Seen to catch: the loop collecting all tokens and yielding them at the end."""
     model, _, _ = tiny
     prompt = torch.tensor([get_tokenizer().encode("Hello")])
     calls = []
@@ -116,7 +127,9 @@ def scripted_model(prompt_len: int, targets: list[int]) -> GPT:
 def test_characters_split_across_tokens_print_whole(tmp_path):
     """GPT-2 splits 日, 本 and 語 over two tokens each: the CLI must print each once it is complete, as
     valid UTF-8, not the replacement characters of decoding token by token. Through a real pipe: the
-    prompt on standard input, the text on standard output, from a checkpoint folder."""
+    prompt on standard input, the text on standard output, from a checkpoint folder.
+
+    Seen to catch: decoding token by token (`enc.decode([token])`)."""
     enc = get_tokenizer()
     prompt, text = "Say:", "日本語 café"
     targets = enc.encode(text)
@@ -138,6 +151,9 @@ def test_characters_split_across_tokens_print_whole(tmp_path):
 
 
 def test_long_prompt_is_cut_on_the_left_with_a_note(tiny, capsys):
+    """A prompt longer than the context is cut on the left, with a note.
+
+    Seen to catch: cut on the right (`ids[:block_size]`)."""
     model, hf, _ = tiny
     enc = get_tokenizer()
     prompt = " ".join(f"word{i}" for i in range(40))
@@ -151,6 +167,9 @@ def test_long_prompt_is_cut_on_the_left_with_a_note(tiny, capsys):
 
 
 def test_prompt_from_stdin_or_file_and_empty_prompt(tiny, capsys, tmp_path):
+    """stdin and `--prompt_file` drop one final newline; an empty prompt starts from `<|endoftext|>`.
+
+    Seen to catch: the newline kept; the `<|endoftext|>` start removed (a ValueError traceback)."""
     model, hf, _ = tiny
     base = ["--model", str(hf), "--temperature", "0", "--max_new_tokens", "6"]
     expected = "Hi there" + api_continuation(model, "Hi there", 6, temperature=0.0) + "\n"
@@ -163,6 +182,10 @@ def test_prompt_from_stdin_or_file_and_empty_prompt(tiny, capsys, tmp_path):
 
 
 def test_interactive_loop_over_piped_stdin(tiny, capsys):
+    """`--interactive` answers each non-blank line of piped stdin; Ctrl-C ends it quietly
+    (`test_ctrl_c_ends_the_interactive_loop_quietly`).
+
+    Seen to catch: blank lines not skipped; the KeyboardInterrupt handler removed."""
     model, hf, _ = tiny
     out, _ = run_main(capsys, "--model", str(hf), "--interactive", "--temperature", "0", "--max_new_tokens", "6",
                       stdin="first prompt\n\n  \nsecond\n")
@@ -238,7 +261,9 @@ def test_help_shows_each_default_once(capsys):
 
 
 def test_cli_writes_each_piece_as_soon_as_it_is_sampled(tiny, monkeypatch):
-    """stdout gets (and flushes) text while tokens are still being sampled, not all at the end."""
+    """stdout gets (and flushes) text while tokens are still being sampled, not all at the end.
+
+    Seen to catch: `flush=False` on each piece."""
     import model.sample as sample
 
     sampled, writes = [], []

@@ -135,7 +135,15 @@ def two_node_run(fake_slurm, tmp_path_factory) -> Path:
 @pytest.mark.multiprocess
 def test_two_nodes_train_like_one_process(two_node_run, tmp_path):
     """The same global batches on one process (accumulation 4): equal to float rounding (the gradient is
-    summed in another order across processes, so not bit for bit; see DDP_ARGS in tests/conftest.py)."""
+    summed in another order across processes, so not bit for bit; see DDP_ARGS in tests/conftest.py).
+
+    Its config asks for 16 processes, as `multinode_2x8.yaml` does. Only global rank 0 writes metrics, tensorboard
+    events and the Hub push (its module fixture).
+
+    Seen to catch: the process count per node not taken from `SLURM_GPUS_ON_NODE` (16 processes: a refused batch).
+    `HubUploads` given `is_local_main_process`: the job fails. Before the key-bias bound, this failed on a 2-core
+    AVX2-only EPYC (`c_attn.bias` 1.1e-6 apart, every other weight within 2e-8): the key biases' exact gradient is zero,
+    so they receive only rounding noise, which depends on the CPU."""
     out = tmp_path / "single"
     launch(ARGS + ["--out_dir", str(out)])
     assert_weights_within_rounding(two_node_run, out)
@@ -146,7 +154,11 @@ def test_two_nodes_train_like_one_process(two_node_run, tmp_path):
 def test_usr1_to_the_job_checkpoints_exits_0_requeues_and_resumes_exactly(fake_slurm, two_node_run, tmp_path):
     """--signal=B:USR1@120: SIGUSR1 to the batch script only. Every node checkpoints the same step, every
     process exits 0, the job asks to be requeued; the requeued job (the same script again) resumes with
-    --resume latest and ends bit-identical to the uninterrupted two-node run (same processes, same order)."""
+    --resume latest and ends bit-identical to the uninterrupted two-node run (same processes, same order).
+
+    Seen to catch: the launcher not ignoring SIGUSR1 (both nodes exit 138); the trap in `slurm_node.sh` not forwarding
+    to the workers (they train to the end, no checkpoint); `--resume latest` left out (the requeued job is refused:
+    "already holds a run"); `REQUEUE` off by default (no `scontrol requeue`)."""
     out, log = tmp_path / "run", tmp_path / "scontrol.log"
     job = sbatch(fake_slurm, log, ARGS + ["--out_dir", str(out)])
     deadline = time.time() + 180
@@ -178,7 +190,9 @@ def test_a_worker_killed_on_node_1_restarts_both_nodes_and_ends_exactly(fake_slu
     """MAX_RESTARTS=1 (slurm_node.sh's `--max_restarts`), rank 1 (node 1's process) SIGKILLed after step 9 of 16,
     a checkpoint every 5: node 1's agent restarts its process, node 0's restarts its own (its collective failed),
     both with restart count 1, so they meet under the same attempt's keys of node 0's store; they resume from step 5
-    and end bit-identical to the uninterrupted two-node run, each step logged once, every task exiting 0."""
+    and end bit-identical to the uninterrupted two-node run, each step logged once, every task exiting 0.
+
+    Seen to catch: `slurm_node.sh` without `--max_restarts`: both nodes' tasks exit 1."""
     out = tmp_path / "run"
     fault = {"MAX_RESTARTS": "1", "FAULT": "kill_rank_1_after_step:9", "TRAIN_SCRIPT": "tests/fault_train.py"}
     output = finish(job := sbatch(fake_slurm, tmp_path / "scontrol.log",

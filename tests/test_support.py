@@ -63,6 +63,16 @@ def test_the_columns_are_the_engines():
 
 @pytest.mark.parametrize("feature", list(SUPPORT))
 def test_the_run_refuses_exactly_what_the_table_says(feature):
+    """One table says what runs under which engine (`training/distributed/support.py`: its rows and each registered
+    optimizer's cells). train.py's refusals (`refuse_unsupported`, `Layout.checked`) refuse exactly its refused cells,
+    each in one line with the cell's fix; the planner refuses Muon where it does
+    (`test_the_planner_refuses_muon_where_the_table_does`); the columns are the engines
+    (`test_the_columns_are_the_engines`). A refusal lifted by a setting (`Refusal.unless`): Muon's ZeRO cells read "runs
+    with `--grad_clip 0`"; the run refuses them at `--grad_clip 1` with the fix named and runs them at 0, the planner
+    likewise.
+
+    Seen to catch: a refusal written beside the table in `refuse_unsupported` (LoRA under DDP): fails. The `unless`
+    cases are the table's own tests, extended, not broken on purpose."""
     for name, engine in ENGINES.items():
         line = refused_at_run_time(feature, engine)
         if (feature, name) in (("--tensor_parallel", "FSDP2 x TP"), ("--pipeline_parallel", "DDP x PP")):
@@ -93,14 +103,22 @@ def test_the_planner_refuses_muon_where_the_table_does():
 
 @pytest.mark.parametrize("page", ["README.md", "docs/engines.md"])
 def test_the_readme_shows_the_table(page):
-    """The README's engines table and docs/engines.md's, each rendered exactly as support_table() renders it."""
+    """The README's engines table and docs/engines.md's, each rendered exactly as support_table() renders it.
+
+    Seen to catch: a cell changed (`--on_nan skip` runs under ZeRO-2): fails. Not planted: the table moved into
+    engines.md without its `--pipeline_parallel` row (issue 55's move), and `[docs/engines.md]` failed until the row was
+    put back."""
     assert support_table() in (REPO_ROOT / page).read_text()
 
 
 def test_the_table_says_what_muon_costs_where_it_runs_sharded():
     """Muon's cells under FSDP2 and tensor parallelism name the all-gather per matrix (its module declares them);
     under DDP and the pipeline every rank holds its matrices whole: plain "runs"; under ZeRO it runs with clipping off
-    only, as DeepSpeed's own Muon (a refusal that hangs on --grad_clip: `Refusal.unless`)."""
+    only, as DeepSpeed's own Muon (a refusal that hangs on --grad_clip: `Refusal.unless`).
+
+    The README shows the table as generated (`test_the_readme_shows_the_table`).
+
+    Seen to catch: `support_table` without the cost notes: both fail."""
     muon_row = next(line for line in support_table().splitlines() if line.startswith("| `--optimizer muon` |"))
     cells = dict(zip(COLUMNS, [c.strip() for c in muon_row.split("|")[2:-1]]))
     assert cells["FSDP2"] == cells["FSDP2 x TP"] == "runs (each matrix all-gathered a step)"

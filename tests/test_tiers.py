@@ -1,6 +1,12 @@
 """The tiers' check (tests/tiers.py), in a small pytest session of its own run in this process: a quick test that
 starts a process fails naming it, in its body or through a fixture; marked slow it passes; git is not counted; a
-multiprocess mark without the slow one is refused at collection."""
+multiprocess mark without the slow one is refused at collection.
+
+Quick tests over 5 s are listed at the end of the run.
+
+Seen to catch: the recording in `tests/tiers.py` replaced by `pass`:
+`test_a_quick_test_that_starts_a_process_fails_naming_it` fails. Its first run over the suite flagged 25 quick tests
+that started Python processes; they are marked slow."""
 from __future__ import annotations
 
 from pathlib import Path

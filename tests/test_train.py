@@ -49,6 +49,13 @@ from model import GPT, GPTConfig
 
 @pytest.mark.slow
 def test_run_writes_metrics_checkpoints_and_final(uninterrupted):
+    """Where the time goes: `data_wait_s` on every logged step, `eval_s` with the evaluations, `checkpoint_s` on the
+    save steps, one line each; the run's last line splits its wall time into five shares summing to 100% (also
+    `test_default_command_runs_end_to_end`, `test_cli.py::test_the_run_clock_splits_the_wall_time_by_phase`,
+    `test_cli.py::test_step_line`).
+
+    Seen to catch: the step's line written before its save, the save's `checkpoint_s` in a second line: steps 1, 2, 2,
+    3, 4, 4."""
     rows = read_metrics(uninterrupted)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     for key in ("loss", "lr", "grad_norm", "tokens", "tok_per_sec", "mfu", "data_wait_s"):
@@ -103,6 +110,11 @@ def test_trackers_continue_the_same_run_after_resume(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["kill_after_step:3", "kill_in_save:4"])
 def test_resume_after_kill_is_bit_exact(uninterrupted, tmp_path, fault):
+    """A run killed at any moment resumes bit for bit: between steps and after `save_state` here; inside it, during
+    rotation and during the final export in `test_resume_paths.py::test_kill_at_more_moments_then_resume_is_bit_exact`.
+
+    Seen to catch: the per-rank seed set after the restore (overwriting the restored RNG); `metrics.jsonl` keeping lines
+    past the checkpoint."""
     out = tmp_path / "run"
     killed = launch(RESUME_ARGS + ["--out_dir", str(out)], fault=fault, check=False)
     assert killed.returncode != 0
@@ -119,6 +131,10 @@ def test_resume_after_kill_is_bit_exact(uninterrupted, tmp_path, fault):
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
 def test_sigterm_saves_and_exits_cleanly(uninterrupted, tmp_path, sig):
+    """SIGTERM and SIGUSR1 checkpoint and exit 0, also when only one rank gets the signal
+    (`test_a_signal_to_one_rank_stops_both_at_the_same_step`).
+
+    Seen to catch: not broken on purpose (new tests)."""
     out = tmp_path / "run"
     args = RESUME_ARGS + ["--out_dir", str(out), "--max_steps", "400", "--save_every", "1000"]
     proc = launch(args, background=True)
@@ -159,6 +175,16 @@ def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_ddp_matches_single_process(ddp_run, single_run):
+    """Two processes x accumulation 2 train the weights of one process x accumulation 4. Runs that sum the same
+    gradients in another order are held to bounds from AdamW's math, not one CPU's rounding (tests/bounds.py): each
+    element within AdamW's drift bound, at most 1 + numel/100,000 beyond 1e-6 per tensor, the key biases within the
+    drift bound. This holds under AVX-512 and forced AVX2 kernels (`ATEN_CPU_CAPABILITY=avx2`: TP 2, 2-D, the 4 engines
+    and DDP pass).
+
+    Seen to catch: no all-reduce (`accelerator.no_sync` for every micro-step): 1,587,188 of 1,608,224 embedding elements
+    beyond 1e-6, every tensor listed. The older bound (1e-6 for every element) failed the two TP tests here and on issue
+    41's Intel AMX machine. Not sensitive to the gradient's scale: see
+    `test_accumulated_micro_steps_give_the_big_batch_gradient`."""
     assert "1 process(es) x 4 accumulation" in (single_run.parent / "output.txt").read_text()
     assert_weights_within_rounding(ddp_run, single_run)
     assert_same_metrics(ddp_run, single_run)
@@ -170,7 +196,9 @@ def test_resume_with_another_world_size_and_micro_batch(ddp_run, tmp_path):
     """Killed after step 1 on 1 process x micro 2 (accum 4); resumed on 1 process x micro 1 (accum 8).
     Same global batches, so the weights must match the 2-process run. (accelerate's restored micro-step
     counter, 4, is not a multiple of 8: left as it is, every sync would fall mid-window and silently
-    stop all updates after the resume.)"""
+    stop all updates after the resume.)
+
+    Seen to catch: `accelerator.step = 0` removed: `c_attn.bias differs`."""
     out = tmp_path / "run"
     args = DDP_ARGS + ["--out_dir", str(out), "--save_every", "1"]
     launch(args, fault="kill_after_step:1", check=False)
@@ -196,7 +224,9 @@ def test_ddp_resume_after_kill_is_bit_exact(ddp_run, tmp_path):
 @pytest.mark.multiprocess
 def test_two_processes_resumed_on_one(ddp_run, tmp_path):
     """The 2-process run of DDP_ARGS (accumulation 2) resumed from its checkpoint of step 2 on 1 process
-    (accumulation 4): the same global batches, so the weights end where the 2-process run ends, to float rounding."""
+    (accumulation 4): the same global batches, so the weights end where the 2-process run ends, to float rounding.
+
+    Seen to catch: not broken on purpose (a new test)."""
     out = tmp_path / "run"
     resumed = launch(DDP_ARGS + resume_copy(ddp_run, 2, out))
     assert "saved by 2 process(es), this run has 1" in resumed.stdout + resumed.stderr
@@ -230,7 +260,11 @@ def test_a_signal_to_one_rank_stops_both_at_the_same_step(tmp_path):
 @pytest.mark.multiprocess
 def test_a_cpu_multi_process_launch_runs_on_gloo_by_itself(tmp_path):
     """torchrun without any accelerate config (no use_cpu): train.py sees several processes and no CUDA, and
-    puts them on gloo itself (otherwise every process would believe it is rank 0)."""
+    puts them on gloo itself (otherwise every process would believe it is rank 0).
+
+    The header line of a GPU config on a CPU is checked here too, through a real 2-process launch.
+
+    Seen to catch: `here` left out of `run_header`: caught. The gloo part was not broken on purpose (a new test)."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "train.py", *DDP_ARGS, "--out_dir", str(out), "--max_steps", "2"]
@@ -298,6 +332,9 @@ def test_existing_run_is_never_overwritten(monkeypatch, capsys, uninterrupted):
 
 
 def test_a_killed_or_finished_run_without_checkpoints_is_never_overwritten(monkeypatch, capsys, tmp_path):
+    """Killed or finished runs without checkpoints are never overwritten.
+
+    Seen to catch: the check of a killed run's metrics removed."""
     killed = tmp_path / "killed"  # killed before its first checkpoint: config and metrics only
     killed.mkdir()
     (killed / "config.yaml").write_text("max_steps: 6\n")
@@ -319,7 +356,9 @@ def test_a_killed_or_finished_run_without_checkpoints_is_never_overwritten(monke
 @pytest.mark.slow
 def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(uninterrupted, tmp_path):
     """--resume <older checkpoint of the same folder>: the newer checkpoints, final/ and the metrics are set
-    aside (nothing deleted), and the run goes on from the older step exactly as the first time."""
+    aside (nothing deleted), and the run goes on from the older step exactly as the first time.
+
+    Seen to catch: `set_aside_superseded` doing nothing: the set-aside message is missing."""
     out = tmp_path / "run"
     shutil.copytree(uninterrupted, out)
     originals = {name: tree_digest(out / name) for name in ("checkpoints/step_000006", "final")}
@@ -336,7 +375,11 @@ def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(uninterrupted, t
 @pytest.mark.slow
 def test_compiled_model_exports_plain_weights(tmp_path):
     """torch.compile through accelerate (the `eager` dynamo backend: no C compiler needed) prefixes the
-    state-dict keys with `_orig_mod.`; the final export must not."""
+    state-dict keys with `_orig_mod.`; the final export must not.
+
+    The run header shows `torch.compile (eager)`, so the model did compile.
+
+    Seen to catch: `strip_wrapper_prefixes` skipped in `training/checkpoints/export.py`."""
     out = tmp_path / "run"
     proc = launch(TINY + ["--out_dir", str(out), "--max_steps", "2", "--micro_batch_size", "2", "--total_batch_size",
                           "64", "--eval_every", "2"], extra_env={"ACCELERATE_DYNAMO_BACKEND": "EAGER"})
@@ -346,6 +389,10 @@ def test_compiled_model_exports_plain_weights(tmp_path):
 
 
 def test_block_size_beyond_the_pretrained_positions(monkeypatch, capsys, tmp_path):
+    """A block size beyond the pretrained positions is one exact line.
+
+    Seen to catch: the check in `model/pretrained.py` disabled. The old assertion (`"64" in err and "32" in err`) passed
+    without it."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     GPT2LMHeadModel(GPT2Config(n_positions=32, n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp_path / "hf")
@@ -381,7 +428,11 @@ def test_hub_access_is_checked_before_training(monkeypatch, capsys, tmp_path):
 @pytest.mark.slow
 def test_a_failed_push_is_a_warning_during_training_and_an_error_at_the_end(tmp_path):
     """A branch push that fails does not stop the run (the next one may get through); the final push failing is an
-    error with its exit status, naming the command that pushes again (issue 44: it was a warning, exit 0)."""
+    error with its exit status, naming the command that pushes again (issue 44: it was a warning, exit 0).
+
+    The Hub access check runs before training (`test_hub_access_is_checked_before_training`).
+
+    Seen to catch: the final push's failure turned back into a warning: exit 0, the test fails."""
     from fake_hub import FakeHub
 
     out = tmp_path / "run"
@@ -431,7 +482,11 @@ def test_optimizer_groups_decay_only_matrices():
 
 def test_accumulated_micro_steps_give_the_big_batch_gradient():
     """train_step with 4 micro-steps applies the gradient of the one big batch: with SGD at lr 1 (and no
-    clipping) the weights move by exactly minus that gradient."""
+    clipping) the weights move by exactly minus that gradient.
+
+    Seen to catch: `loss.backward()` instead of `accelerator.backward(loss)` (no division by the accumulation count).
+    The earlier version of this test and `test_ddp_matches_single_process` did not catch it (clipping and Adam's scale
+    invariance hide it); the test now goes through `train_step` itself with SGD."""
     from accelerate import Accelerator
 
     from model import GPT, GPTConfig
@@ -463,7 +518,14 @@ def test_accumulated_micro_steps_give_the_big_batch_gradient():
 
 @pytest.mark.slow
 def test_push_to_hub_from_training(tmp_path):
-    """--push_to_hub: every checkpoint to branch step-N (--hub_push_every 1), the final model to main."""
+    """--push_to_hub: every checkpoint to branch step-N (--hub_push_every 1), the final model to main.
+
+    Branch `step-N` holds the weights of checkpoint N (its contents against an export of each checkpoint).
+
+    Seen to catch: nothing: staging the newest weights instead of checkpoint N is not caught, and cannot be by a
+    deterministic test, since both are the same folder unless a save lands between them. The fix closes that window by
+    construction (checkpoint N is staged in the main thread before the upload thread starts); the test pins the
+    contents."""
     from fake_hub import FakeHub
 
     secret = "hf_TrainingRunSecret_91c0"
@@ -536,7 +598,9 @@ def test_fine_tune_from_hf_weights_resumes_exactly(tiny_hf_gpt2, tmp_path):
 
 def test_the_header_counts_every_parameter_as_the_optimizer_line_does(tmp_path):
     """The header's model size is every parameter, tied ones once, the position embeddings too: the sum of the
-    optimizer line's parts. A 512-position model makes the 16,384 position weights show at two decimals."""
+    optimizer line's parts. A 512-position model makes the 16,384 position weights show at two decimals.
+
+    Seen to catch: train.py back to `model.num_params()` (no position embeddings): 1.64 instead of 1.65."""
     out, _ = train_in_process(TINY + ["--block_size", "512", "--val_tokens", "1024", "--micro_batch_size", "1",
                                       "--total_batch_size", "512", "--max_steps", "1", "--sample_tokens", "0",
                                       "--out_dir", str(tmp_path / "run")])
@@ -550,7 +614,14 @@ def test_the_header_counts_every_parameter_as_the_optimizer_line_does(tmp_path):
 def test_grad_clip_0_trains_unclipped_as_a_clip_far_above_the_norm(tmp_path):
     """`--grad_clip 0` turns clipping off (nanoGPT's and the HF Trainer's meaning): the run ends bit for bit where a
     run clipped at 1e9, far above every norm, ends; the norm is still measured and logged, and the header says so.
-    The norms logged are above 1, so the default --grad_clip 1 would have clipped these steps."""
+    The norms logged are above 1, so the default --grad_clip 1 would have clipped these steps.
+
+    DeepSpeed's config gets `gradient_clipping` 0, its own "off"
+    (`test_engines.py::test_deepspeed_config_gets_the_runs_geometry_and_refuses_a_conflict`).
+
+    Seen to catch: `train_step` passing `--grad_clip` to `clip_grad_norm_` as it is (a max norm of 0 zeroes every
+    gradient): `c_attn.bias differs (max 0.0075)`. The pipeline's own clip (`PipelinedGPT._clip`, which skips the
+    scaling at 0) has no test of its own."""
     args = TINY + ["--max_steps", "3", "--micro_batch_size", "2", "--total_batch_size", "128", "--log_every", "1",
                    "--eval_every", "3", "--sample_tokens", "0"]
     off, far = tmp_path / "off", tmp_path / "far"

@@ -72,6 +72,13 @@ def caused_by(error: Exception, cause: Exception) -> Exception:
 
 
 def test_an_hf_folder_and_a_runs_final(tmp_path):
+    """Which weights a spec means: an HF folder, a run's `final/` (with its run), a checkpoint (with its run and step:
+    `test_a_checkpoint_knows_its_run_and_step`), a run folder's newest complete checkpoint and then its `final/`
+    (`test_a_run_folder_is_its_newest_complete_checkpoint_then_its_final`), a LoRA checkpoint's base at its revision
+    (`test_a_lora_checkpoint_on_a_hub_base_loads_that_base_at_its_revision`).
+
+    Seen to catch: the run folder resolved to its latest checkpoint though `final/` exists; the adapter config's
+    `revision` ignored."""
     tiny_gpt(0).save_pretrained(tmp_path / "hf")
     weights = resolve_weights(tmp_path / "hf")
     assert weights == Weights(Kind.HF_FOLDER, str(tmp_path / "hf"), tmp_path / "hf")
@@ -121,6 +128,9 @@ def lora_checkpoint(folder: Path, base_spec: str, revision: str | None = None) -
 
 
 def test_a_lora_checkpoint_resolves_its_base_and_loads_as_the_adapted_model(tmp_path):
+    """A LoRA checkpoint loads as its base with the adapter merged: the logits of peft's unmerged LoRA layers.
+
+    Seen to catch: `load_adapter_state` skipped in `model.lora.merge_adapter`."""
     tiny_gpt(0).save_pretrained(tmp_path / "base")
     checkpoint, adapted = lora_checkpoint(tmp_path / "run" / "checkpoints" / "step_000004", str(tmp_path / "base"))
     weights = resolve_weights(str(checkpoint))
@@ -175,6 +185,11 @@ def test_a_lora_checkpoint_on_a_hub_base_loads_that_base_at_its_revision(hub_cac
 
 
 def test_the_revision_and_the_safetensors_only_patterns_reach_the_download(tmp_path, monkeypatch):
+    """A revision reaches `snapshot_download`, with the config + safetensors patterns only, and picks that revision's
+    snapshot through the real client (`test_a_revision_picks_that_revisions_snapshot`: an offline cache with `main` and
+    tag `v1` holding other weights).
+
+    Seen to catch: `revision=` dropped from the `snapshot_download` call: 4 tests fail."""
     tiny_gpt(0).save_pretrained(tmp_path / "snapshot")
     download = FakeDownload(tmp_path / "snapshot")
     monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
@@ -225,6 +240,14 @@ def test_offline_and_not_in_the_cache(hub_cache):
 
 
 def test_local_paths_that_name_no_weights(tmp_path, monkeypatch):
+    """Each spec that names no weights is one line: a mistyped local path, a file, neither model nor run, a run without
+    weights, an incomplete checkpoint; an invalid id, gated, an unknown repo or revision, an HTTP failure, a revision on
+    a local folder (`test_hub_failures_are_one_line`); offline and not cached (`test_offline_and_not_in_the_cache`); a
+    LoRA checkpoint whose base is gone or whose adapter config is damaged
+    (`test_a_lora_checkpoint_whose_base_is_gone_or_whose_adapter_config_is_damaged`).
+
+    Seen to catch: the unknown-revision `except` removed: the line becomes "downloading ... failed (404 revision); retry
+    later". A 5xx with nothing cached no longer told from offline: the line says offline."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "out" / "my_run").mkdir(parents=True)
     (tmp_path / "notes.txt").write_text("hi")
@@ -308,7 +331,13 @@ DAMAGED = (r"^checkpoint file \S+/step_000004/model.safetensors is damaged \(its
 
 def test_a_checkpoint_whose_weights_changed_is_refused_naming_the_newest_intact_one(damaged_run):
     """resolve_weights checks a checkpoint's weights against its manifest, for a checkpoint and for a run folder
-    whose newest it is; the line names the newest earlier checkpoint that is intact, which then reads."""
+    whose newest it is; the line names the newest earlier checkpoint that is intact, which then reads.
+
+    An earlier damaged checkpoint is skipped (none left: said so); a manifest missing from a format-2 checkpoint, or cut
+    short, is refused; a checkpoint from before manifests reads. A resume's own files (optimizer, random states) do not
+    stop a read of the weights (`test_what_only_a_resume_reads_does_not_stop_a_read_of_the_weights`).
+
+    Seen to catch: the check in `common.weights._local` off: `DID NOT RAISE`."""
     for spec in (damaged_run, RunDir(damaged_run).checkpoint(4)):
         with pytest.raises(UserError, match=DAMAGED):
             resolve_weights(spec)
@@ -360,7 +389,11 @@ HELLASWAG_TINY = str(Path(__file__).parent / "fixtures" / "eval" / "hellaswag_ti
 def test_every_command_that_reads_a_checkpoint_refuses_a_damaged_one_in_one_line(command, damaged_run, tmp_path,
                                                                                  monkeypatch, capsys):
     """The issue's probe: export, sample, the evaluations and the Hub push of an unfinished run read an altered
-    weights file and exited 0 (weights 0.025 off); each now prints the one line and exits 2, writing nothing."""
+    weights file and exited 0 (weights 0.025 off); each now prints the one line and exits 2, writing nothing.
+
+    Seen to catch: the check in `common.weights._local` off: every command read the altered weights; the export, sample
+    and HellaSwag exited 0, eval.val_loss scored them (81 s), eval.harness exported them and stopped on its offline
+    datasets."""
     import importlib
     import sys
 
@@ -382,7 +415,9 @@ def test_every_command_that_reads_a_checkpoint_refuses_a_damaged_one_in_one_line
 
 def test_the_export_says_which_weights_it_read(damaged_run, tmp_path, capsys):
     """A run folder means its final/, else its newest checkpoint: the export names which (a finished run whose newest
-    checkpoint is damaged took final/ silently)."""
+    checkpoint is damaged took final/ silently).
+
+    Seen to catch: not broken on purpose: a new test, the line was not printed before."""
     from model.export import main
 
     tiny_gpt(5).save_pretrained(damaged_run / "final")

@@ -101,7 +101,6 @@ class MetricsLog:
     def __init__(self, accelerator: Accelerator, out_dir: str | Path, resume_step: int | None) -> None:
         self.accelerator = accelerator
         self.path = RunDir(out_dir).metrics_file
-        self.last_val: tuple[int, float] | None = None  # (step, validation loss) last logged, for the run's end
         if accelerator.is_main_process:
             self._truncate_after(resume_step or 0)
 
@@ -116,8 +115,6 @@ class MetricsLog:
         if not self.accelerator.is_main_process or not values:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()}
-        if "val_loss" in values:
-            self.last_val = (step, values["val_loss"])
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **clean}) + "\n")
         numeric = {k: v for k, v in clean.items() if isinstance(v, (int, float))}

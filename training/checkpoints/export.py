@@ -2,7 +2,6 @@
 `final_adapter/`, the adapter as a PEFT folder; its `final/` holds the base with the adapter merged in."""
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -15,7 +14,6 @@ from common.atomic import fresh_temp_dir, rename_into_place, write_failure
 from common.errors import UserError
 from common.run_dir import RunDir
 from common.weights import Weights
-from eval.hellaswag_data import SAMPLE_FILE
 from model import GPTConfig
 from model.lora import has_adapters
 from model.pretrained import save_state_dict, strip_wrapper_prefixes
@@ -26,14 +24,11 @@ from training.distributed.pipeline import PipelinedGPT
 
 
 def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConfig, run: RunDir,
-                 last_val: tuple[int, float] | None = None, init_weights: Weights | None = None,
-                 tensor_parallel: int = 1, hellaswag_data: str | None = None) -> None:
-    """Write `final/` atomically from the trained weights, then print where it is, the last validation loss
-    (`last_val`: step, loss) and what to run next. Call on every rank.
+                 init_weights: Weights | None = None, tensor_parallel: int = 1) -> None:
+    """Write `final/` atomically from the trained weights, then print where it is. Call on every rank.
 
-    `init_weights` is the base a LoRA run's `final_adapter/` names. `hellaswag_data` is the run's HellaSwag file, if
-    any, for the suggested command. `tensor_parallel` is the run's degree, whose head-group order of `c_attn` is
-    undone: `final/` has Hugging Face's layout whatever the degree."""
+    `init_weights` is the base a LoRA run's `final_adapter/` names. `tensor_parallel` is the run's degree, whose
+    head-group order of `c_attn` is undone: `final/` has Hugging Face's layout whatever the degree."""
     module = unwrapped(model)
     if has_adapters(module):  # LoRA (DDP only): the adapter first, final/ last marks the end
         if accelerator.is_main_process:
@@ -44,7 +39,6 @@ def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConf
             _write(run, run.final, lambda tmp: merged(module).save_pretrained(tmp, overwrite=True))
             accelerator.print(f"final model (adapter merged) written to {run.final}, the adapter to "
                               f"{run.final_adapter}")
-            accelerator.print(next_steps(run, last_val, hellaswag_data))
         return
     # The whole weights on the main process: gathered to the CPU under FSDP and ZeRO (DeepSpeed's fp32 master copy),
     # or from a pipeline's stages. They are written as they are: no second model holds a copy.
@@ -53,22 +47,6 @@ def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConf
         state_dict = natural_order(strip_wrapper_prefixes(state_dict), arch.n_embd, tensor_parallel)
         _write(run, run.final, lambda tmp: save_state_dict(state_dict, arch, tmp, overwrite=True))
         accelerator.print(f"final model written to {run.final}")
-        accelerator.print(next_steps(run, last_val, hellaswag_data))
-
-
-def next_steps(run: RunDir, last_val: tuple[int, float] | None, hellaswag_data: str | None = None) -> str:
-    """The run's last line but one: its validation loss and the commands to run next. Each runs as written, offline
-    too: HellaSwag reads the run's `--hellaswag_data`, else the items the repository ships, not the Hub."""
-    result = f"validation loss {last_val[1]:.4f} at step {last_val[0]}; " if last_val else ""
-    if hellaswag_data:
-        hellaswag = f"--data {hellaswag_data}"
-    else:
-        shown = os.path.relpath(SAMPLE_FILE)
-        items = len(SAMPLE_FILE.read_text().splitlines())
-        hellaswag = (f"--data {SAMPLE_FILE if shown.startswith('..') else shown} ({items} shipped items, a try; "
-                     "without --data, the Hub's validation set)")
-    return (f"{result}next: python -m model.sample --model {run.path} --prompt \"...\", python -m eval.hellaswag "
-            f"--model {run.path} {hellaswag}, python -m publish.hub --run_dir {run.path} --hub_model_id <user>/<name>")
 
 
 def _write(run: RunDir, folder: Path, write: Callable[[Path], None]) -> None:
