@@ -92,8 +92,7 @@ def train(cfg: TrainConfig) -> None:
             plan = plan_optimizers(cfg.optim, cfg.model, cfg.added)
             # The shapes are known from the flags when training from scratch; --init_from's are checked once loaded.
             shapes = (cfg.model.n_head, cfg.model.n_embd) if cfg.model.from_scratch else ()
-            layout = Layout.of_launch(cfg.training.tensor_parallel, *shapes,
-                                      pipeline_parallel=cfg.training.pipeline_parallel,
+            layout = Layout.of_launch(cfg.parallelism, *shapes,
                                       n_layer=cfg.model.n_layer if cfg.model.from_scratch else None)
             geometry = BatchGeometry.of_launch(cfg.training, cfg.model.block_size, layout.data_parallel_size)
             trackers = trackers_for(cfg.log.report_to)
@@ -104,12 +103,12 @@ def train(cfg: TrainConfig) -> None:
         # From here a rank may fail alone (a file it reads), so the ranks agree on errors before going on.
         with shared_across_ranks(accelerator):
             layout = layout.running(accelerator)
-            engine = layout.engine
-            refuse_unsupported(engine, accelerator, plan.kind, bool(cfg.model.lora_rank), cfg.training.on_nan,
+            parallelism = layout.parallelism
+            refuse_unsupported(parallelism, accelerator, plan.kind, bool(cfg.model.lora_rank), cfg.training.on_nan,
                                cfg.training.activation_checkpointing, cfg.training.grad_clip)
             refuse_while_another_run_writes(run, accelerator.is_main_process)
             resume = find_resume_point(cfg.run.resume, run.path)
-            move = checkpoint_move(resume, engine, accelerator.num_processes, plan)
+            move = checkpoint_move(resume, parallelism, accelerator.num_processes, plan)
             uploads = HubUploads(cfg.hub, run, cfg.run.save_every, accelerator.is_main_process)
             # Identical initial weights on every rank.
             set_seed(cfg.training.seed)
@@ -146,12 +145,12 @@ def train(cfg: TrainConfig) -> None:
 
         metrics = open_run_folder(accelerator, run, resume, progress, recipe, cfg.log.wandb_project, cfg.log.run_name)
         checkpoints = Checkpointer(accelerator, run, arch, plan.names, cfg.run.keep_last, healthy=evals.finite_loss,
-                                   engine=engine, trained=optimizers)
+                                   engine=parallelism, trained=optimizers)
         nan_policy = NonFinitePolicy(cfg.training.on_nan, cfg.training.max_nan_skips, run, accelerator)
         schedule = LRSchedule(cfg.optim.warmup_steps, max_steps, cfg.optim.min_lr_ratio)
         report = StepReport(cfg.log, accelerator, max_steps, progress.step, geometry.tokens_per_step, flops_per_token,
                             clock)
-        accelerator.print(run_header(accelerator, engine, model, n_params, geometry, plan, cfg.training.grad_clip,
+        accelerator.print(run_header(accelerator, parallelism, model, n_params, geometry, plan, cfg.training.grad_clip,
                                      cfg.model.lora_summary,
                                      source.describe(), Attempt.of_launch().describe(),
                                      runs_here(Asked.of_environment(), Machine.this())))
@@ -208,7 +207,7 @@ def train(cfg: TrainConfig) -> None:
         # checkpoint, so its memory goes to the export.
         if finished := progress.step == max_steps:
             release_optimizer_state(optimizers)
-            export_final(accelerator, model, arch, run, init_weights, tensor_parallel=layout.tensor_parallel)
+            export_final(accelerator, model, arch, run, init_weights, parallelism=parallelism)
             accelerator.print(evals.next_steps(run.path))
             if accelerator.is_main_process:
                 write_card(run.path, hub_model_id=cfg.hub.hub_model_id if cfg.hub.push_to_hub else None)

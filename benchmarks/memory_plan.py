@@ -27,8 +27,9 @@ import subprocess
 import sys
 
 from common.cli import CliParser
-from common.engine_names import DDP, DEEPSPEED, FSDP, column
+from common.engine_names import DDP, DEEPSPEED, FSDP
 from common.errors import UserError, run_cli
+from common.parallelism import Parallelism
 from model.config import SIZES
 from model.loss import describe_loss_path
 from planner import (
@@ -176,8 +177,8 @@ def table(device_gb: float, loss_chunk_rows: int | None = None) -> None:
           f"FSDP2 and DeepSpeed: bf16 parameters), AdamW, eager, {describe_loss_path(rows)}, gradients held between "
           "micro-steps; computed by benchmarks.memory_plan (1 GiB + 10% kept free), not measured")
     # the support table's column names (training.distributed.support), each engine's layout over 8 processes
-    engines = {column(DDP): Layout(8), column(FSDP): Layout(8, FSDP),
-               **{column(DEEPSPEED, stage): Layout(8, DEEPSPEED, stage) for stage in (1, 2, 3)}}
+    engines = {p.column: Layout(8, p) for p in (Parallelism(DDP), Parallelism(FSDP),
+                                                *(Parallelism(DEEPSPEED, stage) for stage in (1, 2, 3)))}
     print("| model | " + " | ".join(f"{e} | {e} + AC" for e in engines) + " |")
     print("| --- " * (1 + 2 * len(engines)) + "|")
     for name in TABLE_MODELS:
@@ -249,7 +250,7 @@ def main() -> int:
         raise UserError(f"--model {args.model!r} is not a size the planner knows; choose one of {', '.join(SIZES)}")
     config = model_config(args.model, args.block_size)
     engine = DEEPSPEED if args.zero else FSDP if args.fsdp else DDP
-    layout = Layout(args.processes, engine, args.zero, tensor_parallel=args.tensor_parallel)
+    layout = Layout(args.processes, Parallelism(engine, args.zero, tensor_parallel=args.tensor_parallel))
     launch = Launch(args.micro_batch_size, layout, activation_checkpointing=args.activation_checkpointing,
                     optimizer=args.optimizer, dtype=args.dtype, accumulation=args.accumulation, device=args.device,
                     loss_chunk_rows=args.loss_chunk_rows, grad_clip=args.grad_clip)

@@ -11,13 +11,15 @@ None means (`tests/test_cli.py` checks every field's help).
 """
 from __future__ import annotations
 
+import functools
 import math
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any
 
 from common.errors import UserError
+from common.parallelism import DEGREES, Degree
 from common.resume_rules import ACCEPTED, CHECKED, NOT_COMPARED, RESTORED, SCHEDULE, Refused, flag, resume_rule
 from data.settings import DataConfig, check_val_tokens
 
@@ -197,16 +199,9 @@ class TrainingConfig:
                                              "(inside the compiled model when compiled), N = the logits of N tokens "
                                              "at a time (less memory); default: the device's, 512 on a CPU, 0 on a "
                                              "GPU", ACCEPTED)
-    tensor_parallel: int = flag(1, "split each block's matrices over groups of N processes (tensor parallelism, "
-                                   "with FSDP2 across the groups: needs an FSDP2 accelerate config); N must divide "
-                                   "n_head and the processes; 1 = none", CHECKED)
-    pipeline_parallel: int = flag(1, "put the blocks on N processes in turn (pipeline parallelism, 1F1B over the "
-                                     "step's micro-batches, which must be at least N; a DDP accelerate config); "
-                                     "N must divide the processes; 1 = none", ACCEPTED)
 
     def __post_init__(self) -> None:
-        _positive(self, "total_batch_size", "micro_batch_size", "max_steps", "max_nan_skips", "tensor_parallel",
-                  "pipeline_parallel")
+        _positive(self, "total_batch_size", "micro_batch_size", "max_steps", "max_nan_skips")
         _finite(self)
         if self.grad_clip < 0:
             raise UserError(f"--grad_clip must be 0 (no clipping) or more (the max gradient norm), got "
@@ -218,6 +213,23 @@ class TrainingConfig:
         if self.loss_chunk_rows is not None and self.loss_chunk_rows < 0:
             raise UserError(f"--loss_chunk_rows must be 0 (the full logits) or a number of rows per chunk, got "
                             f"{self.loss_chunk_rows}; pass 0 or e.g. 512, or leave it out for the device's default")
+
+
+def parallelism_group() -> type:
+    """The launch's degrees as a flag group: `--NAME N` for each registered degree (`common.parallelism.DEGREES`
+    declares its help and its resume rule; 1 = not split). Built from the registry when the flags are read, so a
+    degree registered later (a test's toy) has its flag. `Parallelism.of_flags` reads it."""
+    return _degree_flags(tuple(DEGREES.values()))
+
+
+@functools.cache  # one class per set of degrees: two configs of the same flags compare equal
+def _degree_flags(degrees: tuple[Degree, ...]) -> type:
+    def check(self: Any) -> None:
+        _positive(self, *(degree.name for degree in degrees))
+
+    return make_dataclass("ParallelismConfig", [(d.name, int, flag(1, d.help, d.resume)) for d in degrees],
+                          namespace={"_argument_group_name": "parallelism", "__post_init__": check,
+                                     "__doc__": "How the launch splits the model over its processes."})
 
 
 # AdamW's peak learning rate when --lr is not given, by what trains (measured: docs/benchmarks.md). From scratch
@@ -337,10 +349,11 @@ class PresetConfig:
         _non_empty(self, "config")
 
 
-# The groups in command-line order; `TrainConfig` has one attribute per group, named as here.
+# The groups in command-line order; `TrainConfig` has one attribute per group, named as here. The degrees' group is
+# rebuilt from their registry whenever all the groups are asked for (`all_groups`).
 GROUPS: dict[str, type] = {"preset": PresetConfig, "run": RunConfig, "model": ModelConfig, "data": DataConfig,
-                           "training": TrainingConfig, "optim": OptimConfig, "eval": EvalConfig, "log": LogConfig,
-                           "hub": HubConfig}
+                           "training": TrainingConfig, "parallelism": parallelism_group(), "optim": OptimConfig,
+                           "eval": EvalConfig, "log": LogConfig, "hub": HubConfig}
 # Groups that a component above this package declares for itself and adds when it is imported (each optimizer's and
 # each evaluation's own flags: `training.optimizers.registry`, `training.evaluations.registry`); they follow GROUPS on
 # the command line and in config.yaml.
@@ -361,8 +374,9 @@ def remove_group(name: str) -> None:
 
 
 def all_groups() -> dict[str, type]:
-    """Every flag group, in command-line order: this package's, then the added ones."""
-    return {**GROUPS, **ADDED}
+    """Every flag group, in command-line order: this package's (the degrees' as registered now), then the added
+    ones."""
+    return {**GROUPS, "parallelism": parallelism_group(), **ADDED}
 
 
 @dataclass
@@ -374,6 +388,7 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallelism: Any = field(default_factory=lambda: parallelism_group()())  # `parallelism_group`
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)

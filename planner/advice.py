@@ -20,7 +20,7 @@ def resized(config: GPTConfig, launch: Launch, micro_batch_size: int, processes:
     if launch.total_batch_size is None:
         return replace(launch, micro_batch_size=micro_batch_size, layout=layout)
     data_parallel = layout.data_parallel_size  # the ranks reading other batches: a TP group or a pipeline reads one
-    if layout.world_size % layout.model_parallel or not BatchGeometry.divides(
+    if layout.world_size % layout.parallelism.model_parallel or not BatchGeometry.divides(
             launch.total_batch_size, micro_batch_size, config.block_size, data_parallel):
         return None
     geometry = BatchGeometry.for_total(launch.total_batch_size, micro_batch_size, config.block_size, data_parallel)
@@ -55,7 +55,7 @@ class Spelling:
     def engine(self, layout: Layout) -> str:
         """How the advice names the engine of `layout` (a sharded one): FSDP2 by the setting that launches it
         (`fsdp`), DeepSpeed by its name (the launch keeps its own config)."""
-        return self.fsdp if layout.kind == FSDP else layout.describe()
+        return self.fsdp if layout.parallelism.kind == FSDP else layout.describe()
 
 
 
@@ -87,11 +87,11 @@ def advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: Spell
     if not launch.optimizer_shards and layout.world_size > 1:
         return f"micro-batch {B} {where}, even at micro-batch 1; use --optimizer adamw with {spelling.fsdp} " \
                f"({launch.optimizer_spec.display} is refused under FSDP)"
-    if layout.pipelined:  # more stages: each holds fewer blocks
-        more, doubled = 2 * layout.pipeline_parallel, 2 * layout.world_size
-        fits = more <= config.n_layer and (candidate := resized(config, replace(
-            launch, layout=replace(layout, world_size=doubled, pipeline_parallel=more)), B)) is not None \
-            and plan_memory(config, candidate).fits(device_bytes)
+    if layout.parallelism.pipelined:  # more stages: each holds fewer blocks
+        more, doubled = 2 * layout.parallelism.pipeline_parallel, 2 * layout.world_size
+        staged = Layout(doubled, layout.parallelism.with_sizes(pipeline_parallel=more))
+        candidate = resized(config, replace(launch, layout=staged), B) if more <= config.n_layer else None
+        fits = candidate is not None and plan_memory(config, candidate).fits(device_bytes)
         return f"micro-batch {B} {where}, even at micro-batch 1" + (
             f"; split it into {more} stages (--pipeline_parallel {more}, {doubled} processes)"
             if fits else "; use a larger device")
@@ -115,7 +115,7 @@ def _cpu_advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: 
     processes share this machine's memory (`device_bytes` is each one's share), so more of them bring no more of it,
     and fewer bring more to each: one process, if it then fits; else more memory than this machine has."""
     B, layout = launch.micro_batch_size, launch.layout
-    if layout.world_size > 1 and layout.model_parallel == 1:
+    if layout.world_size > 1 and layout.parallelism.model_parallel == 1:
         for checkpointing in (launch.activation_checkpointing, True):
             alone = resized(config, replace(launch, activation_checkpointing=checkpointing), B, 1)
             mb = largest_micro_batch(config, alone, device_bytes * layout.world_size, B) if alone else 0

@@ -95,9 +95,8 @@ def exit_after_plan(cfg):
                         "--n_layer, --n_head, --n_embd")
     machine = Machine.this()
     env = launch_environment(machine)
-    layout = Layout.of_launch(cfg.training.tensor_parallel, config.n_head, config.n_embd,  # refused as a run would
-                              world_size=int(env["processes"]), pipeline_parallel=cfg.training.pipeline_parallel,
-                              n_layer=config.n_layer)
+    layout = Layout.of_launch(cfg.parallelism, config.n_head, config.n_embd,  # refused as a run would
+                              world_size=int(env["processes"]), n_layer=config.n_layer)
     geometry = BatchGeometry.for_total(cfg.training.total_batch_size, cfg.training.micro_batch_size,
                                        config.block_size, layout.data_parallel_size)  # the run's rule
     launch = Launch(geometry.micro_batch_size, layout, activation_checkpointing=cfg.training.activation_checkpointing,

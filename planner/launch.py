@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from common.engine_names import FSDP
 from common.errors import UserError
+from common.parallelism import Parallelism
 from model.loss import default_loss_chunk_rows
 from training.distributed.layout import Layout
 from training.distributed.support import conditions, refusal
@@ -48,7 +49,7 @@ class Shards:
 @dataclass(frozen=True)
 class Launch:
     """What a training process does with the model: its batch, its layout (the processes, the engine, the degrees:
-    `Launch(4, Layout(8, FSDP, tensor_parallel=2))`), its precision."""
+    `Launch(4, Layout(8, Parallelism(FSDP, tensor_parallel=2)))`), its precision."""
 
     micro_batch_size: int
     layout: Layout = Layout()
@@ -74,7 +75,7 @@ class Launch:
     @property
     def bubble(self) -> float:
         """The share of a pipelined step its stages wait (1F1B): (stages - 1) / (micro-batches + stages - 1)."""
-        n = self.layout.pipeline_parallel
+        n = self.layout.parallelism.pipeline_parallel
         return (n - 1) / (self.accumulation + n - 1)
 
     @property
@@ -90,7 +91,7 @@ class Launch:
     @property
     def optimizer_shards(self) -> bool:
         """Whether the optimizer runs under FSDP2 (the planner's first advice when a replica does not fit)."""
-        return refusal(f"--optimizer {self.optimizer}", FSDP) is None
+        return refusal(f"--optimizer {self.optimizer}", Parallelism(FSDP)) is None
 
     @property
     def bf16_parameters(self) -> bool:
@@ -120,5 +121,6 @@ class Launch:
         if self.device not in DEVICES:
             raise UserError(f"device {self.device!r} is not one the planner knows; use cuda or cpu")
         self.layout.check()  # the run's refusals, in its words
-        if line := self.layout.engine.refusal(f"--optimizer {self.optimizer}", conditions(self.grad_clip)):
+        if line := refusal(f"--optimizer {self.optimizer}", self.layout.parallelism,
+                           settings=conditions(self.grad_clip)):
             raise UserError(line)

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from common.errors import UserError
+from common.parallelism import Parallelism
 from configs import EvalConfig
 from model.config import GPTConfig
 from model.loss import LOSS_CHUNK_ROWS
@@ -98,10 +99,10 @@ class ParamCounts:
                    embeddings=(config.padded_vocab_size + config.block_size) * C, final_norm=norm)
 
     @classmethod
-    def per_stage(cls, config: GPTConfig, stages: int, stage: int) -> ParamCounts:
-        """What pipeline stage `stage` of `stages` holds (`model.pipeline`): its blocks; the embeddings on the first;
-        ln_f and the tied output layer's copy of the token embedding on the last."""
-        whole = cls.of(config)
+    def per_stage(cls, config: GPTConfig, parallelism: Parallelism, stage: int) -> ParamCounts:
+        """What pipeline stage `stage` of `parallelism`'s holds (`model.pipeline`): its blocks; the embeddings on the
+        first; ln_f and the tied output layer's copy of the token embedding on the last."""
+        whole, stages = cls.of(config), parallelism.pipeline_parallel
         share = len(stage_blocks(config.n_layer, stages)[stage]) / config.n_layer
         first, last = stage == 0, stage == stages - 1
         wte = config.padded_vocab_size * config.n_embd
@@ -110,10 +111,10 @@ class ParamCounts:
                    final_norm=whole.final_norm if last else 0)
 
     @classmethod
-    def per_rank(cls, config: GPTConfig, tensor_parallel: int) -> ParamCounts:
+    def per_rank(cls, config: GPTConfig, parallelism: Parallelism) -> ParamCounts:
         """What one rank of a tensor-parallel group holds (`model.tensor_parallel`'s plan): 1/degree of the blocks'
         matrices and of the column-wise layers' biases (c_attn's 3C, c_fc's 4C), the rest whole."""
-        whole = cls.of(config)
+        whole, tensor_parallel = cls.of(config), parallelism.tensor_parallel
         if tensor_parallel == 1:
             return whole
         split_biases = config.n_layer * 7 * config.n_embd if config.bias else 0
@@ -181,7 +182,7 @@ def activation_bytes_per_layer(config: GPTConfig, launch: Launch) -> int:
     a = 2 if launch.dtype == "bf16" else 4
     r = _residual_bytes(launch)
     btc = B * T * C
-    tp = launch.layout.tensor_parallel  # splits q, k, v, SDPA's output and the GELU's (12a BTC) and the logsumexp
+    tp = launch.layout.parallelism.tensor_parallel  # splits q, k, v, SDPA's output, the GELU's (12a BTC), logsumexp
     saved = btc * (2 * r + 2 * a) + btc * 12 * a // tp + 4 * (4 * B * T) + 4 * B * H * T // tp
     if config.dropout > 0:
         saved += 2 * btc  # one-byte masks after attention and after the MLP
@@ -208,15 +209,15 @@ def plan_memory(config: GPTConfig, launch: Launch, process_bytes: int = CPU_PROC
     Under pipeline parallelism, the plan of the fuller of the first stage (the embeddings, and under 1F1B the
     activations of as many micro-batches in flight as there are stages) and the last (the loss, the output layer's
     copy); `stage`: that stage's plan."""
-    layout = launch.layout
-    stages = layout.pipeline_parallel
-    if layout.pipelined and stage is None:
+    layout, parallelism = launch.layout, launch.layout.parallelism
+    stages = parallelism.pipeline_parallel
+    if parallelism.pipelined and stage is None:
         return max((plan_memory(config, launch, process_bytes, s) for s in (0, stages - 1)), key=lambda p: p.peak)
-    if (problem := split_problem(config.n_head, config.n_embd, layout.tensor_parallel)) is not None:
-        raise UserError(f"tensor parallel {layout.tensor_parallel} cannot split this model: {problem}; plan a degree "
-                        "that divides n_head")
-    counts = ParamCounts.per_rank(config, layout.tensor_parallel) if stage is None else \
-        ParamCounts.per_stage(config, stages, stage)
+    tp = parallelism.tensor_parallel
+    if (problem := split_problem(config.n_head, config.n_embd, tp)) is not None:
+        raise UserError(f"tensor parallel {tp} cannot split this model: {problem}; plan a degree that divides n_head")
+    counts = ParamCounts.per_rank(config, parallelism) if stage is None else \
+        ParamCounts.per_stage(config, parallelism, stage)
     P = counts.total
     shards = launch.shards
     B, T, C, V = launch.micro_batch_size, config.block_size, config.n_embd, config.padded_vocab_size
@@ -476,7 +477,7 @@ def plan_run(config: GPTConfig, launch: Launch, run: RunPhases) -> RunPlan:
         settings[spec.name] = "--eval_batch_size"
     host = launch.device == "cpu"
     gathered = []
-    if launch.layout.pipelined:  # the whole model's files, gathered on the main process's host memory
+    if launch.layout.parallelism.pipelined:  # the whole model's files, gathered on the main process's host memory
         whole = ParamCounts.of(config).total
         state = launch.optimizer_spec.state_bytes_of(whole, ParamCounts.of(config).block_matrices)
         gathered = [Item("gathered whole model", (4 * whole + state)
@@ -484,7 +485,7 @@ def plan_run(config: GPTConfig, launch: Launch, run: RunPhases) -> RunPlan:
                          + ("" if host else " (host memory)"))]
     phases["checkpoint save"] = kept + [evaluation(1, T, "the health check: one window")] + gathered
     settings["checkpoint save"] = "the weights themselves"
-    exported = ParamCounts.of(config) if launch.layout.pipelined else counts  # what the main process writes
+    exported = ParamCounts.of(config) if launch.layout.parallelism.pipelined else counts  # what the main process writes
     transposed = Item("export's transposed matrices", 4 * exported.block_matrices if host else 0,
                       "GPT-2's Conv1D layout in the file" + ("" if host else " (host memory)"))
     phases["export"] = [i for i in kept if i.name != "optimizer state"] + [transposed] + \

@@ -27,7 +27,7 @@ def render(plan: MemoryPlan, device_bytes: int, spelling: Spelling | None = None
         + (", recomputed: only its input is kept" if l_.activation_checkpointing else "") + ")",
     ]
     if plan.stage is not None:
-        n = l_.layout.pipeline_parallel
+        n = l_.layout.parallelism.pipeline_parallel
         lines.append(f"  pipeline: planned for stage {plan.stage} of {n} (the fuller of the first and the last); the "
                      f"bubble: {n - 1} / ({l_.accumulation} micro-batches + {n - 1}) = {l_.bubble:.0%} of each step "
                      "idle")

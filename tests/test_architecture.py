@@ -217,7 +217,8 @@ def test_the_planner_is_one_way_inside():
 # on the engine's identity belongs in training/distributed/ or the checkpoint code (each engine's format).
 ENGINE_BRANCH = re.compile(r"\.kind\s*[!=]=|distributed_type\s*[!=]=|isinstance\([^)]*PipelinedGPT|"
                            r"tensor_parallel\s*>\s*1|pipeline_parallel\s*>\s*1|zero_stage\s*(?:[!=<>]=?|in\b)")
-ENGINE_HOMES = ("training/distributed/", "training/checkpoints/", "common/engine_names.py", "tests/", "benchmarks/")
+ENGINE_HOMES = ("training/distributed/", "training/checkpoints/", "common/engine_names.py", "common/parallelism.py",
+                "tests/", "benchmarks/")
 ENGINE_BRANCHES_ALLOWED = 2  # issue 54 asked for at most 8; two remain: the advice's spelling, the pipeline step
 
 
@@ -244,3 +245,66 @@ def test_the_engine_is_asked_through_the_layout():
     `zero=engine.kind == DEEPSPEED` in train.py failed it at 3."""
     found = engine_branches()
     assert len(found) <= ENGINE_BRANCHES_ALLOWED, "\n".join(found)
+
+
+# ---- what a new degree touches ---------------------------------------------------------------------------------
+# A degree is declared once, as a `common.parallelism.Degree`; tests/test_degrees.py proves that a registered toy
+# reaches the flags, the header, the support table, the layout's refusals, the planner and the resume rules with no
+# other file. What a real degree touches besides is its own modules (named after it) and each file that asks a
+# launch for it by name. docs/architecture.md states the larger count of the built-in degrees.
+PRODUCT = ("common", "data", "model", "configs", "eval", "training", "planner", "publish", "train.py")
+DEGREE_FILES_AT_MOST = 8  # issue 61: a next degree touched about 13 files
+
+
+def names_of(degree) -> tuple[set[str], set[str]]:
+    """How the code asks a launch for `degree` by name: as an attribute or keyword (its flag's name, and each
+    property of `Parallelism` whose code reads it, e.g. `pipelined`), or by its constant in common/parallelism.py."""
+    import inspect
+
+    from common import parallelism
+
+    constants = {key for key, value in vars(parallelism).items() if value is degree}
+    attributes = {degree.name}
+    for key, value in vars(parallelism.Parallelism).items():
+        if isinstance(value, property) and re.search(rf"\b({'|'.join(attributes | constants)})\b",
+                                                     inspect.getsource(value.fget)):
+            attributes.add(key)
+    return attributes, constants
+
+
+def degree_files(degree) -> list[str]:
+    """The product files `degree` touches: its own modules (`pipeline.py` for `pipeline_parallel`), and each file
+    that asks a launch for it by name (`names_of`), its declaration included. A file that only calls into its
+    modules (train.py's `split(...)`) is not counted."""
+    attributes, constants = names_of(degree)
+    found = set()
+    for path in project_files(suffix=".py"):
+        rel = path.relative_to(REPO_ROOT).as_posix()
+        if not rel.startswith(PRODUCT):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), rel)):
+            if (isinstance(node, ast.Attribute) and node.attr in attributes) or \
+                    (isinstance(node, (ast.keyword, ast.arg)) and node.arg in attributes) or \
+                    (isinstance(node, ast.Name) and node.id in constants) or \
+                    (isinstance(node, ast.alias) and node.name in constants):
+                found.add(rel)
+                break
+        if path.stem in (degree.name, degree.name.split("_")[0]):
+            found.add(rel)
+    return sorted(found)
+
+
+def test_a_new_degree_touches_the_files_the_architecture_page_says():
+    """Seen to catch: `def degrees(tensor_parallel: int = 1)` put back into common/engine_names.py (a ninth file for
+    tensor parallelism), and the page's row left at its former "about 7"."""
+    from common.parallelism import DEGREES, PIPELINE, TENSOR
+
+    counts = {degree.name: degree_files(degree) for degree in DEGREES.values() if degree in (TENSOR, PIPELINE)}
+    assert set(counts) == {"tensor_parallel", "pipeline_parallel"}
+    most = max(len(files) for files in counts.values())
+    assert most <= DEGREE_FILES_AT_MOST, counts
+    row = next(line for line in (REPO_ROOT / "docs/architecture.md").read_text().splitlines()
+               if line.startswith("| degree, e.g. context parallelism |"))
+    assert row.split("|")[2].strip() == str(most), (row, counts)
+    # The count can fail: a file that asks for the pipeline by name is one more.
+    assert "training/distributed/layout.py" in counts["pipeline_parallel"]

@@ -28,7 +28,8 @@ from conftest import (
 )
 
 from common.errors import UserError
-from training.distributed.engines import Engine, fit_deepspeed, refuse_unsupported
+from common.parallelism import Parallelism
+from training.distributed.engines import fit_deepspeed, refuse_unsupported
 
 ENGINES = ["fsdp_8gpu", "zero1_8gpu", "zero2_8gpu", "zero3_8gpu"]
 
@@ -193,7 +194,7 @@ def test_a_deepspeed_launch_on_a_cpu_meets_the_same_checks(monkeypatch):
 
 # ---- refusals, in process ------------------------------------------------------------------------------------
 
-def _accelerator(engine: Engine, config: dict | None = None, fsdp_ac: bool = False) -> SimpleNamespace:
+def _accelerator(engine: Parallelism, config: dict | None = None, fsdp_ac: bool = False) -> SimpleNamespace:
     plugin = SimpleNamespace(deepspeed_config=config or {}, zero_stage=engine.zero_stage)
     kind = {"deepspeed": DistributedType.DEEPSPEED, "fsdp": DistributedType.FSDP}.get(engine.kind,
                                                                                       DistributedType.MULTI_CPU)
@@ -202,8 +203,8 @@ def _accelerator(engine: Engine, config: dict | None = None, fsdp_ac: bool = Fal
                            num_processes=2, distributed_type=kind)
 
 
-ZERO = {stage: Engine("deepspeed", stage) for stage in (1, 2, 3)}
-FSDP, DDP = Engine("fsdp"), Engine("ddp")
+ZERO = {stage: Parallelism("deepspeed", stage) for stage in (1, 2, 3)}
+FSDP, DDP = Parallelism("fsdp"), Parallelism("ddp")
 
 
 @pytest.mark.parametrize("engine", [FSDP, *ZERO.values()], ids=lambda e: e.name)

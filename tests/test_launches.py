@@ -235,9 +235,10 @@ def test_tensor_parallel_on_a_cpu_says_no_launch_here_runs_it(monkeypatch, name)
     fsdp_8gpu.yaml on a CPU said "launch with accelerate_configs/cpu_2proc.yaml ..., which trains the same run", and
     cpu_2proc.yaml refused tensor parallelism. Now each hop says that no launch on this machine runs it.
 
-    Seen to catch: `tensor_parallel_here` answering None (the three DDP hops fail); `_FIX` without its tensor-parallel
-    clause (the fsdp_8gpu hop fails)."""
+    Seen to catch: `tensor_parallel_here` (now `degree_here`) answering None (the three DDP hops fail); `_FIX`
+    without its tensor-parallel clause (the fsdp_8gpu hop fails)."""
     from common.errors import UserError
+    from common.parallelism import Parallelism
     from training.distributed.layout import Layout
     from training.distributed.machine import Machine, check_launch
 
@@ -247,7 +248,7 @@ def test_tensor_parallel_on_a_cpu_says_no_launch_here_runs_it(monkeypatch, name)
     with pytest.raises(UserError) as err:
         if name == "fsdp_8gpu":  # refused as a launch before the layout is read
             check_launch(machine=Machine(gpus=0, cores=2))
-        Layout.checked(world, "ddp", tensor_parallel=2, machine=Machine(gpus=0, cores=2))
+        Layout(world, Parallelism("ddp", tensor_parallel=2)).check(Machine(gpus=0, cores=2))
     line = str(err.value)
     if name == "fsdp_8gpu":
         assert "cpu_2proc.yaml (DDP on gloo), which trains the same run unsharded (without --tensor_parallel, which " \
@@ -255,7 +256,7 @@ def test_tensor_parallel_on_a_cpu_says_no_launch_here_runs_it(monkeypatch, name)
     else:
         assert line == TP_ON_THIS_CPU.removeprefix("error: ")
     with pytest.raises(UserError, match="launch with accelerate_configs/fsdp_8gpu.yaml, or leave out"):
-        Layout.checked(world, "ddp", tensor_parallel=2, machine=Machine(gpus=8, cores=16))  # a GPU machine: FSDP2
+        Layout(world, Parallelism("ddp", tensor_parallel=2)).check(Machine(gpus=8, cores=16))  # a GPU machine: FSDP2
 
 
 # ---- DeepSpeed imported only where it runs ---------------------------------------------------------------------

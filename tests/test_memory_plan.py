@@ -15,6 +15,7 @@ from conftest import REPO_ROOT
 from benchmarks.memory_plan import measure_in_subprocess
 from common.engine_names import DDP, DEEPSPEED, FSDP
 from common.errors import UserError, run_cli
+from common.parallelism import Parallelism
 from configs import parse_config
 from model import GPT, GPTConfig
 from planner import (
@@ -82,7 +83,8 @@ def test_hand_computed_gpt2_xl_plan():
     assert items["bf16 weight copies"] == 2 * (48 * 12 * 1600**2 + 50304 * 1600)
     assert items["activations"] == 48 * per_layer + 4 * btc + 8 * 4 * 1024
     # FSDP over 8: the states are an eighth, plus the root and two blocks unsharded in bf16
-    sharded = {i.name: i.bytes for i in plan_memory(config, Launch(4, Layout(8, FSDP), loss_chunk_rows=512)).items}
+    fsdp = Launch(4, Layout(8, Parallelism(FSDP)), loss_chunk_rows=512)
+    sharded = {i.name: i.bytes for i in plan_memory(config, fsdp).items}
     assert sharded["parameters"] == 4 * P // 8 and sharded["optimizer state"] == 8 * P // 8
     assert sharded["FSDP2 unsharded in flight"] == 2 * ((50304 + 1024) * 1600 + 2 * 1600 + 2 * (P - (50304 + 1024)
                                                                                              * 1600 - 3200) // 48)
@@ -140,21 +142,23 @@ def test_tensor_parallel_splits_the_blocks_and_their_activations_by_hand():
     config = model_config("gpt2", 1024)
     L, C, T = 12, 768, 1024
     whole = ParamCounts.of(config)
-    split = ParamCounts.per_rank(config, 4)
+    split = ParamCounts.per_rank(config, Parallelism(FSDP, tensor_parallel=4))
     assert split.block_matrices == L * 12 * C * C // 4
     assert split.block_vectors == whole.block_vectors - L * 7 * C + L * 7 * C // 4  # c_attn's 3C, c_fc's 4C split
     assert (split.embeddings, split.final_norm) == (whole.embeddings, whole.final_norm)  # replicated
-    launch = Launch(4, Layout(8, FSDP, tensor_parallel=4))
+    launch = Launch(4, Layout(8, Parallelism(FSDP, tensor_parallel=4)))
     btc = 4 * T * C
     assert activation_bytes_per_layer(config, launch) == btc * (2 * 2 + 2 * 2) + btc * 12 * 2 // 4 + 16 * 4 * T \
         + 4 * 4 * 12 * T // 4  # bf16 residual (FSDP2's bf16 parameters), activations bf16
     items = {i.name: i.bytes for i in plan_memory(config, launch).items}
     assert items["parameters"] == 4 * split.total // 2 and launch.shards.parameters == 2
-    assert plan_memory(config, launch).peak < plan_memory(config, Launch(4, Layout(8, FSDP))).peak
+    assert plan_memory(config, launch).peak < plan_memory(config, Launch(4, Layout(8, Parallelism(FSDP)))).peak
     with pytest.raises(UserError, match="n_head 12 is not divisible by 5"):
-        plan_memory(config, Launch(4, Layout(10, FSDP, tensor_parallel=5)))
-    for layout, words in ((Layout(8, FSDP, tensor_parallel=3), "--tensor_parallel 3 needs a multiple of 3 processes"),
-                          (Layout(8, DDP, tensor_parallel=2), "--tensor_parallel 2 is not supported under DDP")):
+        plan_memory(config, Launch(4, Layout(10, Parallelism(FSDP, tensor_parallel=5))))
+    for layout, words in ((Layout(8, Parallelism(FSDP, tensor_parallel=3)),
+                           "--tensor_parallel 3 needs a multiple of 3 processes"),
+                          (Layout(8, Parallelism(DDP, tensor_parallel=2)),
+                           "--tensor_parallel 2 is not supported under DDP")):
         with pytest.raises(UserError, match=words):  # as the run refuses them (`Layout.check`)
             Launch(4, layout)
 
@@ -231,9 +235,9 @@ def test_a_plan_that_does_not_fit_names_the_setting_to_change():
     # nothing fits on one process: more devices
     line = advice(xl, Launch(1), 24 * GB)
     assert line is not None and "shard it with --fsdp over 2 devices (--processes 2)" in line
-    line = advice(xl, Launch(1, Layout(2, FSDP), activation_checkpointing=True), 8 * GB)
+    line = advice(xl, Launch(1, Layout(2, Parallelism(FSDP)), activation_checkpointing=True), 8 * GB)
     assert line is not None and "shard it with --fsdp over 4 devices (--processes 4)" in line
-    assert plan_memory(xl, Launch(1, Layout(4, FSDP), activation_checkpointing=True)).fits(8 * GB)
+    assert plan_memory(xl, Launch(1, Layout(4, Parallelism(FSDP)), activation_checkpointing=True)).fits(8 * GB)
     assert advice(xl, Launch(4, Layout(8)), 80 * GB) is None
 
 
@@ -246,7 +250,7 @@ def test_bad_input_is_one_line():
     with pytest.raises(UserError, match="--micro_batch_size must be positive"):
         Launch(0)
     with pytest.raises(UserError, match="--optimizer muon is not supported under DeepSpeed ZeRO-2"):
-        Launch(1, Layout(8, DEEPSPEED, 2), optimizer="muon")
+        Launch(1, Layout(8, Parallelism(DEEPSPEED, 2)), optimizer="muon")
     with pytest.raises(UserError, match="choose one of"):
         model_config("gpt5")
 
@@ -478,7 +482,7 @@ def test_the_sharded_terms_come_from_the_engine():
 
     Seen to catch: the optimizer state not divided by `shards.optimizer_state`: fails."""
     config = model_config("gpt2-xl", 1024)
-    alone, sharded = Launch(4, Layout(8)), Launch(4, Layout(8, FSDP))
+    alone, sharded = Launch(4, Layout(8)), Launch(4, Layout(8, Parallelism(FSDP)))
     assert (sharded.shards.parameters, sharded.shards.gradients, sharded.shards.optimizer_state) == (8, 8, 8)
     assert (alone.shards.parameters, alone.shards.optimizer_state) == (1, 1)
     for phase in ("validation", "checkpoint save"):
@@ -497,7 +501,7 @@ def test_a_zero_stage_shards_what_it_says_and_plans_by_hand(stage):
     Seen to catch: ZeRO-2 planned with whole gradients (gradients sharded only from stage 3): fails."""
     config = model_config("gpt2-xl", 1024)
     P = ParamCounts.of(config).total
-    launch = Launch(4, Layout(8, DEEPSPEED, stage), dtype="fp32")
+    launch = Launch(4, Layout(8, Parallelism(DEEPSPEED, stage)), dtype="fp32")
     assert (launch.shards.parameters, launch.shards.gradients, launch.shards.optimizer_state) == \
         (8 if stage == 3 else 1, 8 if stage >= 2 else 1, 8)
     step = {i.name: i.bytes for i in plan_memory(config, launch).by_moment["optimizer step"]}
@@ -513,8 +517,9 @@ def test_a_zero_stage_shards_what_it_says_and_plans_by_hand(stage):
 
 
 def test_zero_with_muon_or_fsdp_is_refused_and_train_plan_reads_the_zero_stage(monkeypatch, capsys):
-    for layout, optimizer in ((Layout(8, DEEPSPEED, 2), "muon"), (Layout(8, FSDP, 3), "adamw"),
-                              (Layout(8, DEEPSPEED, 4), "adamw")):
+    for layout, optimizer in ((Layout(8, Parallelism(DEEPSPEED, 2)), "muon"),
+                              (Layout(8, Parallelism(FSDP, 3)), "adamw"),
+                              (Layout(8, Parallelism(DEEPSPEED, 4)), "adamw")):
         with pytest.raises(UserError):
             Launch(4, layout, optimizer=optimizer)
     from planner import exit_after_plan
@@ -674,7 +679,7 @@ def test_muon_on_whole_matrices_plans_one_stacked_shape_split_over_the_ranks():
     assert round(planned(Launch(4, optimizer="muon")) / 2 ** 20) == 243
     assert planned(Launch(4, Layout(8), optimizer="muon")) == (2 + 8 * 2) * matrix * 2  # the gather, the larger
     assert round(planned(Launch(4, Layout(8), optimizer="muon")) / 2 ** 20) == 81
-    for launch in (Launch(4, Layout(8, FSDP), optimizer="muon"), Launch(4, Layout(8))):
+    for launch in (Launch(4, Layout(8, Parallelism(FSDP)), optimizer="muon"), Launch(4, Layout(8))):
         assert planned(launch) is None  # FSDP2: one whole matrix at a time (below); AdamW: no Newton-Schulz
 
 
@@ -684,11 +689,11 @@ def test_muon_under_sharding_plans_its_whole_matrix():
 
     Seen to catch: not broken on purpose: it passed the first time."""
     config = model_config("gpt2", 1024)
-    fsdp = plan_memory(config, Launch(4, Layout(8, FSDP), optimizer="muon"))
+    fsdp = plan_memory(config, Launch(4, Layout(8, Parallelism(FSDP)), optimizer="muon"))
     assert {i.name: i.bytes for i in fsdp.by_moment["optimizer step"]}["Muon's whole matrix"] == 20 * 4 * 768 ** 2
     # docs/training.md's figures (Muon): 45 MiB for GPT-2 124M, 195 MiB for gpt2-xl.
     assert round(20 * 4 * 768 ** 2 / 2 ** 20) == 45
-    xl = plan_memory(model_config("gpt2-xl", 1024), Launch(4, Layout(8, FSDP), optimizer="muon"))
+    xl = plan_memory(model_config("gpt2-xl", 1024), Launch(4, Layout(8, Parallelism(FSDP)), optimizer="muon"))
     assert round({i.name: i.bytes for i in xl.by_moment["optimizer step"]}["Muon's whole matrix"] / 2 ** 20) == 195
-    for launch in (Launch(4, Layout(8), optimizer="muon"), Launch(4, Layout(8, FSDP))):
+    for launch in (Launch(4, Layout(8), optimizer="muon"), Launch(4, Layout(8, Parallelism(FSDP)))):
         assert "Muon's whole matrix" not in {i.name for i in plan_memory(config, launch).by_moment["optimizer step"]}

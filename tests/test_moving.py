@@ -28,9 +28,9 @@ from conftest import (
 )
 
 from common.errors import UserError
+from common.parallelism import Parallelism
 from configs import ModelConfig, OptimConfig
 from training.checkpoints.moving import checkpoint_move
-from training.distributed.engines import Engine
 from training.optimizers.plan import plan_optimizers
 
 ADAMW, MUON = (plan_optimizers(OptimConfig(optimizer=name), ModelConfig()) for name in ("adamw", "muon"))
@@ -121,17 +121,17 @@ def _point(tmp_path, world_size: int, **engine):
 
 
 @pytest.mark.parametrize(("saved", "saved_world", "now", "world", "moves"), [
-    ({"kind": "ddp"}, 2, Engine("ddp"), 4, False),  # accelerate's own files, whole: any number of processes
-    ({"kind": "fsdp"}, 2, Engine("fsdp"), 4, False),  # torch's distributed checkpoint reshards itself
-    ({"kind": "fsdp", "tensor_parallel": 2}, 2, Engine("fsdp", tensor_parallel=2), 4, False),
-    ({"kind": "ddp", "pipeline_parallel": 2}, 2, Engine("ddp"), 1, False),  # a pipeline writes DDP's files
-    ({"kind": "deepspeed", "zero_stage": 2}, 2, Engine("deepspeed", 2), 2, False),
-    ({"kind": "deepspeed", "zero_stage": 2}, 2, Engine("deepspeed", 2), 4, True),  # partitions do not reshard
-    ({"kind": "deepspeed", "zero_stage": 2}, 2, Engine("deepspeed", 3), 2, True),
-    ({"kind": "deepspeed", "zero_stage": 3}, 2, Engine("ddp"), 2, True),
-    ({"kind": "fsdp", "tensor_parallel": 2}, 2, Engine("fsdp", tensor_parallel=4), 4, True),  # c_attn's order
-    ({"kind": "fsdp"}, 2, Engine("ddp"), 1, True),
-    ({"kind": "ddp"}, 2, Engine("fsdp", tensor_parallel=2), 2, True),
+    ({"kind": "ddp"}, 2, Parallelism("ddp"), 4, False),  # accelerate's own files, whole: any number of processes
+    ({"kind": "fsdp"}, 2, Parallelism("fsdp"), 4, False),  # torch's distributed checkpoint reshards itself
+    ({"kind": "fsdp", "tensor_parallel": 2}, 2, Parallelism("fsdp", tensor_parallel=2), 4, False),
+    ({"kind": "ddp", "pipeline_parallel": 2}, 2, Parallelism("ddp"), 1, False),  # a pipeline writes DDP's files
+    ({"kind": "deepspeed", "zero_stage": 2}, 2, Parallelism("deepspeed", 2), 2, False),
+    ({"kind": "deepspeed", "zero_stage": 2}, 2, Parallelism("deepspeed", 2), 4, True),  # partitions do not reshard
+    ({"kind": "deepspeed", "zero_stage": 2}, 2, Parallelism("deepspeed", 3), 2, True),
+    ({"kind": "deepspeed", "zero_stage": 3}, 2, Parallelism("ddp"), 2, True),
+    ({"kind": "fsdp", "tensor_parallel": 2}, 2, Parallelism("fsdp", tensor_parallel=4), 4, True),  # c_attn's order
+    ({"kind": "fsdp"}, 2, Parallelism("ddp"), 1, True),
+    ({"kind": "ddp"}, 2, Parallelism("fsdp", tensor_parallel=2), 2, True),
 ])
 def test_a_resume_moves_only_where_the_engine_that_saved_cannot_read_it_itself(saved, saved_world, now, world, moves,
                                                                                tmp_path):
@@ -152,13 +152,14 @@ def test_a_resume_moves_only_where_the_engine_that_saved_cannot_read_it_itself(s
 
 def test_a_checkpoint_of_an_unknown_engine_is_one_line(tmp_path):
     with pytest.raises(UserError, match="records an engine this version does not know \\('megatron'\\)"):
-        checkpoint_move(_point(tmp_path, 2, kind="megatron"), Engine("ddp"), 2, plan=ADAMW)
+        checkpoint_move(_point(tmp_path, 2, kind="megatron"), Parallelism("ddp"), 2, plan=ADAMW)
 
 
 @pytest.mark.parametrize(("saved", "saved_world", "now", "world"), [
-    ({"kind": "ddp"}, 2, Engine("deepspeed", 2), 2), ({"kind": "deepspeed", "zero_stage": 2}, 2, Engine("ddp"), 1),
-    ({"kind": "deepspeed", "zero_stage": 2}, 2, Engine("deepspeed", 2), 4),
-    ({"kind": "deepspeed", "zero_stage": 2}, 2, Engine("deepspeed", 1), 2)])
+    ({"kind": "ddp"}, 2, Parallelism("deepspeed", 2), 2),
+    ({"kind": "deepspeed", "zero_stage": 2}, 2, Parallelism("ddp"), 1),
+    ({"kind": "deepspeed", "zero_stage": 2}, 2, Parallelism("deepspeed", 2), 4),
+    ({"kind": "deepspeed", "zero_stage": 2}, 2, Parallelism("deepspeed", 1), 2)])
 def test_a_muon_checkpoint_moves_to_or_from_zero_in_one_line(saved, saved_world, now, world, tmp_path):
     """DeepSpeed's Muon (under ZeRO with --grad_clip 0) keeps its momentum in its own flat partitions, which no reader
     here takes apart or writes: a Muon checkpoint that would move to or from ZeRO is one line naming the launch that
@@ -168,8 +169,8 @@ def test_a_muon_checkpoint_moves_to_or_from_zero_in_one_line(saved, saved_world,
     with pytest.raises(UserError) as err:
         checkpoint_move(_point(tmp_path, saved_world, **saved), now, world, plan=MUON)
     assert "--optimizer muon's state does not move to or from DeepSpeed's ZeRO" in str(err.value)
-    assert f"resume it under {Engine.of_record(saved).name} on {saved_world} process(es)" in str(err.value)
-    assert checkpoint_move(_point(tmp_path, saved_world, **saved), Engine.of_record(saved), saved_world,
+    assert f"resume it under {Parallelism.of_record(saved).name} on {saved_world} process(es)" in str(err.value)
+    assert checkpoint_move(_point(tmp_path, saved_world, **saved), Parallelism.of_record(saved), saved_world,
                            plan=MUON) is None  # where it was saved: its own engine reads it
 
 

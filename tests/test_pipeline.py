@@ -24,6 +24,7 @@ from conftest import (
 
 from common.engine_names import FSDP
 from common.errors import UserError
+from common.parallelism import Parallelism
 from model import GPT, GPTConfig
 from model.pipeline import GPTStage, stage_blocks
 from training.distributed.layout import Layout
@@ -109,11 +110,12 @@ def test_fewer_micro_batches_than_stages_is_one_line():
     model = GPT(GPTConfig(vocab_size=100, n_layer=2, n_head=2, n_embd=32, block_size=16))
     with pytest.raises(UserError, match=r"--pipeline_parallel 2 needs at least 2 micro-batches per step, this run "
                                         r"has 1; raise --total_batch_size or lower --micro_batch_size"):
-        pipelined(model, Layout(2, pipeline_parallel=2), micro_batches=1, micro_batch_size=2, accelerator=None)
+        pipelined(model, Layout(2, Parallelism(pipeline_parallel=2)), micro_batches=1, micro_batch_size=2,
+                  accelerator=None)
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--pipeline_parallel", "2"], "--pipeline_parallel 2 needs a multiple of 2 processes (one per stage), this "
+    (["--pipeline_parallel", "2"], "--pipeline_parallel 2 needs a multiple of 2 processes, this "
                                    "launch has 1; launch 2 processes"),
     (["--pipeline_parallel", "3"], "--pipeline_parallel 3 needs a multiple of 3 processes"),
 ])
@@ -132,7 +134,7 @@ def test_a_pipeline_this_launch_cannot_run_is_one_line(monkeypatch, capsys, tmp_
 def test_more_stages_than_blocks_is_one_line():
     with pytest.raises(UserError, match="--pipeline_parallel 4 needs at least one block per stage, the model has 2; "
                                         "pass at most 2"):
-        Layout(4, pipeline_parallel=4).check_model(2, 32, 2)
+        Layout(4, Parallelism(pipeline_parallel=4)).check_model(2, 32, 2)
 
 
 # ---- whole runs ----------------------------------------------------------------------------------------------
@@ -231,11 +233,11 @@ def test_the_plan_of_a_pipeline_is_its_fuller_stage_with_the_bubble():
     from planner.render import render
 
     config = GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024)
-    stages = [ParamCounts.per_stage(config, 4, s) for s in range(4)]
+    stages = [ParamCounts.per_stage(config, Parallelism(pipeline_parallel=4), s) for s in range(4)]
     whole = ParamCounts.of(config)
     assert sum(s.total for s in stages) == whole.total + config.padded_vocab_size * 768  # + the output layer's copy
     assert stages[0].embeddings == whole.embeddings and stages[3].final_norm == whole.final_norm
-    launch = Launch(8, Layout(4, pipeline_parallel=4), accumulation=8)
+    launch = Launch(8, Layout(4, Parallelism(pipeline_parallel=4)), accumulation=8)
     assert launch.bubble == pytest.approx(3 / 11)
     plan = plan_memory(config, launch)
     assert plan.stage in (0, 3) and plan.peak == max(plan_memory(config, launch, stage=s).peak for s in (0, 3))
@@ -255,7 +257,7 @@ def test_the_advice_resizes_a_pipeline_by_its_pipelines():
     from training.distributed.processes import BatchGeometry
 
     config = GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024)
-    layout = Layout(8, pipeline_parallel=4)  # 2 pipelines of 4 stages
+    layout = Layout(8, Parallelism(pipeline_parallel=4))  # 2 pipelines of 4 stages
     for micro_batch_size in (8, 4):
         run = BatchGeometry.for_total(2**19, micro_batch_size, 1024, layout.data_parallel_size)
         launch = Launch(16, layout, total_batch_size=2**19)
@@ -266,6 +268,6 @@ def test_the_planner_refuses_a_pipeline_as_the_run_does():
     from planner import Launch
 
     with pytest.raises(UserError, match="--pipeline_parallel 2 is not supported under FSDP2"):
-        Launch(1, Layout(4, FSDP, pipeline_parallel=2))
+        Launch(1, Layout(4, Parallelism(FSDP, pipeline_parallel=2)))
     with pytest.raises(UserError, match="needs a multiple of 2 processes"):
-        Launch(1, Layout(3, pipeline_parallel=2))
+        Launch(1, Layout(3, Parallelism(pipeline_parallel=2)))

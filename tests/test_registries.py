@@ -20,6 +20,7 @@ from conftest import REPO_ROOT, TINY, project_files, train_in_process
 
 from common.engine_names import FSDP, Refusal
 from common.errors import UserError
+from common.parallelism import Parallelism
 from common.resume_rules import ACCEPTED, RESTORED, SCHEDULE, flag
 from configs import EvalConfig, parse_config
 from configs.schema import all_groups
@@ -173,7 +174,7 @@ def test_a_registered_toy_optimizer_and_evaluation_run_through_a_whole_run(toys,
 def test_a_registered_toy_optimizer_is_in_the_table_and_the_planner(toys):
     assert "| `--optimizer rmsprop` | runs | refused |" in support_table()
     with pytest.raises(Exception, match="--optimizer rmsprop is not supported under FSDP2 \\(a toy\\)"):
-        Launch(1, Layout(2, FSDP), optimizer="rmsprop")
+        Launch(1, Layout(2, Parallelism(FSDP)), optimizer="rmsprop")
     config = GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64)
     counts = ParamCounts.of(config)
     state = {i.name: i.bytes for i in plan_memory(config, Launch(1, optimizer="rmsprop", dtype="fp32")).items}

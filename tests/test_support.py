@@ -1,6 +1,6 @@
 """training/distributed/support.py: the one table of what runs under which engine. The refusals train.py makes before a
 run
-(`refuse_unsupported`, `Layout.checked`) and the memory planner's (`Launch`) agree with it cell by cell, and
+(`refuse_unsupported`, `Layout.check`) and the memory planner's (`Launch`) agree with it cell by cell, and
 the README and docs/engines.md show it as it is."""
 from __future__ import annotations
 
@@ -10,22 +10,23 @@ import pytest
 from accelerate.utils import DistributedType
 from conftest import REPO_ROOT
 
-from common.engine_names import COLUMNS, DEEPSPEED, FSDP, column, engine_name
+from common.engine_names import DEEPSPEED, FSDP
 from common.errors import UserError
+from common.parallelism import PIPELINE, TENSOR, Parallelism, columns
 from planner import Launch
-from training.distributed.engines import Engine, refuse_unsupported
+from training.distributed.engines import refuse_unsupported
 from training.distributed.layout import Layout
 from training.distributed.support import support, support_table
 
 SUPPORT = support()  # the optimizers' rows, declared by their modules, and the rest
 
-# Each column as train.py's Engine.
-ENGINES = {"DDP": Engine("ddp"), "FSDP2": Engine("fsdp"), "ZeRO-1": Engine("deepspeed", 1),
-           "ZeRO-2": Engine("deepspeed", 2), "ZeRO-3": Engine("deepspeed", 3),
-           "FSDP2 x TP": Engine("fsdp", tensor_parallel=2), "DDP x PP": Engine("ddp", pipeline_parallel=2)}
+# Each column as train.py's Parallelism.
+ENGINES = {"DDP": Parallelism("ddp"), "FSDP2": Parallelism("fsdp"), "ZeRO-1": Parallelism("deepspeed", 1),
+           "ZeRO-2": Parallelism("deepspeed", 2), "ZeRO-3": Parallelism("deepspeed", 3),
+           "FSDP2 x TP": Parallelism("fsdp", tensor_parallel=2), "DDP x PP": Parallelism("ddp", pipeline_parallel=2)}
 
 
-def accelerator_of(engine: Engine) -> SimpleNamespace:
+def accelerator_of(engine: Parallelism) -> SimpleNamespace:
     """What refuse_unsupported reads of an Accelerator: an empty DeepSpeed config, accelerate's AC off."""
     kind = {"deepspeed": DistributedType.DEEPSPEED, "fsdp": DistributedType.FSDP}.get(engine.kind,
                                                                                       DistributedType.MULTI_CPU)
@@ -34,14 +35,11 @@ def accelerator_of(engine: Engine) -> SimpleNamespace:
         fsdp_plugin=SimpleNamespace(activation_checkpointing=False)))
 
 
-def refused_at_run_time(feature: str, engine: Engine, grad_clip: float = 1.0) -> str | None:
+def refused_at_run_time(feature: str, engine: Parallelism, grad_clip: float = 1.0) -> str | None:
     """The line train.py refuses `feature` with under `engine` (at `--grad_clip`), or None when it goes on."""
     try:
-        if feature == "--tensor_parallel":
-            Layout.checked(4, engine.kind, engine.zero_stage, tensor_parallel=2,
-                           pipeline_parallel=engine.pipeline_parallel)
-        elif feature == "--pipeline_parallel":
-            Layout.checked(4, engine.kind, engine.zero_stage, engine.tensor_parallel, pipeline_parallel=2)
+        if feature in (TENSOR.flag, PIPELINE.flag):  # a degree of 2 on top of the column's
+            Layout(4, engine.with_sizes(**{feature.removeprefix("--"): 2})).check()
         else:
             optimizer = feature.split()[1] if feature.startswith("--optimizer") else "adamw"
             refuse_unsupported(engine, accelerator_of(engine), optimizer,
@@ -53,18 +51,17 @@ def refused_at_run_time(feature: str, engine: Engine, grad_clip: float = 1.0) ->
 
 
 def test_the_columns_are_the_engines():
-    assert list(ENGINES) == list(COLUMNS)
-    assert [column(e.kind, e.zero_stage, e.tensor_parallel, e.pipeline_parallel) for e in ENGINES.values()] == \
-        list(COLUMNS)
+    assert list(ENGINES) == list(columns())
+    assert [e.column for e in ENGINES.values()] == list(columns())
     assert [e.name for e in ENGINES.values()] == ["DDP", "FSDP2", "DeepSpeed ZeRO-1", "DeepSpeed ZeRO-2",
                                                   "DeepSpeed ZeRO-3", "FSDP2 x tensor parallel 2", "DDP x pipeline 2"]
-    assert engine_name("deepspeed") == "DeepSpeed"  # a config whose stage is not read yet
+    assert Parallelism("deepspeed").name == "DeepSpeed"  # a config whose stage is not read yet
 
 
 @pytest.mark.parametrize("feature", list(SUPPORT))
 def test_the_run_refuses_exactly_what_the_table_says(feature):
     """One table says what runs under which engine (`training/distributed/support.py`: its rows and each registered
-    optimizer's cells). train.py's refusals (`refuse_unsupported`, `Layout.checked`) refuse exactly its refused cells,
+    optimizer's cells). train.py's refusals (`refuse_unsupported`, `Layout.check`) refuse exactly its refused cells,
     each in one line with the cell's fix; the planner refuses Muon where it does
     (`test_the_planner_refuses_muon_where_the_table_does`); the columns are the engines
     (`test_the_columns_are_the_engines`). A refusal lifted by a setting (`Refusal.unless`): Muon's ZeRO cells read "runs
@@ -87,9 +84,9 @@ def test_the_run_refuses_exactly_what_the_table_says(feature):
 
 
 def test_the_planner_refuses_muon_where_the_table_does():
-    launches = {"DDP": Launch(1, Layout(8)), "FSDP2": Launch(1, Layout(8, FSDP)),
-                **{f"ZeRO-{s}": Launch(1, Layout(8, DEEPSPEED, s)) for s in (1, 2, 3)},
-                "FSDP2 x TP": Launch(1, Layout(8, FSDP, tensor_parallel=2))}
+    launches = {"DDP": Launch(1, Layout(8)), "FSDP2": Launch(1, Layout(8, Parallelism(FSDP))),
+                **{f"ZeRO-{s}": Launch(1, Layout(8, Parallelism(DEEPSPEED, s))) for s in (1, 2, 3)},
+                "FSDP2 x TP": Launch(1, Layout(8, Parallelism(FSDP, tensor_parallel=2)))}
     for name, launch in launches.items():
         cell = SUPPORT.get("--optimizer muon", {}).get(name)
         if cell is not None:
@@ -120,7 +117,7 @@ def test_the_table_says_what_muon_costs_where_it_runs_sharded():
 
     Seen to catch: `support_table` without the cost notes: both fail."""
     muon_row = next(line for line in support_table().splitlines() if line.startswith("| `--optimizer muon` |"))
-    cells = dict(zip(COLUMNS, [c.strip() for c in muon_row.split("|")[2:-1]]))
+    cells = dict(zip(columns(), [c.strip() for c in muon_row.split("|")[2:-1]]))
     assert cells["FSDP2"] == cells["FSDP2 x TP"] == "runs (each matrix all-gathered a step)"
     assert cells["DDP"] == cells["DDP x PP"] == "runs"
     assert cells["ZeRO-1"] == cells["ZeRO-2"] == cells["ZeRO-3"] == "runs with `--grad_clip 0` (DeepSpeed's own Muon)"

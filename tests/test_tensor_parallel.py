@@ -31,8 +31,9 @@ from conftest import (
 )
 
 from common.errors import UserError
+from common.parallelism import Parallelism
 from model.tensor_parallel import head_group_order, natural_order, split_problem
-from training.distributed.engines import Engine, refuse_unsupported
+from training.distributed.engines import refuse_unsupported
 from training.distributed.layout import Layout
 from training.distributed.machine import Machine
 
@@ -123,19 +124,19 @@ def test_a_launch_tensor_parallelism_cannot_run_is_one_line(degree, world, engin
     Seen to catch: the break on record named the degree check of a resume, which issue 46 replaced by a move; the launch
     checks are broken in the tests above."""
     with pytest.raises(UserError) as err:
-        Layout.checked(world, engine, tensor_parallel=degree)
+        Layout(world, Parallelism(engine, tensor_parallel=degree)).check()
     assert words in str(err.value) and "\n" not in str(err.value)
-    assert Layout.checked(3, "ddp").data_parallel_size == 3  # no tensor parallelism: anything goes
-    layout = Layout.checked(4, "fsdp", tensor_parallel=2)
+    assert Layout(3).check().data_parallel_size == 3  # no tensor parallelism: anything goes
+    layout = Layout(4, Parallelism("fsdp", tensor_parallel=2)).check()
     assert (layout.data_parallel_size, [layout.data_parallel_rank(r) for r in range(4)]) == (2, [0, 0, 1, 1])
 
 
 def test_a_model_the_degree_does_not_split_is_one_line():
     with pytest.raises(UserError) as err:
-        Layout(4, "fsdp", tensor_parallel=4).check_model(n_head=6, n_embd=384)
+        Layout(4, Parallelism("fsdp", tensor_parallel=4)).check_model(n_head=6, n_embd=384)
     assert "n_head 6 is not divisible by 4" in str(err.value) and "pass one of 1, 2, 3, 6" in str(err.value)
-    Layout(4, "fsdp", tensor_parallel=2).check_model(n_head=6, n_embd=384)
-    Layout(1, "fsdp", tensor_parallel=1).check_model(n_head=5, n_embd=5)
+    Layout(4, Parallelism("fsdp", tensor_parallel=2)).check_model(n_head=6, n_embd=384)
+    Layout(1, Parallelism("fsdp", tensor_parallel=1)).check_model(n_head=5, n_embd=5)
 
 
 def test_lora_is_refused_with_tensor_parallelism_and_muon_runs():
@@ -146,7 +147,7 @@ def test_lora_is_refused_with_tensor_parallelism_and_muon_runs():
     refuses `--tensor_parallel`."""
     from types import SimpleNamespace
 
-    engine = Engine("fsdp", tensor_parallel=2)
+    engine = Parallelism("fsdp", tensor_parallel=2)
     accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=SimpleNamespace(activation_checkpointing=False)))
     refuse_unsupported(engine, accelerator, "muon", False, "stop", False)  # each matrix gathered whole (test_muon)
     for optimizer, lora, words in (("adamw", True, "--lora_rank is not supported with --tensor_parallel 2"),):

@@ -25,11 +25,12 @@ import torch
 from accelerate import Accelerator
 
 from common.errors import UserError
+from common.parallelism import Parallelism
 from common.run_dir import RunDir
 from configs import LogConfig
 from model.loss import default_loss_chunk_rows, describe_loss_path
 from model.unwrap import unwrapped
-from training.distributed.engines import Engine, precision
+from training.distributed.engines import precision
 from training.distributed.pipeline import stage_line
 from training.distributed.prepare import step_placement
 from training.distributed.processes import BatchGeometry
@@ -215,7 +216,7 @@ def _clock(seconds: float) -> str:
     return str(timedelta(seconds=round(seconds)))
 
 
-def run_header(accelerator: Accelerator, engine: Engine, model: torch.nn.Module, n_params: int,
+def run_header(accelerator: Accelerator, parallelism: Parallelism, model: torch.nn.Module, n_params: int,
                geometry: BatchGeometry, plan: OptimizerPlan, grad_clip: float, lora: str | None, data: str,
                restart: str | None = None, here: str | None = None) -> str:
     """The run's header. Its first line: model size (`n_params`, tied weights once; what LoRA trains), batch
@@ -237,9 +238,9 @@ def run_header(accelerator: Accelerator, engine: Engine, model: torch.nn.Module,
         params = list(model.parameters())
         trainable = sum(p.numel() for p in params if p.requires_grad)
         adapters = f" ({lora}: {trainable:,} trainable, {trainable / sum(p.numel() for p in params):.2%} of all)"
-    distributed = engine.header_words(accelerator.distributed_type.value, stage_line(model))
+    distributed = parallelism.header_words(accelerator.distributed_type.value, stage_line(model))
     g = geometry
-    ranks = "data-parallel rank(s)" if engine.model_parallel > 1 else "process(es)"
+    ranks = "data-parallel rank(s)" if parallelism.model_parallel > 1 else "process(es)"
     optimizers = describe_optimizers(network, plan, step_placement(accelerator, model),  # Muon: how it splits
                                      stage=stage_line(model))  # a pipeline's: this stage's parameters
     if not grad_clip:

@@ -27,6 +27,7 @@ from safetensors import SafetensorError
 from common.atomic import fresh_temp_dir, rename_into_place, temp_path, write_failure
 from common.errors import UserError
 from common.manifest import FORMAT, write_manifest
+from common.parallelism import Parallelism
 from common.run_dir import ADAPTER_WEIGHTS, GPT_CONFIG, RUN_STATE, RunDir, checkpoint_step, data_state_file
 from configs import RunConfig
 from model import GPTConfig
@@ -35,7 +36,6 @@ from model.unwrap import unwrapped
 from training.checkpoints.ddp_files import load_into_stage, save_from_stages
 from training.checkpoints.moving import Move, load_moved
 from training.checkpoints.resume import Progress, ResumePoint, read_json
-from training.distributed.engines import Engine
 from training.distributed.pipeline import PipelinedGPT
 from training.distributed.prepare import outside_accelerate
 
@@ -87,7 +87,7 @@ def save_checkpoint(
     gpt_config: GPTConfig,
     optimizers: tuple[str, ...],
     keep_last: int,
-    engine: Engine,
+    engine: Parallelism,
     model: torch.nn.Module | None = None,
     trained: list[torch.optim.Optimizer] = (),
 ) -> Path:
@@ -220,7 +220,7 @@ class Checkpointer:
     be resumed, and rotation never removes the last good one."""
 
     def __init__(self, accelerator: Accelerator, run: RunDir, gpt_config: GPTConfig, optimizers: tuple[str, ...],
-                 keep_last: int, healthy: Callable[[torch.nn.Module], bool], engine: Engine,
+                 keep_last: int, healthy: Callable[[torch.nn.Module], bool], engine: Parallelism,
                  trained: list[torch.optim.Optimizer] = ()) -> None:
         self.accelerator, self.run, self.gpt_config, self.keep_last = accelerator, run, gpt_config, keep_last
         self.optimizers, self.healthy, self.engine, self.trained = optimizers, healthy, engine, list(trained)

@@ -12,6 +12,7 @@ from safetensors import SafetensorError
 
 from common.atomic import fresh_temp_dir, rename_into_place, write_failure
 from common.errors import UserError
+from common.parallelism import Parallelism
 from common.run_dir import RunDir
 from common.weights import Weights
 from model import GPTConfig
@@ -24,11 +25,12 @@ from training.distributed.pipeline import PipelinedGPT
 
 
 def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConfig, run: RunDir,
-                 init_weights: Weights | None = None, tensor_parallel: int = 1) -> None:
+                 init_weights: Weights | None = None, parallelism: Parallelism | None = None) -> None:
     """Write `final/` atomically from the trained weights, then print where it is. Call on every rank.
 
-    `init_weights` is the base a LoRA run's `final_adapter/` names. `tensor_parallel` is the run's degree, whose
-    head-group order of `c_attn` is undone: `final/` has Hugging Face's layout whatever the degree."""
+    `init_weights` is the base a LoRA run's `final_adapter/` names. `parallelism` is the run's (None: not split): its
+    tensor-parallel degree's head-group order of `c_attn` is undone, so `final/` has Hugging Face's layout whatever
+    the degree."""
     module = unwrapped(model)
     if has_adapters(module):  # LoRA (DDP only): the adapter first, final/ last marks the end
         if accelerator.is_main_process:
@@ -44,7 +46,8 @@ def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConf
     # or from a pipeline's stages. They are written as they are: no second model holds a copy.
     state_dict = model.full_state_dict() if isinstance(model, PipelinedGPT) else full_state_dict(accelerator, model)
     if accelerator.is_main_process:
-        state_dict = natural_order(strip_wrapper_prefixes(state_dict), arch.n_embd, tensor_parallel)
+        degree = parallelism.tensor_parallel if parallelism else 1
+        state_dict = natural_order(strip_wrapper_prefixes(state_dict), arch.n_embd, degree)
         _write(run, run.final, lambda tmp: save_state_dict(state_dict, arch, tmp, overwrite=True))
         accelerator.print(f"final model written to {run.final}")
 

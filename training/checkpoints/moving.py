@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from common.engine_names import DDP, DEEPSPEED, FSDP
 from common.errors import UserError
+from common.parallelism import Parallelism
 from common.run_dir import DEEPSPEED_DIR, fsdp_optimizer_dir, rng_state_file
 from model import GPT, GPTConfig
 from model.pretrained import read_checkpoint, strip_wrapper_prefixes
@@ -45,7 +46,6 @@ from model.unwrap import unwrapped
 from training.checkpoints import ddp_files, fsdp_files, zero_files
 from training.checkpoints.resume import ResumePoint
 from training.checkpoints.whole_state import WholeState
-from training.distributed.engines import Engine
 from training.distributed.pipeline import PipelinedGPT
 from training.optimizers.spec import OptimizerPlan
 
@@ -54,9 +54,9 @@ from training.optimizers.spec import OptimizerPlan
 class Move:
     """A resume that changes how the model is held: from the checkpoint's engine and processes to the launch's."""
 
-    saved: Engine
+    saved: Parallelism
     saved_world: int
-    now: Engine
+    now: Parallelism
     world: int
     plan: OptimizerPlan  # the run's optimizers (how a DDP checkpoint numbers the parameters)
 
@@ -90,14 +90,16 @@ class Move:
 NOT_CARRIED = "per-rank random streams (dropout)"  # what a move cannot carry: the RNG states of ranks that may be gone
 
 
-def checkpoint_move(point: ResumePoint | None, engine: Engine, world_size: int, plan: OptimizerPlan) -> Move | None:
+def checkpoint_move(point: ResumePoint | None, engine: Parallelism, world_size: int,
+                    plan: OptimizerPlan) -> Move | None:
     """The `Move` of resuming `point` under `engine` on `world_size` processes. None where the saving engine reads it
-    itself: the same engine and degree, and for DeepSpeed the same number of processes (its partitions do not
-    reshard). A pipeline's checkpoint is a DDP run's files, whatever the degree."""
+    itself: the same engine and the same degrees its files depend on (`Parallelism.checkpoint_layout`: a pipeline's
+    checkpoint is a DDP run's files, whatever its degree), and for DeepSpeed the same number of processes (its
+    partitions do not reshard)."""
     if point is None:
         return None
-    saved = Engine.of_record(point.engine)
-    if replace(saved, pipeline_parallel=engine.pipeline_parallel) == engine and not (
+    saved = Parallelism.of_record(point.engine)
+    if saved.checkpoint_layout == engine.checkpoint_layout and not (
             engine.kind == DEEPSPEED and point.world_size != world_size):
         return None
     if saved.kind not in (DDP, FSDP, DEEPSPEED):
@@ -115,7 +117,7 @@ def checkpoint_move(point: ResumePoint | None, engine: Engine, world_size: int, 
 def read_whole(point: ResumePoint, config: GPTConfig, plan: OptimizerPlan) -> WholeState:
     """`point`'s weights and optimizer states, whole, on this process: the size of one DDP checkpoint."""
     _, weights = read_checkpoint(point.path)
-    engine = Engine.of_record(point.engine)
+    engine = Parallelism.of_record(point.engine)
     if engine.kind == FSDP:
         optimizers = [fsdp_files.read_optimizer(point.path / fsdp_optimizer_dir(i), config, engine.tensor_parallel)
                       for i in range(len(point.optimizers))]
@@ -144,7 +146,7 @@ def load_moved(point: ResumePoint, move: Move, config: GPTConfig, model: torch.n
 
 
 def load_whole(state: WholeState, model: torch.nn.Module, optimizers: list, config: GPTConfig,
-               engine: Engine) -> None:
+               engine: Parallelism) -> None:
     """Give this rank's torch model (plain, sharded, split or a pipeline stage) and optimizers their pieces of
     `state`."""
     if isinstance(model, PipelinedGPT):

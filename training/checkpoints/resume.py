@@ -66,7 +66,7 @@ class ResumePoint:
 
     @property
     def engine(self) -> dict[str, Any]:
-        """The engine that wrote the checkpoint (`Engine.as_record`). Older ones are recognised by their files."""
+        """The engine that wrote the checkpoint (`Parallelism.as_record`). Older ones are recognised by their files."""
         saved = self.run_state.get("engine")
         if isinstance(saved, dict) and isinstance(saved.get("kind"), str):
             return saved

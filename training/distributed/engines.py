@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -22,8 +21,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from common.engine_names import DDP, DEEPSPEED, FAMILY_NAMES, FSDP, degrees, engine_name
+from common.engine_names import DDP, DEEPSPEED, FAMILY_NAMES, FSDP
 from common.errors import UserError
+from common.parallelism import Parallelism
 from model.unwrap import unwrapped
 from training.distributed.support import conditions, refusal
 
@@ -32,61 +32,11 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "false").lower() == "true"
 
 
-@dataclass(frozen=True)
-class Engine:
-    """How the launch's processes hold the model.
-
-    `kind` is "ddp" (full replicas, or one process), "fsdp" (FSDP2: parameters, gradients and optimizer state
-    sharded) or "deepspeed". ZeRO's `zero_stage` 1 shards the optimizer state, 2 also the gradients, 3 also the
-    parameters. `tensor_parallel` is the number of ranks each block's matrices are split over (FSDP2 only);
-    `pipeline_parallel` the stages of each pipeline (DDP only)."""
-
-    kind: str = DDP
-    zero_stage: int = 0
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-
-    @property
-    def name(self) -> str:
-        return engine_name(self.kind, self.zero_stage, self.tensor_parallel, self.pipeline_parallel)
-
-    @property
-    def model_parallel(self) -> int:
-        """The consecutive ranks that hold one copy of the model between them (a TP group, a pipeline, or 1)."""
-        return self.tensor_parallel * self.pipeline_parallel
-
-    def header_words(self, distributed_type: str, stage: str | None = None) -> str:
-        """The engine as the run header names it after "distributed: ", e.g. "DEEPSPEED (ZeRO-3)", "FSDP x tensor
-        parallel 2", "MULTI_GPU x pipeline 4 (1F1B; this stage: blocks 0-2 of 12)". `stage` names this process's
-        blocks. benchmarks/gpu_acceptance.py parses it."""
-        zero = f" (ZeRO-{self.zero_stage})" if self.kind == DEEPSPEED else ""
-        schedule = f" (1F1B; this stage: {stage})" if self.pipeline_parallel > 1 else ""
-        return f"{distributed_type}{zero}{degrees(self.tensor_parallel, self.pipeline_parallel)}{schedule}"
-
-    def refusal(self, feature: str, settings: frozenset[str] = frozenset()) -> str | None:
-        """The support table's refusal of `feature` under this engine and the run's `settings`; None where it runs."""
-        return refusal(feature, self.kind, self.zero_stage, self.tensor_parallel,
-                       pipeline_parallel=self.pipeline_parallel, settings=settings)
-
-    @classmethod
-    def of(cls, accelerator: Accelerator, tensor_parallel: int = 1) -> Engine:
-        """The engine this process's Accelerator runs, with `--tensor_parallel`'s degree."""
-        if accelerator.distributed_type == DistributedType.DEEPSPEED:
-            return cls(DEEPSPEED, int(accelerator.state.deepspeed_plugin.zero_stage), tensor_parallel)
-        if accelerator.distributed_type == DistributedType.FSDP:
-            return cls(FSDP, tensor_parallel=tensor_parallel)
-        return cls(DDP, tensor_parallel=tensor_parallel)
-
-    @classmethod
-    def of_record(cls, record: dict[str, object]) -> Engine:
-        """The engine a checkpoint's run_state.json records. Older ones lack the degrees, which were 1."""
-        return cls(str(record.get("kind")), int(record.get("zero_stage") or 0), int(record.get("tensor_parallel") or 1),
-                   int(record.get("pipeline_parallel") or 1))
-
-    def as_record(self) -> dict[str, object]:
-        """How a checkpoint records the engine that wrote it (run_state.json's "engine")."""
-        return {"kind": self.kind, "zero_stage": self.zero_stage, "tensor_parallel": self.tensor_parallel,
-                "pipeline_parallel": self.pipeline_parallel}
+def running_engine(accelerator: Accelerator) -> Parallelism:
+    """The engine this process's Accelerator runs (its degrees are the launch's flags, not accelerate's)."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return Parallelism(DEEPSPEED, int(accelerator.state.deepspeed_plugin.zero_stage))
+    return Parallelism(FSDP if accelerator.distributed_type == DistributedType.FSDP else DDP)
 
 
 def precision(accelerator: Accelerator) -> str:
@@ -109,12 +59,12 @@ def requested_engine() -> str:
     return DDP
 
 
-def launch_engine() -> Engine:
-    """The engine the launch's accelerate config asks for, read before any Accelerator exists (for `--plan`). For
-    DeepSpeed the ZeRO stage comes from the config or its `deepspeed_config_file`."""
+def launch_engine() -> Parallelism:
+    """The engine the launch's accelerate config asks for, without degrees, read before any Accelerator exists (for
+    `--plan`). For DeepSpeed the ZeRO stage comes from the config or its `deepspeed_config_file`."""
     kind = requested_engine()
     if kind != DEEPSPEED:
-        return Engine(kind)
+        return Parallelism(kind)
     stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
     config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if stage is None and config_file:
@@ -123,7 +73,7 @@ def launch_engine() -> Engine:
         except (OSError, ValueError) as err:
             raise UserError(f"cannot read the DeepSpeed config {config_file} ({err}); fix the path in the "
                             "accelerate config") from None
-    return Engine(DEEPSPEED, int(stage or 0))
+    return Parallelism(DEEPSPEED, int(stage or 0))
 
 
 CPU_FIX = ("DeepSpeed and FSDP run on GPUs; on a CPU, launch with accelerate_configs/cpu_2proc.yaml (DDP on gloo), "
@@ -150,15 +100,14 @@ def check_world_size(launched: int, joined: int) -> None:
                         f"(it found no device for {engine} on this machine); {CPU_FIX}")
 
 
-def check_engine(accelerator: Accelerator) -> Engine:
-    """The engine that runs, which must be the one the config asked for. Known fallbacks are refused earlier, with
+def check_engine(accelerator: Accelerator) -> None:
+    """Refuse a launch whose engine is not the one the config asked for. Known fallbacks are refused earlier, with
     their causes (`refuse_engine_on_cpu`, `check_world_size`); this is the backstop."""
-    asked, engine = requested_engine(), Engine.of(accelerator)
-    if asked != DDP and engine.kind != asked:
+    asked = requested_engine()
+    if asked != DDP and running_engine(accelerator).kind != asked:
         raise UserError(f"the accelerate config asks for {FAMILY_NAMES[asked]}, but "
                         f"accelerate runs this launch as {accelerator.distributed_type.value} on "
                         f"{accelerator.device.type}; {CPU_FIX}")
-    return engine
 
 
 def deepspeed_missing() -> str | None:
@@ -170,23 +119,24 @@ def deepspeed_missing() -> str | None:
     return None
 
 
-def refuse_unsupported(engine: Engine, accelerator: Accelerator, optimizer: str, lora: bool, on_nan: str,
+def refuse_unsupported(parallelism: Parallelism, accelerator: Accelerator, optimizer: str, lora: bool, on_nan: str,
                        activation_checkpointing: bool, grad_clip: float = 1.0) -> None:
-    """Refuse in one line, before anything is built, what does not run under `engine`: the support table's features
-    (Muon under ZeRO depends on `grad_clip`), then what the config's contents rule out."""
+    """Refuse in one line, before anything is built, what does not run under `parallelism`: the support table's
+    features (Muon under ZeRO depends on `grad_clip`), then what the config's contents rule out."""
     settings = conditions(grad_clip)
     for feature, asked in ((f"--optimizer {optimizer}", True), ("--lora_rank", lora),
                            ("--on_nan skip", on_nan == "skip")):
-        if asked and (line := engine.refusal(feature, settings)):
+        if asked and (line := refusal(feature, parallelism, settings=settings)):
             raise UserError(line)
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    if activation_checkpointing and engine.kind == FSDP and plugin is not None and plugin.activation_checkpointing:
+    if activation_checkpointing and parallelism.kind == FSDP and plugin is not None and \
+            plugin.activation_checkpointing:
         # accelerate's fsdp2_apply_ac wraps blocks GPT.forward already checkpoints. Each would be recomputed twice,
         # the outer time without the forward's RNG state, so with other dropout masks.
         raise UserError("--activation_checkpointing and the accelerate config's fsdp_activation_checkpointing would "
                         "each recompute every block (twice in all); keep --activation_checkpointing and set "
                         "fsdp_activation_checkpointing: false in the accelerate config")
-    if engine.kind != DEEPSPEED:
+    if parallelism.kind != DEEPSPEED:
         return
     config = accelerator.state.deepspeed_plugin.deepspeed_config
     for block, ours in (("an \"optimizer\"", "--optimizer/--lr/--weight_decay"), ("a \"scheduler\"", "--warmup_steps")):

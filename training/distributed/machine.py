@@ -22,8 +22,9 @@ from typing import Callable
 
 import torch
 
-from common.engine_names import DDP, FAMILY_NAMES
+from common.engine_names import DDP, FAMILY_NAMES, FSDP
 from common.errors import UserError
+from common.parallelism import Degree
 from training.distributed.engines import CPU_FIX, requested_engine
 
 
@@ -139,12 +140,12 @@ def check_launch(asked: Asked | None = None, machine: Machine | None = None) -> 
         raise UserError(line)
 
 
-def tensor_parallel_here(degree: int, machine: Machine) -> str | None:
-    """The line for `--tensor_parallel` under another engine than FSDP on a machine without a GPU; None on a GPU
-    machine. TP needs FSDP2, which runs on GPUs only, so no launch here runs it. The support table's advice would
-    send the user round in a circle."""
-    if machine.gpus:
+def degree_here(asked: str, degree: Degree, machine: Machine) -> str | None:
+    """The line for a degree that runs on FSDP2 (`--tensor_parallel`), asked under another engine on a machine
+    without a GPU; None on a GPU machine. FSDP2 runs on GPUs only, so no launch here runs it. The support table's
+    advice would send the user round in a circle."""
+    if machine.gpus or degree.engine != FSDP:
         return None
-    return (f"--tensor_parallel {degree} needs accelerate's FSDP2 plugin, which runs on GPUs, and this machine has "
-            "none: no launch here runs it; leave out --tensor_parallel (accelerate_configs/cpu_2proc.yaml trains the "
-            "rest of the run on this CPU), or launch on GPUs with accelerate_configs/fsdp_8gpu.yaml")
+    return (f"{asked} needs accelerate's FSDP2 plugin, which runs on GPUs, and this machine has none: no launch here "
+            f"runs it; leave out {degree.flag} (accelerate_configs/cpu_2proc.yaml trains the rest of the run on this "
+            "CPU), or launch on GPUs with accelerate_configs/fsdp_8gpu.yaml")

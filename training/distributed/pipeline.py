@@ -43,7 +43,7 @@ class PipelineRanks:
     the same order, as torch requires."""
 
     def __init__(self, layout: Layout, rank: int) -> None:
-        n, replicas = layout.pipeline_parallel, layout.data_parallel_size
+        n, replicas = layout.parallelism.pipeline_parallel, layout.data_parallel_size
         self.stage, self.stages, self.replica = rank % n, n, rank // n
         pipelines = [[d * n + s for s in range(n)] for d in range(replicas)]
         self.ranks = pipelines[self.replica]
@@ -289,7 +289,7 @@ def pipelined(model: GPT, layout: Layout, micro_batches: int, micro_batch_size: 
               accelerator: Accelerator) -> nn.Module:
     """This rank's stage of `model`, or `model` itself without a pipeline. A step needs at least one micro-batch per
     stage, or 1F1B leaves stages idle."""
-    n = layout.pipeline_parallel
+    n = layout.parallelism.pipeline_parallel
     if n == 1:
         return model
     if micro_batches < n:

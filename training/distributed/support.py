@@ -1,5 +1,5 @@
 """What runs under what: every feature refused under some engine, against every engine, with its one-line reason and
-fix. The engines' names and the table's columns are `common.engine_names`'s.
+fix. The engines' names are `common.engine_names`'s; the degrees and the table's columns `common.parallelism`'s.
 
 The refusals before a run, the memory planner's, and the support table of the README and docs/engines.md all read
 `support()`; a test holds both tables equal to `support_table()`. A feature that starts to run under an engine is
@@ -11,64 +11,51 @@ engine, stay with the config reading in `training.distributed.engines`.
 """
 from __future__ import annotations
 
-from common.engine_names import (
-    COLUMNS,
-    DDP_COLUMN,
-    DEEPSPEED,
-    FSDP_COLUMN,
-    PP_COLUMN,
-    TP_COLUMN,
-    ZERO_COLUMNS,
-    Refusal,
-    column,
-    engine_name,
-)
+from common.engine_names import ENGINE_COLUMNS, FSDP_COLUMN, ZERO_COLUMNS, Refusal
+from common.parallelism import DEGREES, Degree, Parallelism, columns
 from training.optimizers.registry import OPTIMIZERS
 
 _LORA_WHY = ("the adapters are a few MB: there is nothing worth sharding, and its checkpoints would gather and shard "
              "the frozen base")
 _LORA_FIX = "use a DDP or single-process accelerate config"
-_TP_FIX = "launch with accelerate_configs/fsdp_8gpu.yaml, or leave out --tensor_parallel"
-_TP_WHY = "it runs on accelerate's FSDP2 plugin, FSDP2 across the tensor-parallel groups"
-_PP_WHY = "its stages run on a DDP launch, the pipelines' gradients averaged stage by stage; sharding inside a stage " \
-          "is not built yet"
-_PP_FIX = "launch it with a DDP config (accelerate_configs/8gpu.yaml, cpu_2proc.yaml), or leave out --pipeline_parallel"
 
 # feature (as the user asks for it) -> column -> Refusal; a column not named runs it. Each optimizer declares its
-# own row (`OptimizerSpec.refused_under`), and `support()` joins them.
+# own row (`OptimizerSpec.refused_under`), each degree its own column's cells (`Degree.refuses`) and its row is
+# derived (`degree_row`); `support()` joins them.
 SUPPORT: dict[str, dict[str, Refusal]] = {
     "--lora_rank": {
         FSDP_COLUMN: Refusal(_LORA_WHY, _LORA_FIX),
         **{ZERO_COLUMNS[s]: Refusal(_LORA_WHY, _LORA_FIX) for s in (1, 2, 3)},
-        TP_COLUMN: Refusal("peft's adapters wrap the layers tensor parallelism splits",
-                              "drop --tensor_parallel (a DDP or single-process config)"),
-        PP_COLUMN: Refusal("its checkpoints hold the adapters, which the pipeline's whole-model checkpoints do not "
-                            "gather", "drop --pipeline_parallel (the adapters train in a few MB: DDP is enough)"),
     },
     "--on_nan skip": {
         ZERO_COLUMNS[s]: Refusal("DeepSpeed applies the update inside the step's backward, before the gradient norm is "
                              "known here", "use --on_nan stop") for s in (1, 2, 3)
     },
-    "--tensor_parallel": {
-        DDP_COLUMN: Refusal(_TP_WHY, _TP_FIX),
-        **{ZERO_COLUMNS[s]: Refusal(_TP_WHY, _TP_FIX) for s in (1, 2, 3)},
-        PP_COLUMN: Refusal("tensor-parallel groups inside pipeline stages are not built yet",
-                            "choose one of --pipeline_parallel and --tensor_parallel"),
-    },
-    "--pipeline_parallel": {
-        FSDP_COLUMN: Refusal(_PP_WHY, _PP_FIX),
-        **{ZERO_COLUMNS[s]: Refusal(_PP_WHY, _PP_FIX) for s in (1, 2, 3)},
-        TP_COLUMN: Refusal("pipeline stages with tensor-parallel groups inside are not built yet",
-                              "choose one of --pipeline_parallel and --tensor_parallel"),
-    },
 }
 
 
 def support() -> dict[str, dict[str, Refusal]]:
-    """The whole table: each registered optimizer refused somewhere (`--optimizer NAME`), then `SUPPORT`."""
-    optimizers = {f"--optimizer {name}": dict(spec.refused_under) for name, spec in OPTIMIZERS.items()
-                  if spec.refused_under}
-    return {**optimizers, **SUPPORT}
+    """The whole table: each registered optimizer refused somewhere (`--optimizer NAME`), then `SUPPORT` with each
+    degree's cells, then each registered degree's row (`degree_row`)."""
+    table = {f"--optimizer {name}": dict(spec.refused_under) for name, spec in OPTIMIZERS.items()
+             if spec.refused_under}
+    table |= {feature: dict(row) for feature, row in SUPPORT.items()}
+    for degree in DEGREES.values():
+        for feature, refused in degree.refuses.items():
+            table.setdefault(feature, {})[degree.column] = refused
+    return table | {degree.flag: degree_row(degree) for degree in DEGREES.values()}
+
+
+def degree_row(degree: Degree) -> dict[str, Refusal]:
+    """A degree's row: refused under the engines it does not run on (`Degree.needs`), and beside any other degree
+    (no two are combined yet)."""
+    own = Parallelism(degree.engine).column
+    row = {column: degree.needs for column in ENGINE_COLUMNS if column != own}
+    for other in DEGREES.values():
+        if other != degree:
+            row[other.column] = Refusal(f"{degree.groups} inside {other.groups} are not built yet",
+                                        f"choose one of {other.flag} and {degree.flag}")
+    return row
 
 
 def costs() -> dict[str, dict[str, str]]:
@@ -82,25 +69,25 @@ def conditions(grad_clip: float) -> frozenset[str]:
     return frozenset({"--grad_clip 0"} if grad_clip == 0 else ())
 
 
-def refusal(feature: str, kind: str, zero_stage: int = 0, tensor_parallel: int = 1, asked: str | None = None,
-            pipeline_parallel: int = 1, settings: frozenset[str] = frozenset()) -> str | None:
-    """The one-line refusal of `feature` under this launch's engine, or None where it runs.
+def refusal(feature: str, parallelism: Parallelism, asked: str | None = None,
+            settings: frozenset[str] = frozenset()) -> str | None:
+    """The one-line refusal of `feature` under `parallelism`, or None where it runs.
 
     `asked` is the flag as the user gave it (`--tensor_parallel 4`). A refusal whose `unless` is in `settings` lets
-    the feature run. A DeepSpeed stage not yet known (0) reads the ZeRO-1 column: no refusal here differs by stage."""
-    where_column = column(kind, zero_stage or (1 if kind == DEEPSPEED else 0), tensor_parallel, pipeline_parallel)
-    refused = support().get(feature, {}).get(where_column)
+    the feature run."""
+    refused = support().get(feature, {}).get(parallelism.column)
     if refused is None or refused.unless in settings:
         return None
-    where = (f"with --pipeline_parallel {pipeline_parallel}" if pipeline_parallel > 1
-             else f"with --tensor_parallel {tensor_parallel}" if tensor_parallel > 1
-             else f"under {engine_name(kind, zero_stage)}")
+    where = f"under {parallelism.name}"
+    if parallelism.split:  # the degree whose column it is
+        degree, n = parallelism.split[-1]
+        where = f"with {degree.flag} {n}"
     return f"{asked or feature} is not supported {where} ({refused.why}); {refused.fix}"
 
 
 def support_table() -> str:
     """The support table of the README and docs/engines.md: every feature refused somewhere, against every column."""
-    lines = ["| feature | " + " | ".join(COLUMNS) + " |", "| --- |" + " --- |" * len(COLUMNS)]
+    lines = ["| feature | " + " | ".join(columns()) + " |", "| --- |" + " --- |" * len(columns())]
     notes = costs()
 
     def cell(refused: Refusal | None, cost: str | None) -> str:
@@ -108,6 +95,6 @@ def support_table() -> str:
         return f"{runs} ({cost})" if cost and runs != "refused" else runs
 
     for feature, refused in support().items():
-        cells = [cell(refused.get(c), notes.get(feature, {}).get(c)) for c in COLUMNS]
+        cells = [cell(refused.get(c), notes.get(feature, {}).get(c)) for c in columns()]
         lines.append(f"| `{feature}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)

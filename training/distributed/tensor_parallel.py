@@ -28,12 +28,13 @@ def split(model: torch.nn.Module, layout: Layout, accelerator: Accelerator) -> t
     """Split `model` within each tensor-parallel group and shard it with FSDP2 across the groups, as accelerate would
     (one unit per block, the root holding the rest). A no-op without TP. Call before the optimizers are built, so
     that they hold the DTensors."""
-    if layout.tensor_parallel == 1:
+    degree = layout.parallelism.tensor_parallel
+    if degree == 1:
         return model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(accelerator.device.type, (layout.data_parallel_size, layout.tensor_parallel),
+    mesh = init_device_mesh(accelerator.device.type, (layout.data_parallel_size, degree),
                             mesh_dim_names=(DP, TP))
     model = parallelize(model.to(accelerator.device), mesh[TP])
     plugin = accelerator.state.fsdp_plugin
@@ -48,7 +49,7 @@ def split(model: torch.nn.Module, layout: Layout, accelerator: Accelerator) -> t
 
 def evaluation_ranks(layout: Layout, accelerator: Accelerator) -> Any:
     """The accelerator the evaluations take: under TP or a pipeline, seen as its data-parallel ranks."""
-    return DataParallelRanks(accelerator, layout) if layout.model_parallel > 1 else accelerator
+    return DataParallelRanks(accelerator, layout) if layout.parallelism.model_parallel > 1 else accelerator
 
 
 class DataParallelRanks:
@@ -64,7 +65,7 @@ class DataParallelRanks:
         self.num_processes = layout.data_parallel_size
         # One group per index within a group: the ranks holding the same shard. Every rank creates every group, in
         # the same order, as torch requires.
-        degree = layout.model_parallel
+        degree = layout.parallelism.model_parallel
         ranks = [[d * degree + t for d in range(layout.data_parallel_size)] for t in range(degree)]
         self._group, _ = new_subgroups_by_enumeration(ranks)
 

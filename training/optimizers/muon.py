@@ -19,8 +19,9 @@ import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
-from common.engine_names import DEEPSPEED, FSDP_COLUMN, TP_COLUMN, ZERO_COLUMNS, Refusal, engine_name
+from common.engine_names import DEEPSPEED, FSDP_COLUMN, ZERO_COLUMNS, Refusal
 from common.errors import UserError
+from common.parallelism import TENSOR, Parallelism
 from common.resume_rules import RESTORED, SCHEDULE, flag
 from training.optimizers.spec import BLOCK_MATRICES, OptimizerPlan, OptimizerSpec, StepPlacement
 
@@ -113,10 +114,10 @@ SPEC = OptimizerSpec(
     zero_build=zero_build,
     refused_under={ZERO_COLUMNS[s]: Refusal(_ZERO_WHY, f"pass --grad_clip 0 (clipping off: DeepSpeed's Muon is then "
                                                        f"torch's), or use --optimizer adamw with "
-                                                       f"{engine_name(DEEPSPEED, s)}, or Muon with a DDP or FSDP2 "
+                                                       f"{Parallelism(DEEPSPEED, s).name}, or Muon with a DDP or FSDP2 "
                                                        "launch config", unless="--grad_clip 0")
                    for s in (1, 2, 3)},
-    costs_under={**{column: _GATHERED for column in (FSDP_COLUMN, TP_COLUMN)},
+    costs_under={**{column: _GATHERED for column in (FSDP_COLUMN, TENSOR.column)},
                  **{ZERO_COLUMNS[s]: "DeepSpeed's own Muon" for s in (1, 2, 3)}},
     lora_refusal="Muon orthogonalises whole hidden matrices, not rank-{rank} factors", whole_matrices=True,
 )
