@@ -511,3 +511,20 @@ def test_the_step_probes_count_syncs_by_phase_and_sort_ops_into_categories():
         "aten::empty_strided")] == ["GEMM", "attention", "triton", "elementwise", "memcpy", "optimizer", "GEMM",
                                     "optimizer", "other"]
     assert step_probe.probe("x", lambda: 1 / 0) == {"error": "ZeroDivisionError: division by zero"}
+
+
+def test_the_attention_kernel_is_read_from_the_profiles_names():
+    """Which SDPA kernel ran, from the op and kernel names a profile holds: cuDNN's Hopper kernels (whose names also
+    say "flash") are cuDNN's, FlashAttention-2's, the memory-efficient one's, the math path's; on a CPU the op's.
+
+    Seen to catch: "flash" matched before "cudnn" (cuDNN's kernel read as flash)."""
+    kernel = step_probe.attention_kernel
+    assert kernel(["sm90_xmma_gemm_bf16", "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64",
+                   "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_7"]) == "cudnn"
+    assert kernel(["void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>",
+                   "aten::_scaled_dot_product_flash_attention"]) == "flash"
+    assert kernel(["fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel)"]) == "efficient"
+    assert kernel(["aten::_scaled_dot_product_flash_attention_for_cpu", "aten::mm"]) == "flash"
+    assert kernel(["aten::_scaled_dot_product_attention_math"]) == "math"
+    assert kernel(["aten::mm", "triton_poi_fused_add_0"]) is None
+    assert kernel(["flash_fwd_kernel", "aten::_scaled_dot_product_cudnn_attention"]) == "cudnn+flash"
