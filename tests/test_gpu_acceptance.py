@@ -539,7 +539,8 @@ def test_the_sweep_plan_resolved_for_cuda():
         assert found not in seen, f"{name} runs {seen.get(found)}'s settings on CUDA: {found}"
         seen[found] = name
 
-    before = next(v for v in plan if v.name == gpu_acceptance.BEFORE)
+    before = next((v for v in plan if v.name == gpu_acceptance.BEFORE), None)
+    assert before is not None, f"no before row ({gpu_acceptance.BEFORE}) in the plan"
     assert settings[before.name][:5] == ("muon", 16, 2, 512, False) and before.sdpa is None
     assert before.measures.startswith("before: the 2026-11-26 window's configuration")
 
