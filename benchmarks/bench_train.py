@@ -14,16 +14,25 @@ AdamW step. Both start from the same weights and read the same pre-generated ran
 Warmup steps run first and are not timed; then the sides alternate in trials (order flipped every
 trial) so that a machine busy with other jobs slows both alike.
 
+Both sides are built as train.py builds its step: the optimizers from the same plan, Muon told where its step runs
+(`training.distributed.prepare`: with --compile its Newton-Schulz is compiled, on the bare side too), and with
+--compile both models compiled with accelerate's dynamo settings.
+
 The GPU window's sweep (benchmarks/gpu_acceptance.py, stage `sweep`) runs side (a) alone (`--accelerate_only`) once
-per variant: the loss path (`--loss_chunk_rows`, set on the model) and Muon's layout (`--muon_stacked`,
-`--muon_per_matrix`, set on the optimizer), trials sized by time (`--time_budget`), the optimizer step's and the
-clip's time (`--phases`), then one step's host syncs (`--sync_count`) and one step under torch.profiler
-(`--profile`); benchmarks/step_probe.py says how each is measured. `--require_knobs` refuses a knob this code does not
-have, before any step, rather than measure the default under another name.
+per variant: the loss path (`--loss_chunk_rows`, set on the model), Muon's layout (`--muon_stacked`,
+`--muon_per_matrix`, set on the optimizer) and the attention kernel (`--sdpa_backend`, held with
+`torch.nn.attention.sdpa_kernel` for the whole run, so that dynamo traces the chosen op), trials sized by time
+(`--time_budget`), the optimizer step's and the clip's time (`--phases`), then one step under torch.profiler
+(`--profile`: also which SDPA kernel ran) and one step's host syncs (`--sync_count`: an eager step, so only at a
+shape where one fits in memory); benchmarks/step_probe.py says how each is measured. `--require_knobs` refuses a knob
+this code does not have, before any step, rather than measure the default under another name. The JSON records what
+ran: the card (as the MFU peak table names it) and its memory, cuDNN's version, the compile's backend and mode, the
+allocator's settings.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -44,14 +53,18 @@ from common.errors import UserError, run_cli
 from configs import ModelConfig, TrainingConfig, parse_config
 from model import GPT, GPTConfig
 from model.loss import default_loss_chunk_rows, describe_loss_path
+from training.distributed.prepare import prepare, step_placement
 from training.evaluations import registry  # noqa: F401  the preset's evaluation flags (--hellaswag_every)
-from training.mfu import estimate_mfu, peak_flops
+from training.mfu import card_for_name, estimate_mfu, peak_flops
 from training.optimizers.plan import build_optimizer, plan_optimizers
 from training.preemption import PreemptionFlag
 from training.step import LRSchedule, train_step
 
 GRAD_CLIP = TrainingConfig().grad_clip  # train.py's default
 GPT2_PRESET = "gpt2_124m_fineweb_edu_muon.yaml"  # the optimizer's settings (main())
+# --sdpa_backend's names for torch.nn.attention.SDPBackend's members.
+SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                 "math": "MATH"}
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -101,8 +114,12 @@ def parse_args() -> argparse.Namespace:
                       help="Muon orthogonalises same-shape matrices together (default: the optimizer's)")
     muon.add_argument("--muon_per_matrix", dest="muon_stacked", action="store_const", const=False,
                       help="Muon orthogonalises one matrix at a time")
+    p.add_argument("--sdpa_backend", choices=tuple(SDPA_BACKENDS),
+                   help="the attention kernel on both sides, for the whole run (default: SDPA's own choice); a "
+                   "kernel the device lacks fails the first step")
     p.add_argument("--require_knobs", action="store_true",
-                   help="refuse --loss_chunk_rows / --muon_* where the model or Muon has no such attribute")
+                   help="refuse --loss_chunk_rows / --muon_* / --sdpa_backend where the model, Muon or torch has no "
+                   "such knob")
     p.add_argument("--accelerate_only", action="store_true", help="time train.py's step alone, no bare loop")
     p.add_argument("--time_budget", type=float,
                    help="seconds of timed steps per side instead of --steps: --trials trials of equal steps, sized "
@@ -124,8 +141,28 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def attention_backend(name: str | None) -> contextlib.AbstractContextManager:
+    """The `--sdpa_backend` kernel for what runs inside (dynamo traces the op it selects), or nothing chosen. A torch
+    that cannot choose it is refused (KNOB_UNKNOWN, as `--require_knobs`): the run would measure the default."""
+    if name is None:
+        return contextlib.nullcontext()
+    import torch.nn.attention as attention
+
+    member = getattr(getattr(attention, "SDPBackend", None), SDPA_BACKENDS[name], None)
+    if member is None or not hasattr(attention, "sdpa_kernel"):
+        raise UserError(f"KNOB_UNKNOWN sdpa_backend: torch {torch.__version__} cannot choose the {name} attention "
+                        "kernel (torch.nn.attention.sdpa_kernel); leave --sdpa_backend out for SDPA's own choice")
+    return attention.sdpa_kernel([member])
+
+
 def main() -> None:
     args = parse_args()
+    with attention_backend(args.sdpa_backend):
+        measure(args)
+
+
+def measure(args: argparse.Namespace) -> None:
+    """Both sides' steps, timed; the figures printed and written (--json)."""
     overrides = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "block_size") if getattr(args, k)}
     config = GPTConfig.from_name(args.model, **overrides)
     use_cpu = args.device == "cpu" or not torch.cuda.is_available()
@@ -168,10 +205,17 @@ def main() -> None:
         asked = {"loss_chunk_rows": args.loss_chunk_rows is not None, "muon_stacked": args.muon_stacked is not None}
         unknown = [k for k, v in asked.items() if v and not knobs[k]]
         if unknown:
-            raise UserError(f"KNOB_UNKNOWN {','.join(unknown)}: this code has no such attribute (issue 53's item 1 "
-                            "or 2 not in yet); the variant would measure the default")
-    acc_model, *acc_opts = accelerator.prepare(acc_model, *acc_opts)
-    bare_fwd = bare_model if bare_model is None or not args.compile else torch.compile(bare_model)
+            raise UserError(f"KNOB_UNKNOWN {','.join(unknown)}: this code has no such attribute; the variant would "
+                            "measure the default")
+    # As train.py: Muon learns where its step runs (with --compile its stacked Newton-Schulz is compiled); the bare
+    # side's Muon the same, and its model compiled with accelerate's dynamo settings, so both are compiled alike.
+    acc_model, *acc_opts = prepare(accelerator, acc_model, acc_opts, plan)
+    placement = step_placement(accelerator, acc_model)
+    if len(bare_opts) > 1 and plan.spec.place is not None:
+        plan.spec.place(bare_opts[-1], placement)
+    dynamo = accelerator.state.dynamo_plugin
+    bare_fwd = bare_model if bare_model is None or not args.compile else torch.compile(bare_model,
+                                                                                       **dynamo.to_kwargs())
     acc_model.train()
     if bare_model is not None:
         bare_model.train()
@@ -282,6 +326,9 @@ def main() -> None:
     profile = probe("profile", lambda: profile_step(lambda: step_once("accelerate"), device)) if args.profile else None
     syncs = probe("host syncs", lambda: count_syncs(lambda: step_once("accelerate"), phases, device)) \
         if args.sync_count else None
+    alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
+    expandable = probe("expandable segments", lambda: any(
+        seg.get("is_expandable", False) for seg in torch.cuda.memory_snapshot())) if device.type == "cuda" else None
     if device.type == "cuda":  # both models and optimizers stay resident, so the difference is what counts
         print("peak memory allocated: " + " | ".join(f"{s} {m / 2**30:.2f} GiB" for s, m in peak_mem.items()))
     else:  # ru_maxrss is in KiB on Linux and covers the whole process (both sides)
@@ -290,12 +337,21 @@ def main() -> None:
     max_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:
+        name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
         figures = {
             "model": args.model, "n_params": n_params, "n_layer": config.n_layer, "n_embd": config.n_embd,
             "block_size": T, "micro_batch_size": B, "grad_accum": A, "tokens_per_step": A * B * T,
             "mixed_precision": args.mixed_precision, "compile": args.compile, "device": str(device),
-            "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "steps": timed_steps, "steps_per_trial": per_trial,
+            # What ran: the card as the MFU peak table names it (a target is judged on its own card), its memory,
+            # cuDNN, the compile's backend and mode, whether Muon's Newton-Schulz was compiled.
+            "device_name": name, "card": card_for_name(name) if device.type == "cuda" else None,
+            "device_memory_gib": torch.cuda.get_device_properties(device).total_memory / 2**30
+            if device.type == "cuda" else None,
+            "cudnn_version": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+            "torch": torch.__version__, "compile_backend": dynamo.backend.value.lower() if args.compile else None,
+            "compile_mode": dynamo.mode if args.compile else None,
+            "muon_newton_schulz_compiled": placement.compile_backend is not None if muons else None,
+            "steps": timed_steps, "steps_per_trial": per_trial,
             "warmup_steps": args.warmup, "warmup_s": warmup_s,
             # What the CUDA code paths turned on: fused AdamW (training/optimizers/plan.py) and TF32 matmuls.
             "optimizer": plan.kind,
@@ -307,6 +363,11 @@ def main() -> None:
             # The sweep's figures (benchmarks/gpu_acceptance.py, stage sweep): the knobs as set and whether this code
             # has them, the compile, the step's phases, host syncs and profile (None where not asked for).
             "muon_stacked": getattr(muons[0], "stacked", False) if muons else None, "knobs_in_code": knobs,
+            # the attention kernel asked for (None: SDPA's choice) and the one the profiled step ran (None: not
+            # profiled or none seen); the allocator's settings and whether its segments were expandable
+            "sdpa_backend": args.sdpa_backend,
+            "attention_kernel": profile.get("attention_kernel") if isinstance(profile, dict) else None,
+            "alloc_conf": alloc_conf, "expandable_segments": expandable,
             "graph_breaks": graph_breaks, "graph_break_reasons": sorted(dynamo_counters["graph_break"])[:5],
             "phase_ms": phase_ms, "host_syncs": syncs, "profile": profile,
         }

@@ -26,22 +26,27 @@ window. The sweep's 400 s fill a window's first call (LEASE_CALLS); its second g
 with --budget set to the device time left. benchmarks/prepare_lease.py fills the folder that travels (the HellaSwag
 file, DeepSpeed's wheel) and prints the command.
 
-The sweep (stage `sweep`, issue 53): every variant of train.py's step (SWEEP, in priority order: the baseline Muon
-16 x 2, AdamW 16 x 2, the loss in 16,384-row chunks and as full logits, the fastest loss at micro-batch 64 x 1,
-Muon stacked and per matrix, Muon and AdamW at the users' shape 64 x 8, Muon at llm.c's 64 x 1), each
-`benchmarks.bench_train --accelerate_only` in its own process with the shared compile cache, so that an OOM or a
-crash costs its row only. Each takes ~30-80 s on an H100: the compile, 4 untimed steps, 3 timed trials of ~2 s (sized
-by time), then one step under torch.profiler and one under a host-sync counter (benchmarks/step_probe.py). One JSON
-line per variant is appended to DIR/sweep.jsonl as it ends (tokens/s, MFU, the optimizer step's and the clip's ms,
-peak memory, compile seconds, graph breaks, host syncs per step, the first step's loss and whether it agrees, to
-1e-3, with the first variant's at the same shape); a variant whose estimate (SWEEP_COLD_S, SWEEP_WARM_S) no longer
-fits in the stage is `not run`, one whose knob this code lacks (`GPT.loss_chunk_rows`, `Muon.stacked`: issue 53's
-items 1 and 2) is `skipped` before its compile, and a later call runs named ones (--sweep_variants). acceptance.md
-shows the rows and the profile tables (self device time by kernel and category) of the baseline and the fastest.
+The sweep (stage `sweep`, issues 53 and 59): train.py's step in each setting that decides its speed (SWEEP, in
+priority order): the users' shape (64 x 1024 x 8) with Muon and with AdamW, then with cuDNN and with flash attention
+(`bench_train --sdpa_backend`), the 2026-11-26 window's configuration (`before_muon_16x2`: 16 x 2, the 512-row walk,
+Muon one matrix at a time) and today's defaults at its shape, then the rest (expandable segments, each change of
+issue 53 alone, llm.c's shape, the loss in 16k-row chunks). Each row is `benchmarks.bench_train --accelerate_only` in
+its own process with the shared compile cache, so that an OOM or a crash costs its row only: the compile, 4 untimed
+steps, 3 timed trials of ~2 s (sized by time), one step under torch.profiler (which also names the SDPA kernel that
+ran) and, at 16 x 2 only, one eager step under the host-sync counter (benchmarks/step_probe.py; an eager step at
+64 x 1024 may not fit). One JSON line per row is appended to DIR/sweep.jsonl as it ends (tokens/s, MFU on the card's
+own peak, the optimizer step's and the clip's ms, peak memory, compile seconds, graph breaks, the attention kernel,
+host syncs, the card, cuDNN, the first step's loss and whether it agrees, to 1e-3, with the first row's at the same
+shape). A row is not started when its estimate (`estimate_s`, an H100's) no longer fits in the stage (`not run`),
+nor when the rows that ran show its settings are one's that ran (`same as`: the kernel row of the kernel SDPA chose
+itself); one whose knob this code lacks is `skipped` before its compile; a later call runs named ones
+(--sweep_variants). `first_call_rows` says which rows the first call reaches; the users' shape always does.
+acceptance.md shows the rows, labelled with the card they ran on, and the profile tables (self device time by kernel
+and category) of the first row and the fastest.
 
-Compile once: every stage runs with inductor's caches (FX graph, AOT autograd, Triton kernels) in one folder of
-the call (`work/compile_cache`), so the second compiled stage finds the first one's kernels; each stage's report
-says how many files the cache held after it.
+Compile once: every stage runs with inductor's caches (FX graph, AOT autograd, Triton kernels) in one folder outside
+the call's work folder (`Ctx.compile_cache`), so the second compiled stage finds the first one's kernels, and a
+later call on a warm machine the earlier call's; each stage's report says how many files the cache held after it.
 
 Script or module: `python benchmarks/gpu_acceptance.py` (the form outside scripts use) and
 `python -m benchmarks.gpu_acceptance` both work without a sys.path edit or a re-exec, because this file
@@ -118,10 +123,11 @@ VERSION_AFFECTS = {
                    "sweep"),
 }
 
-# Targets of issue 11 (one H100); judged only in the full (non-smoke) run.
-TARGET_TOK_S = 550_000
-# Issue 53's, at the users' shape (64 x 1024 x 8; llm.c: 468k per H100), with the same accelerate / bare bound.
-TARGET_USERS_TOK_S = 500_000
+# Targets by card (training/mfu.py's names), judged only in the full (non-smoke) run and only on that card: an H200's
+# figures meet no H100 target. Issue 11's at 16 x 2 (one H100); issues 53 and 59's at the users' shape, 64 x 1024 x 8
+# (llm.c: 468k per H100; an H200 has the same bf16 peak and 4.8 TB/s against 3.35). Each with accelerate / bare >= 0.97.
+TARGETS_TOK_S = {"H100": 550_000}
+TARGETS_USERS_TOK_S = {"H100": 500_000, "H200": 550_000}
 TARGET_OVERHEAD = 0.03
 TARGET_HELLASWAG_S = 20.0
 
@@ -143,7 +149,9 @@ class Ctx:
 
     @property
     def compile_cache(self) -> Path:
-        return self.work / "compile_cache"
+        """Outside the call's work folder (removed at its end), so that a later call on the same machine (a warm
+        one) finds the earlier one's compiled graphs; inductor's caches are keyed by the torch version and graph."""
+        return Path(tempfile.gettempdir()) / "gpu_acceptance_compile_cache"
 
     def cache_env(self) -> dict[str, str]:
         """Inductor's on-disk caches in one folder of the call, shared by every stage (the module docstring)."""
@@ -195,11 +203,17 @@ class Stage:
 ENV_SCRIPT = """
 import json, importlib, importlib.metadata, importlib.util, platform, datetime
 import torch
+from training.mfu import card_for_name, peak_flops_for_name
+gpu = torch.cuda.is_available()
+name = torch.cuda.get_device_name() if gpu else "cpu"
 out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
        "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-       "cuda_available": torch.cuda.is_available(),
-       "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-       "cpu_threads": torch.get_num_threads()}
+       "cuda_available": gpu, "device_name": name, "cpu_threads": torch.get_num_threads(),
+       # the card the figures are labelled with and judged on, its memory and bf16 peak, cuDNN's version
+       "card": card_for_name(name) if gpu else None, "peak_flops": peak_flops_for_name(name) if gpu else None,
+       "device_memory_gib": torch.cuda.get_device_properties(0).total_memory / 2**30 if gpu else None,
+       "compute_capability": ".".join(map(str, torch.cuda.get_device_capability())) if gpu else None,
+       "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None}
 for name in ("accelerate", "transformers", "tiktoken", "safetensors", "evaluate", "datasets", "wandb"):
     if importlib.util.find_spec(name) is None:
         out[name] = None
@@ -272,10 +286,13 @@ def bench_train_args(ctx: Ctx, users_shape: bool = False) -> list[str]:
     return ["--model", "gpt2", "--block_size", "1024", *shape, "--device", "cuda", "--mixed_precision", "bf16"]
 
 
-def step_figures(ctx: Ctx, name: str, compile_: bool, users_shape: bool, timeout: float) -> dict:
-    """One bench_train run (train.py's step against the bare loop) and its figures."""
-    path = ctx.work / f"{name}{'_users' if users_shape else ''}.json"
+def step_figures(ctx: Ctx, name: str, compile_: bool, users_shape: bool, timeout: float,
+                 optimizer: str | None = None) -> dict:
+    """One bench_train run (train.py's step against the bare loop; `optimizer` None: the preset's, Muon) and its
+    figures, with the target of its card where it has one."""
+    path = ctx.work / f"{name}{'_users' if users_shape else ''}{'_' + optimizer if optimizer else ''}.json"
     flags = ["--compile"] if compile_ and not ctx.smoke else []
+    flags += ["--optimizer", optimizer] if optimizer else []
     proc = ctx.sh(name, [PY, "-m", "benchmarks.bench_train", *bench_train_args(ctx, users_shape), *flags, "--json",
                          str(path)], timeout, check=False)
     if not path.exists():
@@ -283,6 +300,7 @@ def step_figures(ctx: Ctx, name: str, compile_: bool, users_shape: bool, timeout
     b = json.loads(path.read_text())
     figures = {"model": b["model"], "n_params": b["n_params"], "tokens_per_step": b["tokens_per_step"],
                "mixed_precision": b["mixed_precision"], "compile": b["compile"], "device": b["device_name"],
+               "card": b.get("card"), "optimizer": b["optimizer"],
                "optimizer_fused": b["optimizer_fused"], "tf32_matmul": b["tf32_matmul"],
                "warmup_s": b["warmup_s"], "accelerate_over_bare": b["ratio_overall"],
                "accelerate_over_bare_median_paired": b["ratio_median_paired"]}
@@ -290,9 +308,10 @@ def step_figures(ctx: Ctx, name: str, compile_: bool, users_shape: bool, timeout
         for key in ("tokens_per_s", "mfu", "peak_mem_gib", "last_loss"):
             figures[f"{side}_{key}"] = b[side][key]
     if compile_ and not ctx.smoke:
-        target = TARGET_USERS_TOK_S if users_shape else TARGET_TOK_S
-        figures["target_met"] = (b["accelerate"]["tokens_per_s"] >= target
-                                 and b["ratio_overall"] >= 1 - TARGET_OVERHEAD)
+        target = (TARGETS_USERS_TOK_S if users_shape else TARGETS_TOK_S).get(b.get("card"))
+        figures["target_tokens_per_s"] = target  # None: no target for this card (nothing to judge)
+        figures["target_met"] = None if target is None else (b["accelerate"]["tokens_per_s"] >= target
+                                                             and b["ratio_overall"] >= 1 - TARGET_OVERHEAD)
     if b["accelerate"]["last_loss"] != b["accelerate"]["last_loss"]:  # NaN
         raise StageError("the loss is NaN", figures)
     if not ctx.smoke and not (b["optimizer_fused"] and b["tf32_matmul"]):
@@ -301,23 +320,24 @@ def step_figures(ctx: Ctx, name: str, compile_: bool, users_shape: bool, timeout
 
 
 def step_stage(name: str, compile_: bool, users_shape: bool = False) -> Callable[[Ctx, float], dict]:
-    """train.py's step against the bare loop at today's 16 x 2; with `users_shape`, first at the users' shape too
-    (its figures prefixed `users_`)."""
+    """train.py's step against the bare loop at 16 x 2 (the preset's Muon; figures unprefixed). With `users_shape`,
+    first at the users' shape with Muon (`users_`) and with AdamW (`users_adamw_`); a GPU lease call then leaves 16 x 2
+    out (its budget holds the two users' runs: the targets are theirs)."""
     def run(ctx: Ctx, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
+        runs = [("users_", True, "muon"), ("users_adamw_", True, "adamw")] if users_shape else []
+        if not (users_shape and ctx.lease and not ctx.smoke):
+            runs.append(("", False, None))
         figures = {}
-        if users_shape:
+        for prefix, users, optimizer in runs:
             try:
-                users = step_figures(ctx, name, compile_, True, timeout)
+                found = step_figures(ctx, name, compile_, users, deadline - time.monotonic(), optimizer)
             except StageError as err:
-                raise StageError(f"users' shape: {err.args[0]}",
-                                 {f"users_{k}": x for k, x in (err.args[1] if len(err.args) > 1 else {}).items()}
-                                 ) from None
-            figures = {f"users_{k}": x for k, x in users.items()}
-        try:
-            return {**step_figures(ctx, name, compile_, False, deadline - time.monotonic()), **figures}
-        except StageError as err:
-            raise StageError(err.args[0], {**(err.args[1] if len(err.args) > 1 else {}), **figures}) from None
+                found = err.args[1] if len(err.args) > 1 else {}
+                raise StageError(f"{prefix.rstrip('_') or '16 x 2'}: {err.args[0]}",
+                                 {**figures, **{prefix + k: x for k, x in found.items()}}) from None
+            figures.update({prefix + k: x for k, x in found.items()})
+        return figures
     return run
 
 
@@ -551,61 +571,134 @@ def stage_memory_plan(ctx: Ctx, timeout: float) -> dict:
     return figures
 
 
-# ---- the sweep (issue 53, item 4): every variant of train.py's step, each in its own process ------------------
+# ---- the sweep (issues 53, 59): train.py's step in each setting that decides its speed, each in its own process ----
 
 @dataclass(frozen=True)
 class Variant:
-    """One row of the sweep: `benchmarks.bench_train --accelerate_only` with these settings. `loss_chunk_rows` None
-    and `muon_stacked` None leave the code's default; "best" takes the fastest of the rows before (`best_setting`)."""
+    """One row of the sweep: `benchmarks.bench_train --accelerate_only` with these settings. None leaves the code's
+    default on the card it runs on: `loss_chunk_rows` the device's loss path, `muon_stacked` Muon's layout, `sdpa`
+    SDPA's own choice of attention kernel."""
     name: str
     measures: str
     optimizer: str
     micro_batch: int
     grad_accum: int
-    loss_chunk_rows: int | str | None = None
-    muon_stacked: bool | str | None = None
-    cold: bool = True  # it compiles graphs that no variant before it compiled: the lease's estimate of its time
+    loss_chunk_rows: int | None = None
+    muon_stacked: bool | None = None
+    sdpa: str | None = None  # bench_train --sdpa_backend: cudnn, flash, efficient, math
+    env: tuple[tuple[str, str], ...] = ()  # its process's environment (the allocator's settings)
+    # Its host syncs counted over one more step. That step runs eagerly (a dispatch mode stops dynamo), so only at a
+    # shape whose eager step fits: at 64 x 1024 the eager full-logits loss alone holds ~40 GB of fp32 log-softmax.
+    sync_count: bool = False
+    cold: bool = True  # it compiles graphs that no row before it compiled (the lease's estimate of its time)
 
 
+USERS_SHAPE = (64, 8)  # micro-batch 64 x 1024, 8 accumulated: 524,288 tokens per optimizer step (the GPT-2 presets)
+BEFORE = "before_muon_16x2"  # the 2026-11-26 window's configuration, the figure the changes since are credited against
+EXPANDABLE = (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),)  # the name torch 2.11 and later all read
 SWEEP = (
-    Variant("muon_16x2", "the baseline: train.py's step as the 2026-11-26 window measured it, Muon, micro-batch 16 x "
-            "1024 x 2 accumulation (32,768 tokens per optimizer step)", "muon", 16, 2),
-    Variant("adamw_16x2", "fused AdamW alone at the baseline's shape: what Muon costs", "adamw", 16, 2, cold=False),
-    Variant("adamw_16x2_chunk16384", "the loss in 16,384-row chunks (one per micro-batch): the 512-row walk's "
-            "accumulation into the fp32 weight gradient gone", "adamw", 16, 2, loss_chunk_rows=16384),
-    Variant("adamw_16x2_full", "the full bf16 logits and F.cross_entropy inside the compiled model", "adamw", 16, 2,
-            loss_chunk_rows=0),
-    Variant("adamw_64x1", "the fastest loss of the three rows above at micro-batch 64, a step per micro-batch: "
-            "llm.c's shape (-b 64 -t 1024 per GPU) with its optimizer", "adamw", 64, 1, loss_chunk_rows="best"),
-    Variant("muon_16x2_stacked", "Muon with same-shape matrices stacked: one batched, compiled Newton-Schulz",
-            "muon", 16, 2, muon_stacked=True, cold=False),
-    Variant("muon_16x2_per_matrix", "Muon one matrix at a time (torch.optim.Muon's loop)", "muon", 16, 2,
-            muon_stacked=False, cold=False),
-    Variant("muon_64x8", "the users' shape: micro-batch 64 x 1024 x 8 = 524,288 tokens per optimizer step (the "
-            "GPT-2 presets), the fastest loss and Muon layout above", "muon", 64, 8, "best", "best", cold=False),
-    Variant("adamw_64x8", "the users' shape with AdamW and the fastest loss", "adamw", 64, 8, "best", cold=False),
-    Variant("muon_64x1", "llm.c's shape (a step per 65,536 tokens) with Muon: its fixed cost at 8 times the steps of "
-            "the users' shape", "muon", 64, 1, "best", "best", cold=False),
+    Variant("muon_64x8", "the users' shape: micro-batch 64 x 1024 x 8 = 524,288 tokens per optimizer step (the GPT-2 "
+            "presets), Muon, the code's defaults on this card (on CUDA: full logits, stacked Muon, SDPA's own "
+            "attention kernel, which the row names)", "muon", *USERS_SHAPE),
+    Variant("adamw_64x8", "the users' shape with fused AdamW: what Muon costs there", "adamw", *USERS_SHAPE,
+            cold=False),
+    Variant("muon_64x8_cudnn", "the users' shape with cuDNN attention (sdpa_kernel); `same as` the first row where "
+            "SDPA chose it there", "muon", *USERS_SHAPE, sdpa="cudnn"),
+    Variant("muon_64x8_flash", "the users' shape with FlashAttention-2 (sdpa_kernel); `same as` the first row where "
+            "SDPA chose it there", "muon", *USERS_SHAPE, sdpa="flash"),
+    Variant(BEFORE, "before: the 2026-11-26 window's configuration (296,619 tokens/s then): micro-batch 16 x 1024 "
+            "x 2, the loss in 512-row chunks, Muon one matrix at a time (today's step code otherwise); host syncs of "
+            "one eager step", "muon", 16, 2,
+            loss_chunk_rows=512, muon_stacked=False, sync_count=True),
+    Variant("muon_16x2", "the before row's shape with the code's defaults: what the loss path and stacked Muon bought "
+            "together; host syncs of one eager step", "muon", 16, 2, sync_count=True),
+    Variant("muon_64x8_expandable", "the users' shape with the allocator's expandable segments", "muon",
+            *USERS_SHAPE, env=EXPANDABLE, cold=False),
+    Variant("muon_16x2_walk", "the before row with stacked Muon: stacking's share of what issue 53 bought", "muon",
+            16, 2, loss_chunk_rows=512, cold=False),
+    Variant("adamw_16x2_walk", "the before row's loss with AdamW: the 2026-11-26 AdamW reading (386,387 tokens/s)",
+            "adamw", 16, 2, loss_chunk_rows=512, cold=False),
+    Variant("adamw_64x1", "llm.c's shape (-b 64 -t 1024 per GPU: a step per 65,536 tokens) with AdamW", "adamw", 64,
+            1, cold=False),
+    Variant("muon_64x1", "llm.c's shape with Muon: its fixed cost at 8 times the users' steps", "muon", 64, 1,
+            cold=False),
+    Variant("muon_64x8_chunk16384", "the users' shape with the loss in 16,384-row chunks (4 per micro-batch)", "muon",
+            *USERS_SHAPE, loss_chunk_rows=16384),
 )
-# --smoke: these, on the tiny model, micro-batch 16 -> 2 and 64 -> 4, accumulation 8 -> 2: the baseline, a loss knob
-# (which resolves "best"), the best loss at another shape.
-SMOKE_SWEEP = ("muon_16x2", "adamw_16x2_full", "adamw_64x1")
+ATTENTION_ROWS = ("muon_64x8", "muon_64x8_cudnn", "muon_64x8_flash")  # the users' Muon, the kernel its only change
+# --smoke: these, on the tiny model, micro-batch 16 -> 2 and 64 -> 4, accumulation 8 -> 2: the users' row compiled
+# (inductor on the CPU), the flash row (on a CPU SDPA's own choice: `same as` the first), the before row eager.
+SMOKE_SWEEP = ("muon_64x8", "muon_64x8_flash", BEFORE)
+SMOKE_COMPILED = ("muon_64x8",)
 SMOKE_SHAPE = {16: 2, 64: 4, 8: 2}
-LOSS_CANDIDATES = ("adamw_16x2", "adamw_16x2_chunk16384", "adamw_16x2_full")
-MUON_CANDIDATES = ("muon_16x2", "muon_16x2_stacked", "muon_16x2_per_matrix")
 SWEEP_FILE = "sweep.jsonl"
-# On an H100 (the lease's gate): a variant that compiles new graphs (the cold compile of GPT-2 124M's step was ~60 s
-# of step_compile's 72 s warm-up on 2026-11-26), one whose graphs the shared cache holds; each also starts a process
-# (~10 s), runs 4 untimed steps, 3 trials of 2 s, a profiled step and a counted one. A variant past its limit is ended.
-SWEEP_COLD_S = 80.0
-SWEEP_WARM_S = 40.0
-SWEEP_VARIANT_LIMIT_S = 180.0
+# A row's time on an H100 (the lease's gate, `estimate_s`): its process's start (imports, the model), the compile
+# (cold, or its graphs from the shared cache: ~60 s of step_compile's 72 s warm-up on 2026-11-26 was the cold compile),
+# then steps at ~350,000 tokens/s: 4 untimed, the trials (--time_budget), one profiled, 3 for an eager counted one.
+SWEEP_START_S = 15.0
+SWEEP_COMPILE_S = {True: 60.0, False: 20.0}
+SWEEP_TOKENS_PER_S = 350_000
+SWEEP_WARMUP = 4
+SWEEP_TRIALS_S = 6.0
+SWEEP_VARIANT_LIMIT_S = 180.0  # a row past it is ended
 SWEEP_LOSS_RTOL = 1e-3  # the first step's loss of every variant of one shape (same weights, same batches)
-SWEEP_SHARED = ["--accelerate_only", "--phases", "--sync_count", "--profile"]
+SWEEP_SHARED = ["--accelerate_only", "--phases", "--profile", "--require_knobs"]
 SWEEP_GPU = ["--model", "gpt2", "--block_size", "1024", "--device", "cuda", "--mixed_precision", "bf16", "--compile",
-             "--warmup", "4", "--trials", "3", "--time_budget", "6", "--require_knobs"]
+             "--warmup", str(SWEEP_WARMUP), "--trials", "3", "--time_budget", f"{SWEEP_TRIALS_S:g}"]
 SWEEP_SMOKE = ["--model", "tiny", "--device", "cpu", "--mixed_precision", "bf16", "--warmup", "2", "--trials", "2",
                "--time_budget", "0.2"]
+SDPA_CHOICE = "SDPA's choice"  # a row's attention kernel before one that ran shows it
+
+
+def estimate_s(v: Variant) -> float:
+    """The seconds a row takes on an H100, by the constants above."""
+    step_s = v.micro_batch * v.grad_accum * 1024 / SWEEP_TOKENS_PER_S
+    steps = SWEEP_WARMUP + 1 + (3 if v.sync_count else 0)
+    return SWEEP_START_S + SWEEP_COMPILE_S[v.cold] + steps * step_s + SWEEP_TRIALS_S
+
+
+def first_call_rows(variants: tuple[Variant, ...], budget: float) -> list[str]:
+    """The rows a call of `budget` seconds reaches by the estimates, every row run (none `same as` another)."""
+    names, spent = [], 0.0
+    for v in variants:
+        spent += estimate_s(v)
+        if spent > budget:
+            break
+        names.append(v.name)
+    return names
+
+
+def effective_settings(v: Variant, defaults: dict) -> tuple:
+    """What a row runs on a card whose defaults are `defaults` (`loss_chunk_rows`, `muon_stacked`, and `sdpa`, the
+    kernel SDPA chose there once a row has shown it, else SDPA_CHOICE): optimizer, shape, loss path, Muon's layout,
+    attention kernel, environment. Two rows with equal settings measure the same thing."""
+    stacked = None if v.optimizer != "muon" else (defaults["muon_stacked"] if v.muon_stacked is None
+                                                   else v.muon_stacked)
+    return (v.optimizer, v.micro_batch, v.grad_accum,
+            defaults["loss_chunk_rows"] if v.loss_chunk_rows is None else v.loss_chunk_rows, stacked,
+            v.sdpa or defaults.get("sdpa", SDPA_CHOICE), v.env)
+
+
+def ran_settings(row: dict) -> tuple:
+    """`effective_settings` of a row that ran, from what it reports it ran."""
+    return (row["optimizer"], row["micro_batch_size"], row["grad_accum"], row["loss_chunk_rows_effective"],
+            row["muon_stacked_effective"] if row["optimizer"] == "muon" else None,
+            row.get("attention_kernel") or row["sdpa"] or SDPA_CHOICE, tuple(map(tuple, row["env"])))
+
+
+def learned_defaults(rows: list[dict]) -> dict:
+    """The card's defaults as the rows that ran with them report: the loss path, Muon's layout, SDPA's kernel. A
+    default no row has shown yet stays unknown (it then equals no row's setting)."""
+    ran = [r for r in rows if r["status"] == "ok"]
+    found = {"loss_chunk_rows": object(), "muon_stacked": object()}
+    for r in ran:
+        if r["loss_chunk_rows"] is None:
+            found["loss_chunk_rows"] = r["loss_chunk_rows_effective"]
+        if r["optimizer"] == "muon" and r["muon_stacked"] is None:
+            found["muon_stacked"] = r["muon_stacked_effective"]
+        if r["sdpa"] is None and r.get("attention_kernel"):
+            found["sdpa"] = r["attention_kernel"]
+    return found
 
 
 def sweep_variants(ctx: Ctx) -> list[Variant]:
@@ -624,25 +717,22 @@ def read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def best_setting(rows: list[dict], candidates: tuple[str, ...], key: str):
-    """The `key` setting (as asked: None = the code's default) of the fastest candidate row that ran and whose loss
-    agrees; the latest row of each candidate counts. None (the default) when none ran."""
-    latest = {r["variant"]: r for r in rows if r["variant"] in candidates}
-    ran = [r for r in latest.values() if r["status"] == "ok" and r.get("loss_agrees") is not False]
-    return max(ran, key=lambda r: r["tokens_per_s"])[key] if ran else None
-
-
 def variant_flags(v: Variant) -> list[str]:
     flags = ["--optimizer", v.optimizer, "--micro_batch_size", str(v.micro_batch), "--grad_accum", str(v.grad_accum)]
     if v.loss_chunk_rows is not None:
         flags += ["--loss_chunk_rows", str(v.loss_chunk_rows)]
     if v.muon_stacked is not None:
         flags.append("--muon_stacked" if v.muon_stacked else "--muon_per_matrix")
+    if v.sdpa is not None:
+        flags += ["--sdpa_backend", v.sdpa]
+    if v.sync_count:
+        flags.append("--sync_count")
     return flags
 
 
 def sweep_command(ctx: Ctx, v: Variant, json_path: Path) -> list[str]:
-    return [PY, "-m", "benchmarks.bench_train", *(SWEEP_SMOKE if ctx.smoke else SWEEP_GPU), *SWEEP_SHARED,
+    compiled = ["--compile"] if ctx.smoke and v.name in SMOKE_COMPILED else []
+    return [PY, "-m", "benchmarks.bench_train", *(SWEEP_SMOKE if ctx.smoke else SWEEP_GPU), *compiled, *SWEEP_SHARED,
             *variant_flags(v), "--json", str(json_path)]
 
 
@@ -658,10 +748,12 @@ def bench_row(b: dict) -> dict:
     a, syncs, phases = b["accelerate"], b.get("host_syncs") or {}, b.get("phase_ms") or {}
     errors = {k: b[k]["error"] for k in ("host_syncs", "profile") if "error" in (b.get(k) or {})}
     return {**({"probe_errors": errors} if errors else {}),
-            "device": b["device_name"], "torch": b["torch"], "compile": b["compile"],
+            "device": b["device_name"], "card": b.get("card"), "device_memory_gib": b.get("device_memory_gib"),
+            "cudnn_version": b.get("cudnn_version"), "torch": b["torch"], "compile": b["compile"],
+            "compile_mode": b.get("compile_mode"), "muon_newton_schulz_compiled": b.get("muon_newton_schulz_compiled"),
             "micro_batch_size": b["micro_batch_size"], "grad_accum": b["grad_accum"],
             "tokens_per_step": b["tokens_per_step"], "tokens_per_s": a["tokens_per_s"],
-            "best_trial_tokens_per_s": a["best_trial_tokens_per_s"], "mfu": a["mfu"],
+            "best_trial_tokens_per_s": a["best_trial_tokens_per_s"], "mfu": a["mfu"], "peak_flops": b.get("peak_flops"),
             "step_ms": 1e3 * b["tokens_per_step"] / a["tokens_per_s"], "optimizer_ms": phases.get("optimizer"),
             "clip_ms": phases.get("clip"), "peak_mem_gib": a["peak_mem_gib"], "max_rss_gib": b["max_rss_gib"],
             "first_step_s": a["first_step_s"], "compile_s": max(0.0, a["first_step_s"] - a["step_s"]),
@@ -671,7 +763,9 @@ def bench_row(b: dict) -> dict:
             "host_syncs_by_op": syncs.get("host_syncs_by_op"), "cuda_sync_warnings": syncs.get("cuda_sync_warnings"),
             "first_loss": a["first_loss"], "last_loss": a["last_loss"], "steps": b["steps"],
             "steps_per_trial": b["steps_per_trial"], "loss_chunk_rows_effective": b["loss_chunk_rows"],
-            "muon_stacked_effective": b["muon_stacked"], "knobs_in_code": b["knobs_in_code"], "profile": b["profile"]}
+            "muon_stacked_effective": b["muon_stacked"], "attention_kernel": b.get("attention_kernel"),
+            "alloc_conf": b.get("alloc_conf"), "expandable_segments": b.get("expandable_segments"),
+            "knobs_in_code": b["knobs_in_code"], "profile": b["profile"]}
 
 
 def check_loss(row: dict, rows: list[dict], earlier: list[dict]) -> None:
@@ -694,27 +788,24 @@ def run_sweep(ctx: Ctx, timeout: float, variants: list[Variant],
               command: Callable[[Ctx, Variant, Path], list[str]]) -> dict:
     """Run `variants` in order, each `command` its own process (a crash, a hang or an OOM costs its row), under
     what is left of `timeout`; append one JSON line per variant to DIR/sweep.jsonl as it ends. A variant whose
-    estimate (GPU runs) no longer fits is not started: its row says `not run`."""
+    estimate (GPU runs) no longer fits is not started (`not run`); one whose settings, resolved by the rows that ran
+    before it in this call, are a row's that ran is `same as` that row (a kernel row where SDPA chose that kernel)."""
     deadline = time.monotonic() + timeout
     path = ctx.out / SWEEP_FILE
-    earlier = read_rows(path)  # an earlier call's rows: "best" falls back on them
+    earlier = read_rows(path)  # an earlier call's rows: the loss check falls back on them
     rows: list[dict] = []
-    baseline = SWEEP[0].name
     for i, v in enumerate(variants, 1):
-        history = earlier + rows
-        if v.loss_chunk_rows == "best":
-            v = replace(v, loss_chunk_rows=best_setting(history, LOSS_CANDIDATES, "loss_chunk_rows"))
-        if v.muon_stacked == "best":
-            v = replace(v, muon_stacked=best_setting(history, MUON_CANDIDATES, "muon_stacked"))
         row = {"variant": v.name, "priority": i, "call": ctx.started, "measures": v.measures,
                "optimizer": v.optimizer, "loss_chunk_rows": v.loss_chunk_rows, "muon_stacked": v.muon_stacked,
-               "flags": variant_flags(v), "status": "not run", "seconds": 0.0}
-        base = next((r for r in reversed(history) if r["variant"] == baseline and r["status"] == "ok"), None)
+               "sdpa": v.sdpa, "env": [list(e) for e in v.env], "flags": variant_flags(v), "status": "not run",
+               "seconds": 0.0}
         left = deadline - time.monotonic()
-        estimate = 0.0 if ctx.smoke else (SWEEP_COLD_S if v.cold else SWEEP_WARM_S)
-        if (v.name != baseline and v.muon_stacked is not None and base is not None
-                and base["knobs_in_code"].get("muon_stacked") and base["muon_stacked_effective"] == v.muon_stacked):
-            row.update(status="same as baseline", error=f"{baseline} already ran Muon with stacked={v.muon_stacked}")
+        estimate = 0.0 if ctx.smoke else estimate_s(v)
+        settings = effective_settings(v, learned_defaults(rows))
+        twin = next((r for r in rows if r["status"] == "ok" and ran_settings(r) == settings), None)
+        if twin is not None:
+            row.update(status="same as", same_as=twin["variant"],
+                       error=f"{twin['variant']} ran these settings (attention: {settings[5]})")
         elif left < max(estimate, 5.0):
             row["error"] = (f"its ~{estimate:.0f} s do not fit in the {max(left, 0):.0f} s left of the stage; "
                             f"--stages sweep --sweep_variants {v.name} in a later call runs it")
@@ -726,7 +817,7 @@ def run_sweep(ctx: Ctx, timeout: float, variants: list[Variant],
             print(f"[gpu_acceptance] sweep {i}/{len(variants)} {v.name} (at most {limit:.0f} s) ...", flush=True)
             t0 = time.monotonic()
             try:
-                proc = ctx.sh(f"sweep_{v.name}", command(ctx, v, json_path), limit, check=False)
+                proc = ctx.sh(f"sweep_{v.name}", command(ctx, v, json_path), limit, env=dict(v.env), check=False)
             except subprocess.TimeoutExpired:
                 row.update(status="timeout", error=f"over its {limit:.0f} s limit")
             else:
@@ -748,25 +839,41 @@ def run_sweep(ctx: Ctx, timeout: float, variants: list[Variant],
 
 
 def sweep_figures(rows: list[dict], variants: list[Variant], path: Path) -> dict:
-    """The stage's figures: every row (less its profile), the baseline, the best, and the two profile tables."""
+    """The stage's figures: every row (less its profile), the card, the users' shape with each optimizer, the before
+    row, the fastest, the attention kernels that ran, and the profile tables of the first row and the fastest."""
     ok = [r for r in rows if r["status"] == "ok"]
     figures = {"rows_file": path.name, "variants": len(rows), "ok": len(ok),
                "failed": [r["variant"] for r in rows if r["status"] in ("fail", "timeout")],
                "not_run": [r["variant"] for r in rows if r["status"] == "not run"],
-               "skipped": [r["variant"] for r in rows if r["status"] in ("skipped", "same as baseline")],
+               "skipped": [r["variant"] for r in rows if r["status"] in ("skipped", "same as")],
                "loss_disagreements": [r["variant"] for r in ok if r.get("loss_agrees") is False],
                "rows": [{k: x for k, x in r.items() if k != "profile"} for r in rows]}
-    baseline = next((r for r in ok if r["variant"] == SWEEP[0].name), None)
+    if ok:
+        figures.update(device=ok[0]["device"], card=ok[0]["card"], cudnn_version=ok[0]["cudnn_version"],
+                       attention_kernels={r["variant"]: r["attention_kernel"] for r in ok})
+    by_name = {r["variant"]: r for r in ok}
+    for label, name in (("users_muon", SWEEP[0].name), ("users_adamw", SWEEP[1].name), ("before", BEFORE)):
+        if name in by_name:
+            figures.update({label: name, f"{label}_tokens_per_s": by_name[name]["tokens_per_s"],
+                            f"{label}_mfu": by_name[name]["mfu"]})
     good = [r for r in ok if r.get("loss_agrees") is not False]
+    # What item 6 of issue 59 adopts: of the users' Muon rows that differ in the attention kernel only, the fastest
+    # kernel and its gain over SDPA's own choice (row 1).
+    kernels = {r["attention_kernel"]: r for r in good if r["variant"] in ATTENTION_ROWS and r["attention_kernel"]}
+    if len(kernels) > 1 and SWEEP[0].name in by_name:
+        fastest = max(kernels.values(), key=lambda r: r["tokens_per_s"])
+        figures.update(attention_fastest=fastest["attention_kernel"],
+                       attention_gain=fastest["tokens_per_s"] / by_name[SWEEP[0].name]["tokens_per_s"])
     best = max(good, key=lambda r: r["tokens_per_s"]) if good else None
-    for label, r in (("baseline", baseline), ("best", best)):
+    if best is not None:
+        figures.update(best=best["variant"], best_tokens_per_s=best["tokens_per_s"], best_mfu=best["mfu"])
+        if "before" in figures:
+            figures["best_over_before"] = best["tokens_per_s"] / figures["before_tokens_per_s"]
+    for label, r in (("first", by_name.get(SWEEP[0].name)), ("best", best)):
         if r is not None:
-            figures.update({label: r["variant"], f"{label}_tokens_per_s": r["tokens_per_s"], f"{label}_mfu": r["mfu"],
-                            f"profile_{label}": {"variant": r["variant"], **(r.get("profile") or {})}})
-    if baseline and best:
-        figures["best_over_baseline"] = best["tokens_per_s"] / baseline["tokens_per_s"]
-    if variants and variants[0].name == SWEEP[0].name and baseline is None:
-        raise StageError(f"the baseline {SWEEP[0].name} did not run: "
+            figures[f"profile_{label}"] = {"variant": r["variant"], **(r.get("profile") or {})}
+    if variants and variants[0].name == SWEEP[0].name and SWEEP[0].name not in by_name:
+        raise StageError(f"the first row {SWEEP[0].name} (the users' shape) did not run: "
                          f"{rows[0].get('error') if rows else 'no row'}", figures)
     if not ok:
         raise StageError("no variant ran", figures)
@@ -778,18 +885,21 @@ def stage_sweep(ctx: Ctx, timeout: float) -> dict:
 
 
 def sweep_markdown(figures: dict) -> list[str]:
-    """acceptance.md's section for the sweep: a table of the rows, the baseline's and the best's profile."""
+    """acceptance.md's section for the sweep: the card, a table of the rows, the first row's and the best's profile."""
     def num(x, spec=",.0f"):
         return "-" if x is None else format(x, spec)
+    card = figures.get("card") or figures.get("device") or "this machine"
     lines = ["", f"## The sweep ({figures['rows_file']}: one JSON line per variant)", "",
+             f"On {figures.get('device', '?')}: **the {card}'s figures**; MFU on the {card}'s own bf16 peak "
+             f"(training/mfu.py); cuDNN {figures.get('cudnn_version')}.", "",
              "| # | variant | status | tokens/s | MFU | step ms | optimizer ms | clip ms | peak GiB | compile s | "
-             "graph breaks | host syncs / step (in optimizer) | first loss (agrees) | flags |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "graph breaks | attention | host syncs / step (in optimizer) | first loss (agrees) | flags |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in figures["rows"]:
         status = r["status"] + (f": {r['error']}" if r.get("error") else "")
+        flags = " ".join(r["flags"]) + "".join(f" {k}={x}" for k, x in r.get("env", []))
         if r["status"] != "ok":
-            lines.append(f"| {r['priority']} | {r['variant']} | {status} | | | | | | | | | | | "
-                         f"`{' '.join(r['flags'])}` |")
+            lines.append(f"| {r['priority']} | {r['variant']} | {status} | | | | | | | | | | | | `{flags}` |")
             continue
         mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
         peak = r["peak_mem_gib"] if r["peak_mem_gib"] is not None else r["max_rss_gib"]
@@ -797,20 +907,26 @@ def sweep_markdown(figures: dict) -> list[str]:
         lines.append(f"| {r['priority']} | {r['variant']} | ok | {num(r['tokens_per_s'])} | {mfu} | "
                      f"{num(r['step_ms'], '.1f')} | {num(r['optimizer_ms'], '.1f')} | {num(r['clip_ms'], '.1f')} | "
                      f"{num(peak, '.2f')} | {num(r['compile_s'], '.1f')} | {r['graph_breaks']} | "
+                     f"{r.get('attention_kernel') or 'none seen'} | "
                      f"{num(r['host_syncs_per_step'], 'd')} ({num(r['host_syncs_in_optimizer'], 'd')}) | "
-                     f"{num(r['first_loss'], '.4f')} ({agrees}) | `{' '.join(r['flags'])}` |")
-    for label in ("baseline", "best"):
-        profile = figures.get(f"profile_{label}")
-        if profile and profile.get("text"):
-            lines += ["", f"### Where the time goes: {profile['variant']} (the {label})", "", "```",
-                      profile["text"], "```"]
+                     f"{num(r['first_loss'], '.4f')} ({agrees}) | `{flags}` |")
+    shown = set()
+    for label in ("first row", "fastest"):
+        profile = figures.get(f"profile_{label.split()[0]}" if label == "first row" else "profile_best")
+        if profile and profile.get("text") and profile["variant"] not in shown:
+            shown.add(profile["variant"])
+            lines += ["", f"### Where the time goes: {profile['variant']} (the {label})", "", "```", profile["text"],
+                      "```"]
     return lines
 
 
-SWEEP_FIGURES = ("baseline", "baseline_tokens_per_s", "best", "best_tokens_per_s", "best_mfu", "best_over_baseline",
-                 "ok", "failed", "not_run", "skipped", "loss_disagreements")
-USERS_STEP_FIGURES = ("users_accelerate_tokens_per_s", "users_accelerate_mfu", "users_accelerate_over_bare",
-                      "users_accelerate_peak_mem_gib", "users_target_met")
+SWEEP_FIGURES = ("card", "users_muon_tokens_per_s", "users_adamw_tokens_per_s", "before_tokens_per_s", "best",
+                 "best_tokens_per_s", "best_mfu", "best_over_before", "attention_kernels", "attention_fastest",
+                 "attention_gain", "ok", "failed", "not_run", "skipped", "loss_disagreements")
+USERS_STEP_FIGURES = ("users_card", "users_accelerate_tokens_per_s", "users_accelerate_mfu",
+                      "users_accelerate_over_bare", "users_accelerate_peak_mem_gib", "users_target_met",
+                      "users_adamw_accelerate_tokens_per_s", "users_adamw_accelerate_mfu",
+                      "users_adamw_accelerate_over_bare", "users_adamw_target_met")
 STEP_FIGURES = ("accelerate_tokens_per_s", "bare_tokens_per_s", "accelerate_over_bare", "accelerate_mfu", "bare_mfu",
                 "accelerate_peak_mem_gib", "bare_peak_mem_gib", "optimizer_fused", "tf32_matmul", "warmup_s",
                 "target_met")
@@ -818,19 +934,23 @@ TRAIN_FIGURES = ("distributed", "precision", "compiled", "checkpoint_at_kill", "
                  "val_loss", "final_files")
 STAGES = [
     Stage("env", "versions, device, date (what the figures were measured with)", 120, 20, 60, stage_env,
-          ("date", "device_name", "torch", "cuda", "accelerate", "transformers", "deepspeed", "version_mismatches")),
-    Stage("sweep", "every variant of train.py's step (GPT-2 124M, T=1024, bf16, torch.compile), each its own "
-          "process, in priority order: Muon and AdamW, the loss paths, Muon stacked or per matrix, micro-batch 16 and "
-          "64, the users' shape (64 x 8) and llm.c's (64 x 1); per variant tokens/s, the optimizer step and the clip "
-          "in ms, peak memory, compile, graph breaks, host syncs, the first loss; profile tables of the baseline and "
-          "the best (sweep.jsonl, acceptance.md). --smoke: 3 variants, tiny model, no compile",
-          600, 400, 60, stage_sweep, SWEEP_FIGURES, lease_min_s=SWEEP_COLD_S + SWEEP_WARM_S),
+          ("date", "device_name", "card", "device_memory_gib", "torch", "cuda", "cudnn", "accelerate", "transformers",
+           "deepspeed", "version_mismatches")),
+    Stage("sweep", "train.py's step in each setting that decides its speed (GPT-2 124M, T=1024, bf16, "
+          "torch.compile), each its own process, in priority order: the users' shape (64 x 8) with Muon and AdamW, "
+          "cuDNN and flash attention there, the 2026-11-26 configuration (before) and today's at its shape, "
+          "expandable segments, the loss and Muon's layout one at a time, llm.c's shape (64 x 1); per row tokens/s, "
+          "MFU on the card's own peak, the optimizer step and the clip in ms, peak memory, compile, graph breaks, the "
+          "attention kernel that ran, host syncs (16 x 2 rows), the first loss; profile tables of the first row and "
+          "the fastest (sweep.jsonl, acceptance.md). --smoke: 3 rows, tiny model, the first compiled",
+          600, 400, 120, stage_sweep, SWEEP_FIGURES, lease_min_s=sum(estimate_s(v) for v in SWEEP[:2])),
     Stage("tests", "pytest selection (HF parity, fp32 head under bf16 autocast, optimizer groups, accumulation, "
           "MFU): on this machine's torch, but on CPU tensors even with a GPU (the tests pin the CPU)",
           150, 45, 120, stage_tests, ("passed", "failed", "skipped", "errors")),
-    Stage("step_compile", "train.py's train_step vs a bare PyTorch loop: GPT-2 124M, T=1024, bf16, torch.compile, "
-          "fused AdamW, TF32 (tokens/s, MFU, peak memory), at the users' shape (64 x 1024 x 8, `users_` figures) "
-          "and today's 16 x 1024 x 2. --smoke: tiny model, bf16, no compile",
+    Stage("step_compile", "train.py's train_step vs a bare PyTorch loop, both compiled alike (the model and Muon's "
+          "Newton-Schulz): GPT-2 124M, T=1024, bf16, fused AdamW, TF32 (tokens/s, MFU on the card's peak, peak "
+          "memory), at the users' shape (64 x 1024 x 8) with Muon (`users_`) and AdamW (`users_adamw_`), the targets "
+          "of the card it ran on; then 16 x 1024 x 2 (not in a GPU lease call). --smoke: tiny model, bf16, no compile",
           600, 200, 120, step_stage("step_compile", compile_=True, users_shape=True),
           (*USERS_STEP_FIGURES, *STEP_FIGURES)),
     Stage("train_resume", "accelerate launch single_gpu.yaml train.py (bf16, inductor): train, SIGKILL after a "

@@ -16,6 +16,9 @@
   elementwise, optimizer, memcpy, other): on CUDA the kernels' self device time (the profiler's user annotations left
   out, which would count their kernels twice), on a CPU the ops' self CPU time. Muon's Newton-Schulz matmuls are
   GEMMs there like any other; the optimizer's whole time is `Phases`' figure.
+- `attention_kernel`: which of SDPA's kernels ran in a profiled step, read from every op and kernel name the profiler
+  saw (`SDPA_KERNELS`): cuDNN's (`cudnn_generated_fort_native_sdpa_sm90*`), FlashAttention-2's (`flash_fwd*`), the
+  memory-efficient one (`fmha_cutlass*`) or the math path; on a CPU the ATen op's name says it.
 """
 from __future__ import annotations
 
@@ -46,11 +49,33 @@ CATEGORIES = (
                      "aten::index", "aten::masked_fill", "aten::lt", "aten::ne", "aten::eq")),
 )
 CATEGORY_NAMES = tuple(name for name, _ in CATEGORIES) + ("other",)
+# SDPA's kernels by the words in their names (lower-cased), first match wins: cuDNN's Hopper kernels carry "flash"
+# in their names too, so cuDNN comes first. A CUDA kernel's name on a GPU; on a CPU (and beside the kernels on a GPU)
+# the ATen op's, e.g. `aten::_scaled_dot_product_flash_attention_for_cpu`. Compiled math attention is decomposed into
+# matmuls and a softmax: no name says it, and the step reads "none seen".
+SDPA_KERNELS = (
+    ("cudnn", ("cudnn_generated_fort_native_sdpa", "_scaled_dot_product_cudnn_attention", "cudnn_sdpa")),
+    ("flash", ("flash_fwd", "flash_bwd", "_scaled_dot_product_flash_attention", "pytorch_flash::")),
+    ("efficient", ("fmha_cutlass", "_scaled_dot_product_efficient_attention", "_efficient_attention")),
+    ("math", ("_scaled_dot_product_attention_math",)),
+)
 
 
 def category(name: str) -> str:
     low = name.lower()
     return next((cat for cat, words in CATEGORIES if any(w in low for w in words)), "other")
+
+
+def attention_kernel(names) -> str | None:
+    """The SDPA kernel family the names show ("cudnn", "flash", "efficient", "math"; several joined by "+"), or None
+    where none is seen."""
+    found = set()
+    for name in names:
+        low = name.lower()
+        family = next((fam for fam, words in SDPA_KERNELS if any(w in low for w in words)), None)
+        if family:
+            found.add(family)
+    return "+".join(sorted(found)) or None
 
 
 class SyncCounter(TorchDispatchMode):
@@ -163,8 +188,8 @@ def format_profile_table(table: dict, width: int = 72) -> str:
 
 
 def profile_step(step: Callable[[], object], device: torch.device) -> dict:
-    """`step()` once under torch.profiler: its `profile_table`, with the table as text (for gpu_acceptance.py's
-    report, which imports no torch)."""
+    """`step()` once under torch.profiler: its `profile_table`, the SDPA kernel that ran (`attention_kernel`), and the
+    table as text (for gpu_acceptance.py's report, which imports no torch)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -173,7 +198,8 @@ def profile_step(step: Callable[[], object], device: torch.device) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
     table = profile_table(prof, device.type)
-    table["text"] = format_profile_table(table)
+    table["attention_kernel"] = attention_kernel(e.key for e in prof.key_averages())
+    table["text"] = format_profile_table(table) + f"\n  attention: {table['attention_kernel'] or 'none seen'}"
     print("profile of one train.py step, " + table["text"])
     return table
 

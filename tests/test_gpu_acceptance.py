@@ -2,8 +2,9 @@
 on the CPU, so it never rots; and a slow or busy machine does not fail it: --smoke's budgets are not asserted, its
 limits only end a hang (the module docstring, "Time limits"), while the GPU run keeps its real budgets. The lease's
 budgets fit calls of 8 minutes (the sweep the first, the acceptance stages the second), and a later call goes on from
-the last; benchmarks/prepare_lease.py fills the folder that travels. The sweep (issue 53): its rows from the smoke
-run, and its order, `not run`, crash and loss checks with stand-in processes."""
+the last; benchmarks/prepare_lease.py fills the folder that travels. The sweep (issues 53, 59): its plan resolved as
+on CUDA, its rows from the smoke run (the first compiled), and its order, `not run`, `same as`, crash and loss checks
+with stand-in processes."""
 from __future__ import annotations
 
 import json
@@ -82,9 +83,11 @@ def test_smoke_run_reports_every_stage_with_its_figures(smoke):
         assert figures["accelerate_tokens_per_s"] > 0 and figures["bare_tokens_per_s"] > 0
         assert figures["mixed_precision"] == "bf16" and figures["model"] == "tiny"
         assert figures["accelerate_last_loss"] == pytest.approx(figures["bare_last_loss"], rel=1e-3)
-    users = stages["step_compile"]["figures"]  # the users' shape too, scaled down: 4 x 4 micro-batches
-    assert users["users_tokens_per_step"] == 4 * 4 * 64 and users["users_accelerate_tokens_per_s"] > 0
-    assert users["users_accelerate_last_loss"] == pytest.approx(users["users_bare_last_loss"], rel=1e-3)
+    users = stages["step_compile"]["figures"]  # the users' shape too, scaled down (4 x 4), with Muon and AdamW
+    for prefix, optimizer in (("users_", "muon"), ("users_adamw_", "adamw")):
+        assert users[f"{prefix}tokens_per_step"] == 4 * 4 * 64 and users[f"{prefix}accelerate_tokens_per_s"] > 0
+        assert users[f"{prefix}optimizer"] == optimizer and users[f"{prefix}card"] is None  # a CPU: no card
+        assert users[f"{prefix}accelerate_last_loss"] == pytest.approx(users[f"{prefix}bare_last_loss"], rel=1e-3)
     assert "users_accelerate_tokens_per_s" not in stages["step_eager"]["figures"]
     train = stages["train_resume"]["figures"]
     assert train["killed_exit_code"] != 0 and train["checkpoint_at_kill"] == "step_000002"
@@ -100,31 +103,36 @@ def test_smoke_run_reports_every_stage_with_its_figures(smoke):
 
     # The sweep: a row per variant, in priority order, each its own process, appended to sweep.jsonl as it ended
     rows = [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
-    assert [r["variant"] for r in rows] == list(gpu_acceptance.SMOKE_SWEEP) == ["muon_16x2", "adamw_16x2_full",
-                                                                             "adamw_64x1"]
-    assert [r["priority"] for r in rows] == [1, 2, 3] and all(r["status"] == "ok" for r in rows)
-    for r in rows:
+    assert [r["variant"] for r in rows] == list(gpu_acceptance.SMOKE_SWEEP) == ["muon_64x8", "muon_64x8_flash",
+                                                                             "before_muon_16x2"]
+    users, flash, before = rows
+    assert [r["priority"] for r in rows] == [1, 2, 3] and (users["status"], before["status"]) == ("ok", "ok")
+    # On a CPU SDPA chooses its flash kernel itself: the flash row is the first's, not run again
+    assert users["attention_kernel"] == "flash" and (flash["status"], flash["same_as"]) == ("same as", "muon_64x8")
+    for r in (users, before):
         assert set(SWEEP_ROW) <= set(r), r["variant"]
         assert r["tokens_per_s"] > 0 and r["mfu"] is None and r["peak_mem_gib"] is None and r["max_rss_gib"] > 0
-        assert r["optimizer_ms"] > 0 and r["clip_ms"] > 0 and r["graph_breaks"] == 0 and r["compile"] is False
-        # train.py's step reads nothing from the device (tests/test_host_syncs.py); a CPU optimizer's own step reads
-        # its step counter
-        assert r["host_syncs_per_step"] - r["host_syncs_in_optimizer"] == 0 < r["host_syncs_in_optimizer"]
+        assert r["optimizer_ms"] > 0 and r["clip_ms"] > 0 and r["graph_breaks"] == 0 and r["card"] is None
         assert r["steps"] >= 2 and r["profile"]["time"] == "self CPU time (ops)"
         assert r["profile"]["total_ms"] > 0 and 0 < len(r["profile"]["top"]) <= 25
-        assert r["profile"]["categories"]["GEMM"] > 0 and "aten::mm" in r["profile"]["text"]
-    baseline, full, best_at_64 = rows
-    assert (baseline["micro_batch_size"], baseline["grad_accum"], baseline["optimizer"]) == (2, 2, "muon")
-    assert full["loss_chunk_rows"] == 0 and "--loss_chunk_rows 0" in " ".join(full["flags"])
-    assert full["loss_reference"] == "muon_16x2" and full["loss_agrees"] is True  # the loss is optimizer-free
-    # "best": the fastest loss of the candidates that ran (here the one candidate), at micro-batch 64 -> 4 x 1
-    assert best_at_64["loss_chunk_rows"] == 0 and (best_at_64["micro_batch_size"], best_at_64["grad_accum"]) == (4, 1)
+    # the users' row as the GPU runs it: compiled (inductor on the CPU), its knobs required, no eager step counted
+    assert users["compile"] is True and users["compile_mode"] == "default" and users["muon_newton_schulz_compiled"]
+    assert users["host_syncs_per_step"] is None and (users["micro_batch_size"], users["grad_accum"]) == (4, 2)
+    # the before row: its knobs (the 512-row walk, Muon per matrix), eager, its host syncs counted: train.py's step
+    # reads nothing from the device (tests/test_host_syncs.py); a CPU optimizer's own step reads its step counter
+    assert before["compile"] is False and before["flags"][-4:] == ["--loss_chunk_rows", "512", "--muon_per_matrix",
+                                                                   "--sync_count"]
+    assert (before["loss_chunk_rows_effective"], before["muon_stacked_effective"]) == (512, False)
+    assert before["host_syncs_per_step"] - before["host_syncs_in_optimizer"] == 0 < before["host_syncs_in_optimizer"]
+    assert before["profile"]["categories"]["GEMM"] > 0 and "aten::mm" in before["profile"]["text"]
     sweep = stages["sweep"]["figures"]
-    assert sweep["baseline"] == "muon_16x2" and sweep["best"] in gpu_acceptance.SMOKE_SWEEP
+    assert sweep["users_muon"] == "muon_64x8" and sweep["before"] == "before_muon_16x2"
+    assert sweep["best"] in gpu_acceptance.SMOKE_SWEEP and sweep["skipped"] == ["muon_64x8_flash"]
+    assert sweep["attention_kernels"] == {"muon_64x8": "flash", "before_muon_16x2": "flash"}
     assert [r["variant"] for r in sweep["rows"]] == [r["variant"] for r in rows]
-    assert "profile" not in sweep["rows"][0] and sweep["profile_baseline"]["variant"] == "muon_16x2"
-    assert "## The sweep" in table and "### Where the time goes: muon_16x2 (the baseline)" in table
-    assert "| 3 | adamw_64x1 | ok |" in table
+    assert "profile" not in sweep["rows"][0] and sweep["profile_first"]["variant"] == "muon_64x8"
+    assert "## The sweep" in table and "### Where the time goes: muon_64x8 (the first row)" in table
+    assert "| 3 | before_muon_16x2 | ok |" in table and "| 2 | muon_64x8_flash | same as: muon_64x8 ran" in table
 
 
 @pytest.mark.slow
@@ -270,8 +278,9 @@ def test_a_lease_call_goes_on_from_the_last_one(monkeypatch, tmp_path):
 
 
 def test_a_lease_call_short_of_the_sweeps_budget_runs_what_fits_of_it(monkeypatch, tmp_path):
-    """The sweep's variants each end in a row: with 200 s of a call left it starts (its 120 s minimum fit) and gets
-    what is left, where a stage of 400 s without a minimum waits for the next call.
+    """The sweep's variants each end in a row: with 200 s of a call left it starts (its minimum, the users' shape
+    with both optimizers, ~137 s, fits) and gets what is left, where a stage of 400 s without a minimum waits for the
+    next call.
 
     Seen to catch: the minimum ignored (`need = nominal`): fails."""
     ran = {}
@@ -283,7 +292,7 @@ def test_a_lease_call_short_of_the_sweeps_budget_runs_what_fits_of_it(monkeypatc
         return gpu_acceptance.Stage(name, name, 999, 400, 999, run, lease_min_s=lease_min_s)
 
     sweep = next(s for s in gpu_acceptance.STAGES if s.name == "sweep")
-    assert sweep.lease_min_s == gpu_acceptance.SWEEP_COLD_S + gpu_acceptance.SWEEP_WARM_S == 120
+    assert sweep.lease_min_s == sum(gpu_acceptance.estimate_s(v) for v in gpu_acceptance.SWEEP[:2]) < 190
     monkeypatch.setattr(gpu_acceptance, "STAGES", [stage("whole", None), stage("parts", sweep.lease_min_s)])
     monkeypatch.setattr(gpu_acceptance, "LEASE_ORDER", ("whole", "parts"))
     monkeypatch.setattr(sys, "argv", ["gpu_acceptance.py", "--lease", "--out", str(tmp_path / "acc"), "--budget",
@@ -409,14 +418,22 @@ def test_the_muon_fsdp_stage_runs_on_2_gpus_and_says_why_not_on_fewer(monkeypatc
         gpu_acceptance.stage_muon_fsdp(ctx, 300)
 
 
-def fake_bench(name: str, tokens_per_s: float, first_loss: float) -> dict:
-    """What `benchmarks.bench_train --accelerate_only` with the sweep's flags writes, in the fields the sweep reads."""
+def fake_bench(name: str, tokens_per_s: float, first_loss: float, cmd: list[str]) -> dict:
+    """What `benchmarks.bench_train --accelerate_only` with the sweep's flags `cmd` writes, in the fields the sweep
+    reads, on a stand-in card whose defaults are CUDA's (full logits, stacked Muon) and whose SDPA chooses cuDNN."""
+    def flag(name: str):
+        return cmd[cmd.index(name) + 1] if name in cmd else None
     accelerate = {"tokens_per_s": tokens_per_s, "best_trial_tokens_per_s": tokens_per_s, "mfu": 0.3, "last_loss": 9.0,
                   "first_loss": first_loss, "first_step_s": 40.0, "step_s": 0.1, "peak_mem_gib": 12.0}
-    return {"device_name": "stand-in", "torch": "2.11", "compile": True, "micro_batch_size": 16, "grad_accum": 2,
+    rows = flag("--loss_chunk_rows")
+    stacked = False if "--muon_per_matrix" in cmd else True if flag("--optimizer") == "muon" else None
+    return {"device_name": "stand-in H100", "card": "H100", "torch": "2.11", "compile": True,
+            "micro_batch_size": int(flag("--micro_batch_size")), "grad_accum": int(flag("--grad_accum")),
             "tokens_per_step": 32768, "max_rss_gib": 3.0, "graph_breaks": 0, "graph_break_reasons": [],
-            "host_syncs": {"host_syncs": 3, "host_syncs_in_optimizer": 0}, "phase_ms": {"optimizer": 25.0, "clip": 2.0},
-            "steps": 6, "steps_per_trial": [2, 2, 2], "loss_chunk_rows": None, "muon_stacked": False,
+            "host_syncs": {"host_syncs": 3, "host_syncs_in_optimizer": 0} if "--sync_count" in cmd else None,
+            "phase_ms": {"optimizer": 25.0, "clip": 2.0}, "steps": 6, "steps_per_trial": [2, 2, 2],
+            "loss_chunk_rows": 0 if rows is None else int(rows), "muon_stacked": stacked,
+            "attention_kernel": flag("--sdpa_backend") or "cudnn",
             "knobs_in_code": {"loss_chunk_rows": True, "muon_stacked": True},
             "profile": {"time": "t", "text": name + " profile table"}, "accelerate": accelerate}
 
@@ -424,16 +441,17 @@ def fake_bench(name: str, tokens_per_s: float, first_loss: float) -> dict:
 def stand_in_sweep(tmp_path, monkeypatch, variants, behaviour, timeout=600.0):
     """run_sweep over `variants` (cold ones estimated at a million seconds: never started) with `Ctx.sh` standing in
     for each variant's process: behaviour[name] = (tokens/s, first loss, "ok" / "oom" / "knob" / "hang"). Returns the
-    figures (or the StageError), the rows of sweep.jsonl and each process's flags and time limit."""
+    figures (or the StageError), the rows of sweep.jsonl and each process's flags, time limit and environment."""
     import subprocess as sp
 
-    monkeypatch.setattr(gpu_acceptance, "SWEEP_COLD_S", 1e6)
+    monkeypatch.setitem(gpu_acceptance.SWEEP_COMPILE_S, True, 1e6)
     given = {}
 
     def sh(self, stage, cmd, timeout, env=None, check=True):
         name = stage.removeprefix("sweep_")
-        given[name] = (cmd[cmd.index("--optimizer"):cmd.index("--json")], timeout)
+        given[name] = (cmd[cmd.index("--optimizer"):cmd.index("--json")], timeout, env)
         assert cmd[:3] == [gpu_acceptance.PY, "-m", "benchmarks.bench_train"] and "--accelerate_only" in cmd
+        assert "--require_knobs" in cmd and "--compile" in cmd and "--profile" in cmd
         tokens_per_s, first_loss, how = behaviour[name]
         if how == "hang":
             raise sp.TimeoutExpired(cmd, timeout)
@@ -442,9 +460,9 @@ def stand_in_sweep(tmp_path, monkeypatch, variants, behaviour, timeout=600.0):
                    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 6.14 GiB\nsome cleanup line\n")
             return sp.CompletedProcess(cmd, 1, stdout=log)
         if how == "knob":
-            log = "error: KNOB_UNKNOWN muon_stacked: this code has no such attribute\n"
+            log = "error: KNOB_UNKNOWN loss_chunk_rows: this code has no such attribute\n"
             return sp.CompletedProcess(cmd, 2, stdout=log)
-        Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(fake_bench(name, tokens_per_s, first_loss)))
+        Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(fake_bench(name, tokens_per_s, first_loss, cmd)))
         return sp.CompletedProcess(cmd, 0, stdout="")
 
     monkeypatch.setattr(gpu_acceptance.Ctx, "sh", sh)
@@ -460,76 +478,151 @@ def stand_in_sweep(tmp_path, monkeypatch, variants, behaviour, timeout=600.0):
 
 def test_the_sweep_runs_by_priority_and_a_crash_costs_one_row(tmp_path, monkeypatch):
     """Each variant its own process, in order; an OOM, a knob this code lacks, a variant that no longer fits, a
-    stacked Muon the baseline already ran: each is its row's status, and the next variant runs. "best" takes the
-    fastest loss whose first loss agrees with the baseline's.
+    kernel row of the kernel SDPA chose itself in the first row: each is its row's status, and the next variant
+    runs. The first loss of each shape is checked against that shape's first row.
 
-    Each row is a JSON line in `sweep.jsonl`; a hang is `timeout`; a first loss off by more than 1e-3 is flagged and
-    kept out of "best"; a later call's "best" and loss check read the earlier rows; the stage fails without its baseline
-    (`test_the_sweep_fails_when_its_baseline_does_not_run`). The real 3 processes on CPU:
-    `test_smoke_run_reports_every_stage_with_its_figures`.
-
-    Seen to catch: each alone: the fit rule removed (`elif False:`), the loss check left out of "best", the
-    same-as-baseline check removed, the earlier rows not read."""
+    Seen to catch: the `same as` check blind to what the rows before showed (the cuDNN row, SDPA's own choice, ran
+    again)."""
     sweep = {v.name: v for v in gpu_acceptance.SWEEP}
-    warm = [gpu_acceptance.replace(sweep[n], cold=False) for n in ("muon_16x2", "adamw_16x2", "adamw_16x2_chunk16384",
-                                                                  "adamw_16x2_full")]
-    variants = [*warm, sweep["adamw_64x1"], sweep["muon_16x2_stacked"], sweep["muon_16x2_per_matrix"],
-                sweep["muon_64x8"], sweep["adamw_64x8"]]
-    behaviour = {"muon_16x2": (300e3, 10.9, "ok"), "adamw_16x2": (380e3, 10.9001, "ok"),
-                 "adamw_16x2_chunk16384": (0, 0, "oom"),
-                 "adamw_16x2_full": (450e3, 10.95, "ok"),  # the fastest, but its loss is off by 5e-3 relative
-                 "muon_16x2_stacked": (0, 0, "knob"), "muon_64x8": (480e3, 10.9, "ok"), "adamw_64x8": (0, 0, "hang")}
+    warm = [gpu_acceptance.replace(sweep[n], cold=False) for n in ("muon_64x8", "muon_64x8_cudnn", "muon_64x8_flash",
+                                                                  "before_muon_16x2", "muon_16x2")]
+    variants = [*warm[:1], sweep["adamw_64x8"], *warm[1:], sweep["muon_64x8_expandable"], sweep["muon_16x2_walk"],
+                sweep["muon_64x8_chunk16384"]]
+    behaviour = {"muon_64x8": (480e3, 10.9, "ok"), "adamw_64x8": (520e3, 10.9001, "ok"),
+                 "muon_64x8_flash": (0, 0, "oom"), "before_muon_16x2": (300e3, 10.95, "ok"),
+                 "muon_16x2": (450e3, 10.9, "ok"),  # its loss is 5e-3 (relative) off the before row's
+                 "muon_64x8_expandable": (0, 0, "knob"), "muon_16x2_walk": (0, 0, "hang")}
     figures, rows, given = stand_in_sweep(tmp_path, monkeypatch, variants, behaviour)
-    assert [r["variant"] for r in rows] == [v.name for v in variants] and [r["priority"] for r in rows] == [
-        1, 2, 3, 4, 5, 6, 7, 8, 9]
-    assert [r["status"] for r in rows] == ["ok", "ok", "fail", "ok", "not run", "skipped", "same as baseline", "ok",
-                                           "timeout"]
+    assert [r["variant"] for r in rows] == [v.name for v in variants] and [r["priority"] for r in rows] == list(
+        range(1, 10))
+    assert [r["status"] for r in rows] == ["ok", "ok", "same as", "fail", "ok", "ok", "skipped", "timeout", "not run"]
     assert all(r["call"] == "call 1" for r in rows)
-    oom = rows[2]
+    cudnn, oom = rows[2], rows[3]
+    assert cudnn["same_as"] == "muon_64x8" and cudnn["error"] == "muon_64x8 ran these settings (attention: cudnn)"
     assert oom["exit_code"] == 1 and oom["error"].startswith("torch.OutOfMemoryError: CUDA out of memory")
-    assert "do not fit" in rows[4]["error"] and "--sweep_variants adamw_64x1" in rows[4]["error"]
-    assert "KNOB_UNKNOWN" in rows[5]["error"]
-    assert rows[6]["error"] == "muon_16x2 already ran Muon with stacked=False"
-    assert rows[8]["error"] == f"over its {gpu_acceptance.SWEEP_VARIANT_LIMIT_S:.0f} s limit"
-    assert list(given) == ["muon_16x2", "adamw_16x2", "adamw_16x2_chunk16384", "adamw_16x2_full",
-                           "muon_16x2_stacked", "muon_64x8", "adamw_64x8"]  # no process for the others
-    assert all(limit == gpu_acceptance.SWEEP_VARIANT_LIMIT_S for _, limit in given.values())
-    assert rows[1]["loss_agrees"] is True and rows[1]["loss_reference"] == "muon_16x2"
-    assert rows[3]["loss_agrees"] is False and rows[3]["loss_difference"] == pytest.approx(0.05)
-    # muon_64x8's "best" loss: adamw_16x2's default (the full logits disagree, the 16k chunks crashed)
-    assert given["muon_64x8"][0] == ["--optimizer", "muon", "--micro_batch_size", "64", "--grad_accum", "8"]
+    assert "KNOB_UNKNOWN" in rows[6]["error"]
+    assert rows[7]["error"] == f"over its {gpu_acceptance.SWEEP_VARIANT_LIMIT_S:.0f} s limit"
+    assert "do not fit" in rows[8]["error"] and "--sweep_variants muon_64x8_chunk16384" in rows[8]["error"]
+    assert list(given) == ["muon_64x8", "adamw_64x8", "muon_64x8_flash", "before_muon_16x2", "muon_16x2",
+                           "muon_64x8_expandable", "muon_16x2_walk"]  # no process for the others
+    assert all(limit == gpu_acceptance.SWEEP_VARIANT_LIMIT_S for _, limit, _ in given.values())
+    assert given["muon_64x8_expandable"][2] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert given["muon_64x8"] == (["--optimizer", "muon", "--micro_batch_size", "64", "--grad_accum", "8"],
+                                  gpu_acceptance.SWEEP_VARIANT_LIMIT_S, {})
+    assert given["before_muon_16x2"][0][-4:] == ["--loss_chunk_rows", "512", "--muon_per_matrix", "--sync_count"]
+    assert rows[1]["loss_agrees"] is True and rows[1]["loss_reference"] == "muon_64x8"
+    assert rows[5]["loss_agrees"] is False and rows[5]["loss_reference"] == "before_muon_16x2"
     assert rows[0]["optimizer_ms"] == 25.0 and rows[0]["compile_s"] == pytest.approx(39.9)
-    assert rows[0]["step_ms"] == pytest.approx(1e3 * 32768 / 300e3)
+    assert rows[0]["host_syncs_per_step"] is None and rows[4]["host_syncs_per_step"] == 3
 
-    assert figures["ok"] == 4 and figures["failed"] == ["adamw_16x2_chunk16384", "adamw_64x8"]
-    assert figures["not_run"] == ["adamw_64x1"] and figures["skipped"] == ["muon_16x2_stacked",
-                                                                          "muon_16x2_per_matrix"]
-    assert figures["loss_disagreements"] == ["adamw_16x2_full"]
-    assert (figures["baseline"], figures["best"]) == ("muon_16x2", "muon_64x8")  # not the disagreeing full logits
-    assert figures["best_over_baseline"] == pytest.approx(1.6)
-    assert figures["profile_best"] == {"variant": "muon_64x8", "time": "t", "text": "muon_64x8 profile table"}
+    assert figures["ok"] == 4 and figures["failed"] == ["muon_64x8_flash", "muon_16x2_walk"]
+    assert figures["not_run"] == ["muon_64x8_chunk16384"] and figures["skipped"] == ["muon_64x8_cudnn",
+                                                                                    "muon_64x8_expandable"]
+    assert figures["loss_disagreements"] == ["muon_16x2"]
+    assert (figures["card"], figures["users_muon_tokens_per_s"], figures["users_adamw_tokens_per_s"],
+            figures["before_tokens_per_s"]) == ("H100", 480e3, 520e3, 300e3)
+    assert figures["best"] == "adamw_64x8" and figures["best_over_before"] == pytest.approx(520 / 300)
+    assert figures["attention_kernels"]["muon_64x8"] == "cudnn"
+    assert figures["profile_best"] == {"variant": "adamw_64x8", "time": "t", "text": "adamw_64x8 profile table"}
     assert all("profile" not in r for r in figures["rows"]) and "profile" in rows[0]
+    table = "\n".join(gpu_acceptance.sweep_markdown(figures))
+    assert "On stand-in H100: **the H100's figures**" in table and "| cudnn |" in table
+    assert "### Where the time goes: muon_64x8 (the first row)" in table and "adamw_64x8 (the fastest)" in table
 
-    # Later calls with --sweep_variants: the full logits again, now agreeing with the earlier calls' rows; then the
-    # users' shape alone, whose "best" loss comes from the rows of the calls before, the latest of each variant
-    behaviour |= {"adamw_16x2_full": (450e3, 10.9, "ok"), "adamw_64x8": (500e3, 10.9, "ok")}
-    _, rows, _ = stand_in_sweep(tmp_path, monkeypatch, [warm[3]], behaviour)
+    assert "attention_fastest" not in figures  # one kernel ran: nothing to choose between
+
+    # A later call with --sweep_variants: the flash row again, its loss checked against the earlier call's rows
+    behaviour["muon_64x8_flash"] = (489.6e3, 10.9, "ok")
+    _, rows, _ = stand_in_sweep(tmp_path, monkeypatch, [warm[2]], behaviour)
+    assert rows[-1]["status"] == "ok" and rows[-1]["loss_reference"] == "adamw_64x8" and len(rows) == 10
+
+    # The window's choice: the users' row and the flash row in one call; flash is 2% faster than SDPA's own cuDNN
+    (tmp_path / "c").mkdir()
+    figures, rows, _ = stand_in_sweep(tmp_path / "c", monkeypatch, [warm[0], warm[2]], behaviour)
+    assert rows[-1]["status"] == "ok" and rows[-1]["attention_kernel"] == "flash"
     assert rows[-1]["loss_agrees"] is True and rows[-1]["loss_reference"] == "muon_64x8"
-    _, rows, given = stand_in_sweep(tmp_path, monkeypatch, [sweep["adamw_64x8"]], behaviour)
-    assert len(rows) == 11 and given["adamw_64x8"][0][-2:] == ["--loss_chunk_rows", "0"]
+    assert figures["attention_fastest"] == "flash" and figures["attention_gain"] == pytest.approx(1.02)
 
 
-def test_the_sweep_fails_when_its_baseline_does_not_run(tmp_path, monkeypatch):
+def test_the_sweep_fails_when_its_first_row_does_not_run(tmp_path, monkeypatch):
     sweep = [gpu_acceptance.replace(v, cold=False) for v in gpu_acceptance.SWEEP[:2]]
-    err, rows, _ = stand_in_sweep(tmp_path, monkeypatch, sweep, {"muon_16x2": (0, 0, "oom"),
-                                                                 "adamw_16x2": (380e3, 10.9, "ok")})
-    assert isinstance(err, gpu_acceptance.StageError) and "the baseline muon_16x2 did not run" in err.args[0]
-    assert [r["status"] for r in rows] == ["fail", "ok"] and err.args[1]["best"] == "adamw_16x2"
+    err, rows, _ = stand_in_sweep(tmp_path, monkeypatch, sweep, {"muon_64x8": (0, 0, "oom"),
+                                                                 "adamw_64x8": (380e3, 10.9, "ok")})
+    assert isinstance(err, gpu_acceptance.StageError) and "the first row muon_64x8 (the users' shape) did not run" \
+        in err.args[0]
+    assert [r["status"] for r in rows] == ["fail", "ok"] and err.args[1]["best"] == "adamw_64x8"
     # a stage with under 5 s left starts nothing: every row says so
     (tmp_path / "b").mkdir()
     err, rows, given = stand_in_sweep(tmp_path / "b", monkeypatch, sweep, {}, timeout=3.0)
     assert [r["status"] for r in rows] == ["not run", "not run"] and not given
-    assert "the baseline muon_16x2 did not run: its ~40 s do not fit" in err.args[0]
+    assert "the first row muon_64x8 (the users' shape) did not run: its ~" in err.args[0]
+
+
+def cuda_defaults() -> dict:
+    """The code's defaults on CUDA, read from the code (this CPU-only test cannot run a CUDA step): the loss path and
+    Muon's layout; SDPA's own kernel choice is not known before a row runs on the card."""
+    from model.loss import default_loss_chunk_rows
+    from training.optimizers.muon_optimizer import Muon
+
+    return {"loss_chunk_rows": default_loss_chunk_rows("cuda"), "muon_stacked": Muon.stacked}
+
+
+def test_the_sweep_plan_resolved_for_cuda():
+    """The sweep's rows as they would run on CUDA: no two rows measure the same settings; the before row is the
+    2026-11-26 configuration (16 x 2, the 512-row walk, Muon per matrix) and says so; the users' shape with Muon and
+    AdamW comes first and ends inside the first call's sweep budget by the H100 estimates; each attention kernel has a
+    row at the users' shape; host syncs are counted only where an eager step fits (16 x 1024, not 64 x 1024), at
+    least once in the first call; expandable segments is a row, not a default.
+
+    Seen to catch: `muon_16x2_stacked` back in the plan (on CUDA the same as `muon_16x2`); the before row without
+    `muon_stacked=False` (then `muon_16x2_walk`'s settings); the users' AdamW row moved last (past the budget)."""
+    plan = gpu_acceptance.SWEEP
+    names = [v.name for v in plan]
+    assert len(set(names)) == len(names)
+    settings = {v.name: gpu_acceptance.effective_settings(v, cuda_defaults()) for v in plan}
+    seen: dict[tuple, str] = {}
+    for name, found in settings.items():
+        assert found not in seen, f"{name} runs {seen.get(found)}'s settings on CUDA: {found}"
+        seen[found] = name
+
+    before = next((v for v in plan if v.name == gpu_acceptance.BEFORE), None)
+    assert before is not None, f"no before row ({gpu_acceptance.BEFORE}) in the plan"
+    assert settings[before.name][:5] == ("muon", 16, 2, 512, False) and before.sdpa is None
+    assert before.measures.startswith("before: the 2026-11-26 window's configuration")
+
+    sweep_budget = next(s for s in gpu_acceptance.STAGES if s.name == "sweep").lease_budget_s
+    first_call = gpu_acceptance.first_call_rows(plan, sweep_budget)
+    users = [v for v in plan if (v.micro_batch, v.grad_accum) == gpu_acceptance.USERS_SHAPE and v.sdpa is None
+             and not v.env and v.loss_chunk_rows is None and v.muon_stacked is None]
+    assert sorted(v.optimizer for v in users) == ["adamw", "muon"] and plan[0] in users
+    assert all(v.name in first_call for v in users), (first_call, sweep_budget)
+    assert before.name in first_call
+    kernels = {v.sdpa for v in plan if (v.micro_batch, v.grad_accum) == gpu_acceptance.USERS_SHAPE}
+    assert {"cudnn", "flash"} <= kernels
+
+    counted = [v for v in plan if v.sync_count]
+    assert counted and all(v.micro_batch <= 16 for v in counted)
+    assert any(v.name in first_call for v in counted)
+    assert [v.env for v in plan if v.env] == [gpu_acceptance.EXPANDABLE]
+
+
+def test_the_sweeps_commands_require_their_knobs_and_the_smoke_compiles_its_first_row(tmp_path):
+    """Every row's bench_train command refuses a knob the code lacks (`--require_knobs`) and profiles its step (the
+    attention kernel); on a GPU every row compiles; the CPU smoke compiles its first row (inductor on the CPU), so the
+    compiled path has run before a window.
+
+    Seen to catch: `--require_knobs` dropped from the sweep's shared flags."""
+    gpu = gpu_acceptance.Ctx(smoke=False, out=tmp_path, work=tmp_path, hellaswag_data=None)
+    smoke = gpu_acceptance.Ctx(smoke=True, out=tmp_path, work=tmp_path, hellaswag_data=None)
+    for v in gpu_acceptance.SWEEP:
+        command = gpu_acceptance.sweep_command(gpu, v, tmp_path / "x.json")
+        assert {"--require_knobs", "--compile", "--profile", "--accelerate_only"} <= set(command), v.name
+        assert ("--sync_count" in command) == v.sync_count
+    compiled = {v.name: "--compile" in gpu_acceptance.sweep_command(smoke, v, tmp_path / "x.json")
+                for v in gpu_acceptance.sweep_variants(smoke)}
+    assert compiled == {"muon_64x8": True, "muon_64x8_flash": False, "before_muon_16x2": False}
+    assert all("--require_knobs" in gpu_acceptance.sweep_command(smoke, v, tmp_path / "x.json")
+               for v in gpu_acceptance.sweep_variants(smoke))
 
 
 def test_the_step_probes_count_syncs_by_phase_and_sort_ops_into_categories():
@@ -569,3 +662,20 @@ def test_the_step_probes_count_syncs_by_phase_and_sort_ops_into_categories():
         "aten::empty_strided")] == ["GEMM", "attention", "triton", "elementwise", "memcpy", "optimizer", "GEMM",
                                     "optimizer", "other"]
     assert step_probe.probe("x", lambda: 1 / 0) == {"error": "ZeroDivisionError: division by zero"}
+
+
+def test_the_attention_kernel_is_read_from_the_profiles_names():
+    """Which SDPA kernel ran, from the op and kernel names a profile holds: cuDNN's Hopper kernels (whose names also
+    say "flash") are cuDNN's, FlashAttention-2's, the memory-efficient one's, the math path's; on a CPU the op's.
+
+    Seen to catch: "flash" matched before "cudnn" (cuDNN's kernel read as flash)."""
+    kernel = step_probe.attention_kernel
+    assert kernel(["sm90_xmma_gemm_bf16", "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64",
+                   "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_7"]) == "cudnn"
+    assert kernel(["void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>",
+                   "aten::_scaled_dot_product_flash_attention"]) == "flash"
+    assert kernel(["fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel)"]) == "efficient"
+    assert kernel(["aten::_scaled_dot_product_flash_attention_for_cpu", "aten::mm"]) == "flash"
+    assert kernel(["aten::_scaled_dot_product_attention_math"]) == "math"
+    assert kernel(["aten::mm", "triton_poi_fused_add_0"]) is None
+    assert kernel(["flash_fwd_kernel", "aten::_scaled_dot_product_cudnn_attention"]) == "cudnn+flash"

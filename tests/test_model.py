@@ -9,7 +9,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from model import GPT, GPTConfig
-from training.mfu import estimate_mfu, peak_flops, peak_flops_for_name
+from training.mfu import card_for_name, estimate_mfu, peak_flops, peak_flops_for_name
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32)
 
@@ -204,6 +204,9 @@ def test_peak_flops_and_mfu():
     assert peak_flops_for_name("NVIDIA A10G") == 70e12
     assert peak_flops_for_name("NVIDIA L4") == 121e12
     assert peak_flops_for_name("Some Future GPU") is None
+    # the card a figure is labelled with and judged on: an H200's are not an H100's
+    assert [card_for_name(n) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA GH200 480GB", "NVIDIA H100 NVL",
+                                       "Some Future GPU")] == ["H100", "H200", "GH200", "H100 NVL", None]
     assert peak_flops("cpu") is None
     assert peak_flops("cpu", override=1e12) == 1e12
     assert estimate_mfu(1e9, 1e5, 2, 1e14) == pytest.approx(0.5)

@@ -163,11 +163,13 @@ def _gpt_like_matrices_and_gradients(steps: int = 3) -> tuple[list[torch.Tensor]
     return params, [[torch.randn(s, generator=g) * 4.0 ** i for i, s in enumerate(shapes)] for _ in range(steps)]
 
 
+@pytest.mark.parametrize("weight_decay", [0.1, 0.0], ids=["decay", "no decay"])
 @pytest.mark.parametrize("ns_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_stacked_muon_is_torchs_muon_to_the_rounding_of_its_products(nesterov, ns_dtype):
+def test_stacked_muon_is_torchs_muon_to_the_rounding_of_its_products(nesterov, ns_dtype, weight_decay):
     """Our default step (the matrices of one shape orthogonalised in one batched Newton-Schulz) against
-    torch.optim.Muon, 3 steps on a GPT's shapes (tall, square and wide, 2 of each), momentum, weight decay.
+    torch.optim.Muon, 3 steps on a GPT's shapes (tall, square and wide, 2 of each), momentum, weight decay or none
+    (the presets': the step then skips the multiply by 1).
 
     The momentum is elementwise and the same operations: equal bit for bit. The gradients are given, so each step's
     orthogonalised update depends on them and the momentum only, and the weights' distance is at most the sum of
@@ -184,7 +186,7 @@ def test_stacked_muon_is_torchs_muon_to_the_rounding_of_its_products(nesterov, n
     Seen to catch: the stack normalised by its whole norm instead of each matrix's: matrix 0 is 0.739 apart, all 4 cases
     fail."""
     params, grads = _gpt_like_matrices_and_gradients()
-    kwargs = {"lr": 0.02, "momentum": 0.95, "nesterov": nesterov, "weight_decay": 0.1}
+    kwargs = {"lr": 0.02, "momentum": 0.95, "nesterov": nesterov, "weight_decay": weight_decay}
     theirs, torch_opt = _train(torch.optim.Muon, params, grads, **kwargs)
     ours, our_opt = _train(Muon, params, grads, ns_dtype=ns_dtype, **kwargs)
     assert our_opt.stacked

@@ -6,8 +6,8 @@ import torch
 # Dense bf16 tensor-core peaks from the vendors' data sheets, in FLOP/s. Matched against the device name in order,
 # so more specific names come first.
 BF16_PEAK_FLOPS: list[tuple[str, float]] = [
+    ("GH200", 989e12),  # before "H200", which its name contains
     ("H200", 989e12),
-    ("GH200", 989e12),
     ("H100 PCIe", 756e12),
     ("H100 NVL", 835e12),
     ("H100", 989e12),  # SXM, the common one ("NVIDIA H100 80GB HBM3")
@@ -48,10 +48,14 @@ def peak_flops(device: torch.device | str | None = None, override: float | None 
 
 def peak_flops_for_name(name: str) -> float | None:
     """Peak bf16 FLOP/s for a GPU name such as "NVIDIA H100 80GB HBM3", or None if unlisted."""
-    for key, flops in BF16_PEAK_FLOPS:
-        if key.lower() in name.lower():
-            return flops
-    return None
+    card = card_for_name(name)
+    return None if card is None else dict(BF16_PEAK_FLOPS)[card]
+
+
+def card_for_name(name: str) -> str | None:
+    """The card a GPU name is in the peak table as ("H100" for "NVIDIA H100 80GB HBM3", "H100 PCIe", "H200"), or
+    None if unlisted: what a figure is labelled with and a target is judged on."""
+    return next((key for key, _ in BF16_PEAK_FLOPS if key.lower() in name.lower()), None)
 
 
 def estimate_mfu(flops_per_token: float, tokens_per_sec: float, num_devices: int, peak: float | None) -> float | None:

@@ -144,9 +144,12 @@ class Muon(torch.optim.Muon):
                                                              group["eps"], self.ns_dtype))
             weights = [params[i] for i in indices]
             rows, cols = weights[0].shape
-            torch._foreach_mul_(weights, 1 - lr * weight_decay)
-            for p, update in zip(weights, stack):
-                p.add_(update.mT if rows > cols else update, alpha=-lr * math.sqrt(max(1, rows / cols)))
+            if weight_decay:  # x 1.0 would be a pass over every weight for nothing
+                torch._foreach_mul_(weights, 1 - lr * weight_decay)
+            # One foreach add per shape, not one add per matrix. CUDA fuses a foreach only where its lists share a
+            # dtype and strides, so the updates are first made the weights' dtype and layout (one copy per shape).
+            updates = (stack.mT if rows > cols else stack).to(weights[0].dtype, memory_format=torch.contiguous_format)
+            torch._foreach_add_(weights, updates.unbind(0), alpha=-lr * math.sqrt(max(1, rows / cols)))
 
     def _orthogonalised(self, grads: list[torch.Tensor], buffers: list[torch.Tensor], momentum: float,
                         nesterov: bool, args: tuple) -> torch.Tensor:
