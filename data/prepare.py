@@ -25,12 +25,12 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from common.atomic import check_folder_writable, write_failure, write_json_atomic
+from common.atomic import check_folder_writable, write_json_atomic
 from common.cli import CliParser
 from common.errors import UserError, run_cli
 from data.local import DOCS_PER_BATCH
 from data.settings import DataConfig
-from data.shards import FORMAT, FORMAT_VERSION, MANIFEST, ShardWriter, read_manifest, shard_damage
+from data.shards import FORMAT, FORMAT_VERSION, MANIFEST, ShardWriter, WriteFailed, read_manifest, shard_damage
 from data.source import HubStream, PromptCompletion, TextFiles, TokenShards, open_source
 from data.tokenizer import EOT_ID, TOKENIZER_NAME
 from data.tokens import default_threads, encode_documents
@@ -178,12 +178,18 @@ def prepare(
             if fresh:
                 out.rmdir()
         raise
-    except OSError as err:  # a full disk: what is written stays, and the same command goes on from there
-        if (reason := write_failure(err)) is None:
-            raise
-        raise UserError(f"could not write into {out} ({reason}); the shards written are kept and no partial one is "
-                        f"left: free disk space and re-run the same command to continue from {_next_shard(out)}"
+    except WriteFailed as err:  # a full disk: what is written stays, and the same command goes on from there
+        raise UserError(f"could not write {err.path} ({err.reason}); the shards written are kept and no partial one "
+                        f"is left: free disk space and re-run the same command to continue from {_next_shard(out)}"
                         ) from None
+
+
+def _save(out: Path, manifest: dict[str, Any]) -> None:
+    """Replace the manifest (atomically: a failed write leaves the one before)."""
+    try:
+        write_json_atomic(out / MANIFEST, manifest)
+    except OSError as err:
+        raise WriteFailed(out / MANIFEST, err) from err
 
 
 def damaged_shards(out: Path, manifest: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
@@ -242,7 +248,7 @@ def _write_shards(source: TextFiles | HubStream, out: Path, settings: dict[str, 
         manifest = {"format": FORMAT, "version": FORMAT_VERSION, "complete": False, "source": settings,
                     "tokenizer": TOKENIZER_NAME, "eot_id": EOT_ID, "dtype": "uint16",
                     "val": None, "train": [], "resume": {"doc": 0, "offset": 0}}
-        write_json_atomic(out / MANIFEST, manifest)
+        _save(out, manifest)
 
     def batches(name: str, start_doc: int = 0) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
         return encoded_batches(source.document_batches(name, batch_docs), threads, start_doc)
@@ -259,7 +265,7 @@ def _write_shards(source: TextFiles | HubStream, out: Path, settings: dict[str, 
             manifest["val"], rest = _write_val(stream, out, val_tokens)
             train = itertools.chain([rest] if rest else [], ((f, p, e, 0) for f, p, e in stream))
             manifest["resume"] = _position(rest[0], rest[2], rest[3]) if rest else {"doc": 0, "offset": 0}
-        write_json_atomic(out / MANIFEST, manifest)
+        _save(out, manifest)
 
     done = sum(entry["tokens"] for entry in manifest["train"])
     limit = max_tokens if max_tokens is not None else float("inf")
@@ -275,7 +281,7 @@ def _write_shards(source: TextFiles | HubStream, out: Path, settings: dict[str, 
             if writer.tokens == shard_tokens:
                 manifest["train"].append(writer.finish())
                 manifest["resume"] = _position(first, ends, pos)  # where the next shard begins
-                write_json_atomic(out / MANIFEST, manifest)
+                _save(out, manifest)
                 writer = ShardWriter(out, f"train_{len(manifest['train']):06d}.bin", start=dict(manifest["resume"]))
         if done >= limit:
             break
@@ -290,7 +296,7 @@ def _write_shards(source: TextFiles | HubStream, out: Path, settings: dict[str, 
         raise UserError(f"{dataset} has no documents left after the validation split; use a larger dataset or a "
                         "smaller --val_tokens")
     manifest.update(complete=True, total_train_tokens=done, total_val_tokens=manifest["val"]["tokens"])
-    write_json_atomic(out / MANIFEST, manifest)
+    _save(out, manifest)
     return manifest
 
 

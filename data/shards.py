@@ -30,6 +30,15 @@ FORMAT = "gpt2-accelerate-token-shards"
 FORMAT_VERSION = 1
 
 
+class WriteFailed(Exception):
+    """A file of a shard folder could not be written (a full disk, a quota, a folder made read-only): told apart
+    from a failed read of the source, which is no reason to free disk space."""
+
+    def __init__(self, path: Path, err: OSError) -> None:
+        super().__init__(f"{path}: {err.strerror or err}")
+        self.path, self.reason = path, err.strerror or str(err)
+
+
 class ShardWriter:
     """Writes one shard under a temporary name, hashing as it goes; `finish()` publishes it. `start`: where in the
     source its first token is, recorded in its entry. A write or publish that fails (a full disk) removes the
@@ -48,9 +57,9 @@ class ShardWriter:
         data = np.ascontiguousarray(tokens, dtype="<u2")
         try:
             self.file.write(data.tobytes())
-        except OSError:
+        except OSError as err:
             self.abandon()
-            raise
+            raise WriteFailed(self.path, err) from err
         self.sha.update(data.tobytes())
         self.tokens += len(data)
         self.max_id = max(self.max_id, int(data.max())) if len(data) else self.max_id
@@ -60,9 +69,9 @@ class ShardWriter:
         try:
             self.file.close()
             rename_into_place(self.tmp, self.path)
-        except OSError:
+        except OSError as err:
             self.abandon()
-            raise
+            raise WriteFailed(self.path, err) from err
         entry = {"file": self.path.name, "tokens": self.tokens, "sha256": self.sha.hexdigest(), "max_id": self.max_id}
         return entry if self.start is None else {**entry, "start": self.start}
 

@@ -328,14 +328,30 @@ def test_a_full_disk_keeps_the_shards_written_and_the_rerun_continues(tmp_path, 
     _full_disk_at(monkeypatch, "train_000002.bin")
     err = _prepare_cli(["--dataset", str(PARQUET), "--out", str(out), "--shard_tokens", "3000", "--val_tokens", "1000"],
                        monkeypatch, capsys)
-    assert err == (f"error: could not write into {out} (No space left on device); the shards written are kept and no "
-                   "partial one is left: free disk space and re-run the same command to continue from shard "
-                   "train_000002.bin")
+    assert err == (f"error: could not write {out / 'train_000002.bin'} (No space left on device); the shards written "
+                   "are kept and no partial one is left: free disk space and re-run the same command to continue from "
+                   "shard train_000002.bin")
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "train_000000.bin", "train_000001.bin",
                                                      "val_000000.bin"]
     monkeypatch.undo()
     prep.prepare(str(PARQUET), out, shard_tokens=3000, val_tokens=1000, progress=False)
     assert _files(out) == _files(prepared)
+
+
+def test_a_failed_read_of_the_source_is_not_called_a_full_disk(tmp_path, monkeypatch):
+    """Only a write into the shard folder is a disk's fault: a stream that drops (a ConnectionError, an OSError too)
+    goes on as itself. Seen to catch: prepare catching every OSError as a full disk ("free disk space")."""
+    original = prep.encoded_batches
+
+    def dropped(*args, **kwargs):
+        for i, item in enumerate(original(*args, **kwargs)):
+            if i == 3:
+                raise ConnectionError("the stream dropped")
+            yield item
+
+    monkeypatch.setattr(prep, "encoded_batches", dropped)
+    with pytest.raises(ConnectionError, match="the stream dropped"):
+        prep.prepare(str(PARQUET), tmp_path / "fw", **SETTINGS)
 
 
 def _copy(prepared: Path, out: Path) -> Path:
