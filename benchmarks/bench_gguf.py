@@ -66,7 +66,8 @@ def converter(cache: Path = CACHE) -> Path:
                 if member.isfile() and inner.startswith(PARTS):
                     member.name = inner
                     members.append(member)
-            sdist.extractall(partial, members=members, filter="data")
+            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python 3.10.12+, 3.11.4+
+            sdist.extractall(partial, members=members, **safe)
         partial.rename(cache)
     return script
 
