@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -59,6 +60,7 @@ def converter(cache: Path = CACHE) -> Path:
         if got.returncode or not archives:
             raise ConverterUnavailable(f"pip download {SDIST} failed: {(got.stderr or got.stdout).strip()[-300:]}")
         partial = cache.with_name(cache.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)  # an extraction cut short before
         with tarfile.open(archives[0]) as sdist:
             members = []
             for member in sdist.getmembers():
