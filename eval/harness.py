@@ -50,6 +50,11 @@ class HarnessModel:
     revision: str | None = None  # of a Hub id
     tokenizer: str | None = None  # a folder of GPT-2 tokenizer files, for an HF folder saved without them
 
+    @property
+    def on_hub(self) -> bool:
+        """Whether the harness downloads the model (a Hub id) rather than reads a folder."""
+        return self.source is None and not Path(self.pretrained).exists()
+
 
 @contextmanager
 def resolve_model(spec: str, revision: str | None = None) -> Iterator[HarnessModel]:
@@ -105,7 +110,7 @@ def hub_needs(weights: HarnessModel, tasks: Sequence[str], local_tasks: Sequence
     """What the harness fetches from the Hub, in words: a Hub model, and the datasets of the built-in tasks (those
     that `--include_path` does not define; its tasks read local files, which is what it is for). Our folders and
     HF folders never need it."""
-    needs = [f"the model {weights.pretrained}"] if weights.source is None else []
+    needs = [f"the model {weights.pretrained}"] if weights.on_hub else []
     if builtin := [task for task in tasks if task not in local_tasks]:
         needs.append(f"the dataset{'s' if len(builtin) > 1 else ''} of {', '.join(builtin)}")
     return needs
@@ -123,7 +128,7 @@ def refuse_an_unreachable_hub(weights: HarnessModel, needs: Sequence[str], inste
     if not needs:
         return
     if offline_mode():
-        if weights.source is None and not isinstance(
+        if weights.on_hub and not isinstance(
                 try_to_load_from_cache(weights.pretrained, "config.json", revision=weights.revision), str):
             raise hub_unreachable(ConnectionError("offline"), f"fetch the model {weights.pretrained}", instead)
         return

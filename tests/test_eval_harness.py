@@ -115,8 +115,9 @@ def test_a_hub_revision_reaches_the_harness(tmp_path, monkeypatch):
 
 
 def test_only_what_needs_the_hub_is_named():
-    """Seen to catch: the old line named the local model among what needs the Hub ("the model /tmp/x, ...")."""
-    local, hub = HarnessModel("/tmp/x", source=Path("/tmp/x")), HarnessModel("someone/gpt2")
+    """Seen to catch: the old line named the local model among what needs the Hub ("the model /tmp/x, ..."); and
+    `HarnessModel(folder)` without `source` taken for a Hub id."""
+    local, hub = HarnessModel(str(REPO_ROOT)), HarnessModel("someone/gpt2")  # a folder, a Hub id
     assert hub_needs(local, ["hellaswag_tiny"], ["hellaswag_tiny"]) == []
     assert hub_needs(local, ["hellaswag", "arc_easy"], []) == ["the datasets of hellaswag, arc_easy"]
     assert hub_needs(hub, ["hellaswag_tiny", "hellaswag"], ["hellaswag_tiny"]) == [
@@ -140,7 +141,7 @@ def test_an_unreachable_hub_is_refused_before_the_harness_starts(tmp_path, monke
     monkeypatch.setattr(huggingface_hub, "get_session", lambda: Unreachable())
     monkeypatch.setattr(harness, "_task_manager", lambda *args: pytest.fail("the built-in tasks were indexed"))
     with pytest.raises(UserError) as refused:
-        run_harness(HarnessModel(str(tmp_path), source=tmp_path), ["hellaswag"], device="cpu")
+        run_harness(HarnessModel(str(tmp_path)), ["hellaswag"], device="cpu")
     assert str(refused.value).startswith("cannot reach the Hugging Face Hub at ")
     assert " to fetch the dataset of hellaswag (ConnectionError: [Errno -2] Name or service not known); " in \
         str(refused.value)
@@ -192,7 +193,7 @@ def test_an_ending_longer_than_the_context_is_one_line(tmp_path, at_repo_root):
 @pytest.mark.slow  # not among the local tasks, so the harness indexes its built-in ones: about 10 s
 def test_unknown_task_is_one_line(tmp_path):
     with pytest.raises(UserError, match="unknown lm-eval task.*no_such_task"):
-        run_harness(HarnessModel("unused"), ["no_such_task"], include_path=TASKS, device="cpu")
+        run_harness(HarnessModel(str(tmp_path)), ["no_such_task"], include_path=TASKS, device="cpu")
 
 
 def test_missing_lm_eval_is_one_line(monkeypatch):
