@@ -119,6 +119,9 @@ def train(cfg: TrainConfig) -> None:
 
             # Data: every rank reads its own rows of the same global batches; validation is one fixed token set.
             source = open_source(cfg.data)
+            # Every id of the data must be one the model knows (a small-vocabulary --init_from, shards of others).
+            source.check_vocab(model.config.vocab_size, f"--init_from {cfg.model.init_from}" if init_weights else
+                               "the model")
             loader = source.train_loader(block_size=geometry.block_size, micro_batch_size=geometry.micro_batch_size,
                                          rank=data_rank, world_size=geometry.world_size, seed=cfg.training.seed)
             on_exit.callback(loader.close)

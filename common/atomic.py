@@ -9,8 +9,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
+
+from common.errors import UserError
 
 TEMP_PREFIX = ".tmp-"  # temporary names start with a dot: listings of final names never match them
 PLAIN_MODE = 0o666  # what open() gives a new file before the umask: every file a run writes gets it
@@ -84,11 +87,41 @@ def rename_into_place(tmp: Path, final: Path) -> None:
 
 
 def write_json_atomic(path: Path, obj: Any, indent: int = 1) -> None:
-    """Replace `path` with `obj` as JSON, atomically."""
+    """Replace `path` with `obj` as JSON, atomically. A failed write (a full disk) leaves no temporary file."""
     tmp = temp_path(path)
-    with tmp.open("w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=indent)
-    rename_into_place(tmp, path)
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=indent)
+        rename_into_place(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def nearest_existing(path: str | Path) -> Path:
+    """`path` itself if it exists, else its closest existing ancestor (the folder a mkdir would write into)."""
+    current = Path(path).expanduser().absolute()
+    while not current.exists():
+        current = current.parent  # the root always exists, so this ends
+    return current
+
+
+def check_folder_writable(path: str | Path, flag: str, what: str = "folder") -> None:
+    """Raise UserError unless a file can be created in folder `path`, or in the nearest existing folder above it:
+    the one line for an output folder (`flag`, e.g. --out_dir; `what` it is) that is a file, lies under a file, or
+    cannot be written. A temporary file is created and deleted: unlike `os.access`, that catches read-only mounts,
+    also for root. Creates nothing."""
+    folder = nearest_existing(path)
+    if not folder.is_dir():
+        raise UserError(f"{flag} {path}: {folder} is a file, so the {what} cannot be created there; "
+                        f"choose another {flag}")
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-test-")
+    except OSError as err:
+        raise UserError(f"{flag} {path}: cannot write to {folder} ({err.strerror or err}); make it writable "
+                        f"or choose another {flag}") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def write_failure(err: BaseException) -> str | None:

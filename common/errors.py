@@ -30,6 +30,12 @@ class UserError(Exception):
         self.on_every_rank = on_every_rank
 
 
+def json_problem(err: json.JSONDecodeError) -> str:
+    """What is wrong with a line of JSON, where (`Invalid control character at column 301`): `err.msg` alone is cut
+    before its position ("... at")."""
+    return f"{err.msg.removesuffix(' at')} at column {err.colno}"
+
+
 @contextmanager
 def computed_alike_on_every_rank() -> Iterator[None]:
     """Mark the `UserError`s of a block that every rank computes alike, without talking to the others (e.g.

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from common.errors import UserError
+from common.errors import UserError, json_problem
 from data.tokens import encode_documents
 
 EXTENSIONS = (".txt", ".jsonl", ".parquet")
@@ -80,7 +80,8 @@ def iter_jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise UserError(f"{path}:{line_no} is not valid JSON ({err.msg}); fix or remove that line") from None
+                raise UserError(f"{path}:{line_no} is not valid JSON ({json_problem(err)}); fix or remove that "
+                                "line") from None
             yield line_no, row
 
 

@@ -10,6 +10,11 @@ the size is decided, so a small file gets a split that fits it).
 Crash safety: shards are written to a temporary name, fsynced and renamed; the manifest is replaced
 atomically after each shard and records where the next shard starts (document index, token
 offset). Re-running the same command continues from there; the loader refuses an unfinished folder.
+A full disk is one line: the finished shards stay, no partial one is left, and the re-run continues.
+
+A re-run first reads every listed shard against the manifest (size and sha256). A damaged shard is
+written again from the source, from where its entry says it starts, and kept only if it matches;
+otherwise the line names what to delete.
 """
 from __future__ import annotations
 
@@ -20,14 +25,14 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from common.atomic import write_json_atomic
+from common.atomic import check_folder_writable, write_json_atomic
 from common.cli import CliParser
 from common.errors import UserError, run_cli
 from data.local import DOCS_PER_BATCH
 from data.settings import DataConfig
-from data.shards import FORMAT, FORMAT_VERSION, MANIFEST, ShardWriter, read_manifest
+from data.shards import FORMAT, FORMAT_VERSION, MANIFEST, ShardWriter, WriteFailed, read_manifest, shard_damage
 from data.source import HubStream, PromptCompletion, TextFiles, TokenShards, open_source
-from data.tokenizer import EOT_ID
+from data.tokenizer import EOT_ID, TOKENIZER_NAME
 from data.tokens import default_threads, encode_documents
 
 
@@ -129,7 +134,8 @@ def prepare(
 ) -> dict[str, Any]:
     """Write (or finish) the shards of `dataset` in `out`; return the final manifest. `val_tokens` None: a tenth of
     the data, at most MAX_VAL_TOKENS (of `val_split` when given: its first MAX_VAL_TOKENS). A prepare refused before
-    it completes removes the folder it created, so that the advised rerun (other settings) is not blocked."""
+    it completes removes the folder it created, so that the advised rerun (other settings) is not blocked; one
+    stopped by a full disk keeps it, to be continued. A re-run repairs damaged shards first (module docstring)."""
     source = text_source(dataset, dataset_config, text_column)  # refused before anything is written
     if val_split and not isinstance(source, HubStream):
         raise UserError("--val_split applies to Hub datasets only; local files get the first --val_tokens tokens as "
@@ -140,20 +146,28 @@ def prepare(
     threads = num_threads or default_threads()
     settings = dict(dataset=dataset, config=dataset_config, split=split, val_split=val_split, text_column=text_column,
                     shard_tokens=shard_tokens, val_tokens=val_tokens, max_tokens=max_tokens)
+    manifest, fresh = None, False
     if (out / MANIFEST).is_file():
         manifest = read_manifest(out)
         if manifest["source"] != settings:
             changed = settings_changed(manifest["source"], settings)
             raise UserError(f"{out} holds a prepare with other settings ({changed}); pass another --out, or its "
                             f"settings to finish or keep it, or delete {out}")
-        if manifest["complete"]:
+        damaged = damaged_shards(out, manifest)  # every listed shard, read whole: a same-size change too
+        if manifest["complete"] and not damaged:
             return manifest
-    elif out.exists() and any(out.iterdir()):
+        check_folder_writable(out, "--out", "shard folder")
+    elif out.is_dir() and any(out.iterdir()):
         raise UserError(f"{out} exists and is not a shard folder; pass an empty or new --out")
-    else:
-        manifest, fresh = None, not out.exists()
+    else:  # a file, a path under a file, a folder that cannot be written: one line, nothing made
+        check_folder_writable(out, "--out", "shard folder")
+        damaged, fresh = [], not out.exists()
         out.mkdir(parents=True, exist_ok=True)
     try:
+        for entry, why in damaged:
+            _rebuild(source, out, entry, why, split=split, val_split=val_split, threads=threads, batch_docs=batch_docs)
+        if manifest is not None and manifest["complete"]:
+            return manifest
         return _write_shards(source, out, settings, manifest, split=split, val_split=val_split,
                              shard_tokens=shard_tokens, val_tokens=val_tokens, max_tokens=max_tokens, threads=threads,
                              batch_docs=batch_docs, progress=progress)
@@ -164,6 +178,62 @@ def prepare(
             if fresh:
                 out.rmdir()
         raise
+    except WriteFailed as err:  # a full disk: what is written stays, and the same command goes on from there
+        raise UserError(f"could not write {err.path} ({err.reason}); the shards written are kept and no partial one "
+                        f"is left: free disk space and re-run the same command to continue from {_next_shard(out)}"
+                        ) from None
+
+
+def _save(out: Path, manifest: dict[str, Any]) -> None:
+    """Replace the manifest (atomically: a failed write leaves the one before)."""
+    try:
+        write_json_atomic(out / MANIFEST, manifest)
+    except OSError as err:
+        raise WriteFailed(out / MANIFEST, err) from err
+
+
+def damaged_shards(out: Path, manifest: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
+    """Each shard the manifest lists whose file is not the one written (missing, another size, another sha256),
+    with what is wrong with it."""
+    entries = ([manifest["val"]] if manifest["val"] else []) + manifest["train"]
+    return [(entry, why) for entry in entries if (why := shard_damage(out, entry)) is not None]
+
+
+def _rebuild(source: TextFiles | HubStream, out: Path, entry: dict[str, Any], why: str, *, split: str,
+             val_split: str | None, threads: int, batch_docs: int) -> None:
+    """Write a damaged shard again from the source, from where its entry says it starts, and keep it only if it is
+    the shard the manifest lists (the same sha256); otherwise refuse, naming what to delete."""
+    redo = f"delete {out} and run the same command again"
+    if entry["file"].startswith("val_"):
+        name, start = val_split or split, {"doc": 0, "offset": 0}  # validation is the first tokens of its split
+    elif "start" in entry:
+        name, start = split, entry["start"]
+    else:
+        raise UserError(f"{why}; its manifest is older than rebuilding a shard alone, so {redo}")
+    writer = ShardWriter(out, entry["file"])
+    skip = start["offset"]  # the first batch begins with the shard's first document
+    for _, packed, _ in encoded_batches(source.document_batches(name, batch_docs), threads, start["doc"]):
+        piece = packed[skip:][: entry["tokens"] - writer.tokens]
+        skip = 0
+        writer.write(piece)
+        if writer.tokens == entry["tokens"]:
+            break
+    if writer.tokens != entry["tokens"] or writer.sha.hexdigest() != entry["sha256"]:
+        writer.abandon()
+        raise UserError(f"{why}, and the source now gives other tokens there, so it cannot be rebuilt: {redo}")
+    writer.finish()
+    print(f"{why}: rebuilt it from the source, as the manifest lists it", flush=True)
+
+
+def _next_shard(out: Path) -> str:
+    """Where a re-run of an unfinished prepare in `out` goes on, as its manifest on disk says."""
+    try:
+        manifest = read_manifest(out)
+    except UserError:
+        return "the start"
+    if manifest["val"] is None:
+        return "the validation shard"
+    return f"shard train_{len(manifest['train']):06d}.bin"
 
 
 def _write_shards(source: TextFiles | HubStream, out: Path, settings: dict[str, Any], manifest: dict[str, Any] | None,
@@ -176,9 +246,9 @@ def _write_shards(source: TextFiles | HubStream, out: Path, settings: dict[str, 
     dataset = settings["dataset"]
     if manifest is None:
         manifest = {"format": FORMAT, "version": FORMAT_VERSION, "complete": False, "source": settings,
-                    "tokenizer": "gpt2", "eot_id": EOT_ID, "dtype": "uint16",
+                    "tokenizer": TOKENIZER_NAME, "eot_id": EOT_ID, "dtype": "uint16",
                     "val": None, "train": [], "resume": {"doc": 0, "offset": 0}}
-        write_json_atomic(out / MANIFEST, manifest)
+        _save(out, manifest)
 
     def batches(name: str, start_doc: int = 0) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
         return encoded_batches(source.document_batches(name, batch_docs), threads, start_doc)
@@ -195,13 +265,13 @@ def _write_shards(source: TextFiles | HubStream, out: Path, settings: dict[str, 
             manifest["val"], rest = _write_val(stream, out, val_tokens)
             train = itertools.chain([rest] if rest else [], ((f, p, e, 0) for f, p, e in stream))
             manifest["resume"] = _position(rest[0], rest[2], rest[3]) if rest else {"doc": 0, "offset": 0}
-        write_json_atomic(out / MANIFEST, manifest)
+        _save(out, manifest)
 
     done = sum(entry["tokens"] for entry in manifest["train"])
     limit = max_tokens if max_tokens is not None else float("inf")
     bar = tqdm(total=max_tokens, initial=done, unit="tok", unit_scale=True, desc=f"prepare {dataset}",
                disable=None if progress else True)  # None: drawn on a terminal only, no \r in a log
-    writer = ShardWriter(out, f"train_{len(manifest['train']):06d}.bin")
+    writer = ShardWriter(out, f"train_{len(manifest['train']):06d}.bin", start=dict(manifest["resume"]))
     for first, packed, ends, pos in train:  # pos > 0: the batch's start is already written
         while pos < len(packed) and done < limit:
             take = int(min(len(packed) - pos, shard_tokens - writer.tokens, limit - done))
@@ -211,8 +281,8 @@ def _write_shards(source: TextFiles | HubStream, out: Path, settings: dict[str, 
             if writer.tokens == shard_tokens:
                 manifest["train"].append(writer.finish())
                 manifest["resume"] = _position(first, ends, pos)  # where the next shard begins
-                write_json_atomic(out / MANIFEST, manifest)
-                writer = ShardWriter(out, f"train_{len(manifest['train']):06d}.bin")
+                _save(out, manifest)
+                writer = ShardWriter(out, f"train_{len(manifest['train']):06d}.bin", start=dict(manifest["resume"]))
         if done >= limit:
             break
     bar.close()
@@ -226,7 +296,7 @@ def _write_shards(source: TextFiles | HubStream, out: Path, settings: dict[str, 
         raise UserError(f"{dataset} has no documents left after the validation split; use a larger dataset or a "
                         "smaller --val_tokens")
     manifest.update(complete=True, total_train_tokens=done, total_val_tokens=manifest["val"]["tokens"])
-    write_json_atomic(out / MANIFEST, manifest)
+    _save(out, manifest)
     return manifest
 
 

@@ -35,6 +35,7 @@ from data.settings import SHAKESPEARE, DataConfig, require_a_window
 from data.shards import MANIFEST, open_shards
 from data.streaming import VAL_DOCS, StreamingLoader, hub_val_tokens, open_hub_stream, text_batches
 from data.strided import StridedLoader
+from data.tokenizer import EOT_ID, require_known_ids
 from data.tokens import TOKEN_DTYPE, TokenStream
 
 SHAKESPEARE_FILE = Path(__file__).with_name("tinyshakespeare.txt")
@@ -104,6 +105,16 @@ class DataSource(ABC):
     def pinned(self) -> str:
         """`--dataset` naming exactly this data again (a Hub dataset at its commit), as config.yaml records it."""
         return self.dataset
+
+    @property
+    def max_token_id(self) -> int:
+        """The largest token id the data may hold: text is tokenized here with GPT-2's tokenizer, whose largest id,
+        `<|endoftext|>`, ends every document (every example); shards say what they hold."""
+        return EOT_ID
+
+    def check_vocab(self, vocab_size: int, model: str) -> None:
+        """Refuse (one line) a model, named `model`, whose `vocab_size` ids do not cover this data's."""
+        require_known_ids(self.max_token_id, vocab_size, f"--dataset {self.dataset}", model)
 
     def describe(self) -> str:
         """The data's line in the run header."""
@@ -211,6 +222,10 @@ class TokenShards(TokenSource):
 
     def held_out_tokens(self, max_tokens: int) -> np.ndarray:
         return open_shards(self.dataset).val[:max_tokens]
+
+    @property
+    def max_token_id(self) -> int:
+        return open_shards(self.dataset).max_id
 
     def enlarge(self, block_size: int) -> str:
         return "prepare the data again into a new --out with a larger `python -m data.prepare --val_tokens`"

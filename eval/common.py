@@ -11,6 +11,7 @@ import torch
 from common.errors import UserError
 from common.launch import grouped_on_this_cpu, launched_processes
 from common.weights import Weights
+from data.tokenizer import require_known_ids
 from model.unwrap import unwrapped
 
 
@@ -97,6 +98,24 @@ def model_block_size(model: torch.nn.Module) -> int | None:
     """The context length of our GPT (or an HF model), looking through DDP/FSDP/compile wrappers."""
     config = getattr(unwrapped(model), "config", None)
     return getattr(config, "block_size", None) or getattr(config, "n_positions", None)
+
+
+def model_vocab_size(model: torch.nn.Module) -> int:
+    """The number of token ids our GPT (or an HF model) knows, looking through DDP/FSDP/compile wrappers."""
+    return unwrapped(model).config.vocab_size
+
+
+def require_known_tokens(model: torch.nn.Module, max_id: int, tokens: str, accelerator: Any | None = None) -> None:
+    """`data.tokenizer.require_known_ids` for the tokens an evaluation feeds `model`, whose largest id on this rank is
+    `max_id`: the ranks take the largest of theirs first (a collective: call on every rank), so that all refuse
+    alike, with one line printed."""
+    if accelerator is not None and accelerator.num_processes > 1:
+        max_id = int(gather_rows(torch.tensor([max_id], dtype=torch.int64), accelerator).max())
+    try:
+        require_known_ids(max_id, model_vocab_size(model), tokens, "the model")
+    except UserError as err:
+        err.on_every_rank = True
+        raise
 
 
 def autocast(device: torch.device, bf16: bool | None) -> contextlib.AbstractContextManager:

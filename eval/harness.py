@@ -50,6 +50,11 @@ class HarnessModel:
     revision: str | None = None  # of a Hub id
     tokenizer: str | None = None  # a folder of GPT-2 tokenizer files, for an HF folder saved without them
 
+    @property
+    def on_hub(self) -> bool:
+        """Whether the harness downloads the model (a Hub id) rather than reads a folder."""
+        return self.source is None and not Path(self.pretrained).exists()
+
 
 @contextmanager
 def resolve_model(spec: str, revision: str | None = None) -> Iterator[HarnessModel]:
@@ -80,20 +85,55 @@ def resolve_model(spec: str, revision: str | None = None) -> Iterator[HarnessMod
             yield HarnessModel(tmp, weights.run, weights.folder)
 
 
-def _task_manager(tasks: Sequence[str], include_path: str | None) -> Any:
-    """The harness's TaskManager; without its built-in tasks when `include_path` defines every one asked for.
-
-    Indexing the few thousand built-in task YAMLs takes seconds; a run on local tasks needs none of them."""
+def _local_tasks(include_path: str | None) -> Any:
+    """The harness's TaskManager of `include_path`'s tasks alone (None without one): a second to build, where
+    indexing the few thousand built-in task YAMLs takes several."""
     from lm_eval.tasks import TaskManager
 
     if include_path is None:
-        return TaskManager()
+        return None
     if not Path(include_path).is_dir():
         raise UserError(f"--include_path {include_path} is not a folder; pass the folder holding the task YAMLs")
-    local = TaskManager(include_path=include_path, include_defaults=False)
-    if all(task in local.all_tasks for task in tasks):
+    return TaskManager(include_path=include_path, include_defaults=False)
+
+
+def _task_manager(tasks: Sequence[str], include_path: str | None, local: Any) -> Any:
+    """The harness's TaskManager; `local` (of `_local_tasks`) when `include_path` defines every task asked for."""
+    from lm_eval.tasks import TaskManager
+
+    if local is not None and all(task in local.all_tasks for task in tasks):
         return local
     return TaskManager(include_path=include_path)
+
+
+def hub_needs(weights: HarnessModel, tasks: Sequence[str], local_tasks: Sequence[str]) -> list[str]:
+    """What the harness fetches from the Hub, in words: a Hub model, and the datasets of the built-in tasks (those
+    that `--include_path` does not define; its tasks read local files, which is what it is for). Our folders and
+    HF folders never need it."""
+    needs = [f"the model {weights.pretrained}"] if weights.on_hub else []
+    if builtin := [task for task in tasks if task not in local_tasks]:
+        needs.append(f"the dataset{'s' if len(builtin) > 1 else ''} of {', '.join(builtin)}")
+    return needs
+
+
+def refuse_an_unreachable_hub(weights: HarnessModel, needs: Sequence[str], instead: str) -> None:
+    """One line at once, before the harness indexes its tasks and loads the model, when what `needs` the Hub cannot be
+    had: the Hub out of reach (one request, no retries, where the harness's own downloads retry for minutes), or,
+    in offline mode, a Hub model missing from the local cache. (Offline, a built-in task's dataset may be in the
+    cache of `datasets`: the harness is left to look.)"""
+    from huggingface_hub import constants, get_session, try_to_load_from_cache
+
+    from common.network import hub_unreachable, offline_mode
+
+    if not needs:
+        return
+    if offline_mode():
+        if weights.on_hub and not isinstance(
+                try_to_load_from_cache(weights.pretrained, "config.json", revision=weights.revision), str):
+            raise hub_unreachable(ConnectionError("offline"), f"fetch the model {weights.pretrained}", instead)
+        return
+    with reaching_the_hub("fetch " + " and ".join(needs), instead):
+        get_session().head(constants.ENDPOINT, timeout=10)
 
 
 def _flat_metrics(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -124,7 +164,12 @@ def run_harness(
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    task_manager = _task_manager(tasks, include_path)
+    local = _local_tasks(include_path)
+    # The harness downloads a Hub model itself, and the datasets of its built-in tasks.
+    needs = hub_needs(weights, tasks, local.all_tasks if local is not None else ())
+    instead = "pass a local --model folder and tasks that read local files (--include_path)"
+    refuse_an_unreachable_hub(weights, needs, instead)
+    task_manager = _task_manager(tasks, include_path, local)
     unknown = [task for task in tasks if task not in task_manager.all_tasks]
     if unknown:
         raise UserError(f"unknown lm-eval task(s) {', '.join(unknown)}; check the names with `lm_eval ls tasks`, "
@@ -132,9 +177,8 @@ def run_harness(
     try:
         model_args = {"pretrained": weights.pretrained, **({"revision": weights.revision} if weights.revision else {}),
                       **({"tokenizer": weights.tokenizer} if weights.tokenizer else {})}
-        # The harness downloads a Hub model itself, and the datasets of its built-in tasks.
-        with reaching_the_hub(f"fetch what lm-eval needs (the model {weights.pretrained}, the tasks' datasets)",
-                              "pass a local --model folder and tasks that read local files (--include_path)"):
+        # A local task's YAML may still name a Hub dataset: then its datasets are what the Hub was needed for.
+        with reaching_the_hub("fetch " + " and ".join(needs or [f"the datasets of {', '.join(tasks)}"]), instead):
             return simple_evaluate(model="hf", model_args=model_args, tasks=list(tasks),
                                    task_manager=task_manager, batch_size=batch_size, device=device, limit=limit,
                                    num_fewshot=num_fewshot, log_samples=log_samples)

@@ -40,6 +40,7 @@ from eval.common import (
     model_device,
     pick_device,
     rank_and_world,
+    require_known_tokens,
     steps_per_rank,
 )
 from eval.hellaswag_data import N_ENDINGS, load_items, preprocess, query_and_choices
@@ -151,10 +152,16 @@ def _encode_all(items: Sequence[dict[str, Any]], model: torch.nn.Module) -> list
     return encode_items(items, get_tokenizer(), model_block_size(model))
 
 
+def _max_id(encoded: Sequence[Encoded]) -> int:
+    """The largest token id of the encoded items (-1 for none)."""
+    return max((max(row) for e in encoded for row in e.rows if row), default=-1)
+
+
 def item_loglikelihoods(model: torch.nn.Module, items: Sequence[dict[str, Any]], *,
                         batch_size: int = 16, bf16: bool | None = None) -> np.ndarray:
     """Sum log-likelihood of each ending, shape (len(items), 4), on this process only."""
     encoded = _encode_all(items, model)
+    require_known_tokens(model, _max_id(encoded), "the HellaSwag text")
     return _score(model, encoded, batch_size=batch_size,
                   n_steps=steps_per_rank(len(encoded), 1, batch_size), bf16=bf16, show_progress=True)
 
@@ -229,6 +236,7 @@ def evaluate_hellaswag(model: torch.nn.Module, items: Sequence[dict[str, Any]], 
     if rank == 0:
         require_metric_packages()  # before scoring: a missing package should not cost a full pass
     encoded = _encode_all(items[rank::world], model)
+    require_known_tokens(model, _max_id(encoded), "the HellaSwag text", accelerator)
     lls = _score(model, encoded, batch_size=batch_size, bf16=bf16,
                  n_steps=steps_per_rank(len(items), world, batch_size), show_progress=rank == 0)
     scores, meta = _records(lls, encoded, n_rows=-(-len(items) // world))  # rank 0 holds the most

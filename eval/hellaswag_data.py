@@ -13,7 +13,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from common.errors import UserError
+from common.errors import UserError, json_problem
 from common.network import offline_mode, reaching_the_hub
 
 HUB_DATASET = "Rowan/hellaswag"
@@ -82,7 +82,7 @@ def _read_jsonl(path: Path) -> list[Any]:
                     try:
                         rows.append(json.loads(line))
                     except json.JSONDecodeError as err:
-                        raise UserError(f"{path}:{lineno}: not valid JSON ({err.msg}); "
+                        raise UserError(f"{path}:{lineno}: not valid JSON ({json_problem(err)}); "
                                         "the file must hold one JSON object per line") from err
     except (EOFError, zlib.error, gzip.BadGzipFile) as err:  # cut short by a download, or not gzip at all
         raise UserError(f"{path} is a truncated or damaged gzip file ({err}); download it again, or pass the "

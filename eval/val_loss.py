@@ -41,6 +41,7 @@ from eval.common import (
     pick_device,
     rank_and_world,
     reduce_sum,
+    require_known_tokens,
     steps_per_rank,
 )
 
@@ -67,6 +68,7 @@ def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray | Sequence[int] | t
         examples = tokens
         examples.check_fits(block_size, "the validation examples")
         n_rows = len(examples)
+        max_id = max((int(t.max()) for t in examples.tokens if len(t)), default=-1)
 
         def rows(indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
             return examples.rows(indices, block_size)
@@ -74,10 +76,12 @@ def evaluate_loss(model: torch.nn.Module, tokens: np.ndarray | Sequence[int] | t
         stream = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
         require_a_window(len(stream), block_size, "use more validation tokens or a smaller block_size")
         n_rows = count_windows(len(stream), block_size)
+        max_id = int(stream.max()) if len(stream) else -1
 
         def rows(indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
             windows = torch.stack([stream[i * block_size:(i + 1) * block_size + 1] for i in indices])
             return windows[:, :-1], windows[:, 1:]
+    require_known_tokens(model, max_id, "the validation set")  # the same tokens on every rank: no collective
     rank, world = rank_and_world(accelerator)
     mine = list(range(rank, n_rows, world))
     device = model_device(model)
@@ -157,6 +161,7 @@ def main(argv: Sequence[str] | None = None) -> float:
     source = open_source(DataConfig(**{name: chosen[name] for name in _DATA_FLAGS}, val_tokens=chosen["max_tokens"]))
     with cli_accelerator(cpu=args.device == "cpu", command="python -m eval.val_loss") as accelerator:
         model = load_model(weights, pick_device(args.device, accelerator))
+        source.check_vocab(model.config.vocab_size, f"--model {args.model}")  # before any of its data is read
         block_size = chosen["block_size"] or model_block_size(model)
         check_val_tokens(chosen["max_tokens"], block_size, flag="--max_tokens")
         tokens = source.val_set(block_size)

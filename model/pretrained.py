@@ -227,8 +227,10 @@ def save_state_dict(state: dict[str, torch.Tensor], config: GPTConfig, directory
     directory.mkdir(parents=True, exist_ok=True)
     save_file(state_dict_to_hf(state, config), weights_file, metadata={"format": "pt"})
     config_to_hf(config).save_pretrained(directory)
-    GenerationConfig(bos_token_id=EOT_ID, eos_token_id=EOT_ID, pad_token_id=EOT_ID, do_sample=True,
-                     top_k=50).save_pretrained(directory)
+    # max_length: a generation without length arguments (transformers' pipeline adds 256 new tokens) stops at the
+    # context, where the position table ends.
+    GenerationConfig(bos_token_id=EOT_ID, eos_token_id=EOT_ID, pad_token_id=EOT_ID, do_sample=True, top_k=50,
+                     max_length=config.block_size).save_pretrained(directory)
     if config.vocab_size >= N_VOCAB:
         save_tokenizer(directory, model_max_length=config.block_size)
     else:

@@ -28,7 +28,7 @@ import torch
 
 from common.cli import CliParser
 from common.errors import UserError, run_cli
-from data.tokenizer import EOT_ID, EOT_TOKEN, N_VOCAB, get_tokenizer
+from data.tokenizer import EOT_ID, EOT_TOKEN, N_VOCAB, get_tokenizer, require_known_ids
 from model.gpt import GPT
 
 SEPARATOR = "-" * 40  # a line of its own between the samples of one prompt
@@ -61,9 +61,7 @@ def encode_prompt(text: str, block_size: int, vocab_size: int) -> list[int]:
     if not ids:
         note(f"empty prompt: generating unconditionally, from {EOT_TOKEN}")
         ids = [EOT_ID]
-    if max(ids) >= vocab_size:
-        raise UserError(f"the prompt has GPT-2 token {max(ids)}, but the model knows only {vocab_size} token ids; "
-                        "use a model trained with GPT-2's tokenizer")
+    require_known_ids(max(ids), vocab_size, "the prompt", "the model")
     if len(ids) > block_size:
         note(f"the prompt has {len(ids)} tokens, more than the model's context of {block_size}: "
              f"it is cut on the left to its last {block_size} tokens")

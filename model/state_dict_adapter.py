@@ -68,6 +68,7 @@ def config_to_hf(config: GPTConfig) -> Any:
     return GPT2Config(
         vocab_size=config.vocab_size,
         n_positions=config.block_size,
+        n_ctx=config.block_size,  # the context length under GPT-2's original name, which llama.cpp's converter reads
         n_embd=config.n_embd,
         n_layer=config.n_layer,
         n_head=config.n_head,

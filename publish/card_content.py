@@ -209,6 +209,7 @@ def render_card(
         name=name or model_id.split("/")[-1],
         size=f"{arch['params'] / 1e6:.1f}M-parameter " if arch.get("params") else "",
         shape=", ".join(f"{k}={arch[k]}" for k in ("n_layer", "n_head", "n_embd", "n_positions") if arch.get(k)),
+        context=f"{arch['n_positions']:,}" if arch.get("n_positions") else None,
         how=f"fine-tuned from [{base}](https://huggingface.co/{base}{tree}){at}" if base else "trained from scratch",
         trained_on=data_source.card_text() if data_source else f"`{dataset}`" if dataset else "its training data",
         source=source, model_id=model_id, prompt=repr(prompt), new_tokens=new_tokens,

@@ -21,6 +21,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "data"
 PARQUET = FIXTURES / "fineweb_24docs.parquet"
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = dict(shard_tokens=3000, val_tokens=1000, batch_docs=2, progress=False)
+SHAKESPEARE_HEAD = (REPO / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")[:8000]
 
 
 def source(dataset: str, **settings) -> DataSource:
@@ -266,3 +267,175 @@ def test_an_empty_file_is_said_to_hold_no_text(tmp_path):
     with pytest.raises(UserError, match=r"^'.*empty.txt' contains no text; check the files \(or --text_column\)$"):
         prep.prepare(str(empty), out, **SETTINGS)
     assert not out.exists() or not any(p.name.startswith("train_") for p in out.iterdir())
+
+
+# ---- data.prepare's faults: a bad --out, a full disk, damaged shards (issue 60) ----------------------------------
+
+def _prepare_cli(argv: list[str], monkeypatch, capsys) -> str:
+    """`python -m data.prepare` in this process; returns its one error line (exit 2)."""
+    from common.errors import run_cli
+
+    monkeypatch.setattr(sys, "argv", ["prepare", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(prep.main)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    return err.strip()
+
+
+@pytest.mark.parametrize("case", ["a file", "under a file", "read-only"])
+def test_a_bad_out_is_the_line_train_py_gives(tmp_path, monkeypatch, capsys, case):
+    """The same line as train.py's `--out_dir` (common.atomic.check_folder_writable), naming --out; the file in the
+    way is left as it was. Seen to catch: Python's NotADirectoryError / FileExistsError / PermissionError tracebacks
+    (the check removed from prepare)."""
+    import errno
+    import os
+    import tempfile
+
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("mine")
+    out = {"a file": blocker, "under a file": blocker / "shards", "read-only": tmp_path / "shards"}[case]
+    if case == "read-only":  # root writes into a chmod 555 folder: the kernel's answer for a read-only mount
+        def refuse(**kwargs):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+        monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    err = _prepare_cli(["--dataset", "shakespeare", "--out", str(out)], monkeypatch, capsys)
+    expected = (f"cannot write to {tmp_path} (Read-only file system); make it writable or choose another --out"
+                if case == "read-only" else f"{blocker} is a file, so the shard folder cannot be created there; "
+                                            "choose another --out")
+    assert err == f"error: --out {out}: {expected}"
+    assert blocker.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def _full_disk_at(monkeypatch, name: str) -> None:
+    """Writes into shard `name` fail as on a full disk (ENOSPC), the way a file's write reports it."""
+    import errno
+
+    from data import shards
+
+    original = shards.ShardWriter.__init__
+
+    class FullDisk:
+        def __init__(self, file):
+            self.file = file
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            self.file.close()
+
+    def init(self, folder, shard, start=None):
+        original(self, folder, shard, start)
+        if shard == name:
+            self.file = FullDisk(self.file)
+
+    monkeypatch.setattr(shards.ShardWriter, "__init__", init)
+
+
+def test_a_full_disk_keeps_the_shards_written_and_the_rerun_continues(tmp_path, prepared, monkeypatch, capsys):
+    """One line saying where the re-run goes on, no `.tmp` shard left, the finished shards kept; the re-run ends
+    byte-identical to an uninterrupted prepare. Seen to catch: without the OSError branch in prepare the ENOSPC was a
+    traceback; without ShardWriter's cleanup, `.tmp-train_000002.bin` stayed."""
+    out = tmp_path / "fw"
+    _full_disk_at(monkeypatch, "train_000002.bin")
+    err = _prepare_cli(["--dataset", str(PARQUET), "--out", str(out), "--shard_tokens", "3000", "--val_tokens", "1000"],
+                       monkeypatch, capsys)
+    assert err == (f"error: could not write {out / 'train_000002.bin'} (No space left on device); the shards written "
+                   "are kept and no partial one is left: free disk space and re-run the same command to continue from "
+                   "shard train_000002.bin")
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "train_000000.bin", "train_000001.bin",
+                                                     "val_000000.bin"]
+    monkeypatch.undo()
+    prep.prepare(str(PARQUET), out, shard_tokens=3000, val_tokens=1000, progress=False)
+    assert _files(out) == _files(prepared)
+
+
+def test_a_failed_read_of_the_source_is_not_called_a_full_disk(tmp_path, monkeypatch):
+    """Only a write into the shard folder is a disk's fault: a stream that drops (a ConnectionError, an OSError too)
+    goes on as itself. Seen to catch: prepare catching every OSError as a full disk ("free disk space")."""
+    original = prep.encoded_batches
+
+    def dropped(*args, **kwargs):
+        for i, item in enumerate(original(*args, **kwargs)):
+            if i == 3:
+                raise ConnectionError("the stream dropped")
+            yield item
+
+    monkeypatch.setattr(prep, "encoded_batches", dropped)
+    with pytest.raises(ConnectionError, match="the stream dropped"):
+        prep.prepare(str(PARQUET), tmp_path / "fw", **SETTINGS)
+
+
+def _copy(prepared: Path, out: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(prepared, out))
+
+
+@pytest.mark.parametrize("shard", ["train_000001.bin", "val_000000.bin", "train_000003.bin"])
+def test_a_rerun_rebuilds_a_shard_changed_in_place(tmp_path, prepared, capsys, shard):
+    """A same-size change (one bit), a cut-short shard and a deleted one: the re-run reads every shard against the
+    manifest's size and sha256 and writes the damaged one again from the source, from where its entry says it
+    starts. Seen to catch: the re-run of a finished prepare returned its manifest at once, printing success over the
+    damaged shard (issue 60)."""
+    out = _copy(prepared, tmp_path / "fw")
+    path = out / shard
+    if shard == "train_000001.bin":
+        raw = bytearray(path.read_bytes())
+        raw[101] ^= 1
+        path.write_bytes(bytes(raw))
+    elif shard == "val_000000.bin":
+        path.write_bytes(path.read_bytes()[:-2])
+    else:
+        path.unlink()
+    assert prep.damaged_shards(out, json.loads((out / "manifest.json").read_text()))
+    prep.prepare(str(PARQUET), out, **SETTINGS)
+    assert _files(out) == _files(prepared)
+    assert f"{path} " in capsys.readouterr().out  # it says which shard it rebuilt
+
+
+def test_a_shard_that_cannot_be_rebuilt_names_what_to_delete(tmp_path, prepared):
+    """An older manifest (no `start`) cannot rebuild one shard alone: one line naming the folder to delete, and the
+    folder is left as it was. Seen to catch: the rebuild starting such a shard at the beginning of the data."""
+    out = _copy(prepared, tmp_path / "fw")
+    manifest = json.loads((out / "manifest.json").read_text())
+    for entry in manifest["train"]:
+        del entry["start"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with (out / "train_000002.bin").open("r+b") as f:
+        f.write(b"\0\0")
+    before = _files(out)
+    with pytest.raises(UserError) as refused:
+        prep.prepare(str(PARQUET), out, **SETTINGS)
+    assert str(refused.value) == (f"{out / 'train_000002.bin'} was changed (its sha256 differs from the manifest's); "
+                                  f"its manifest is older than rebuilding a shard alone, so delete {out} and run the "
+                                  "same command again")
+    assert _files(out) == before
+
+
+def test_a_source_that_changed_is_not_written_over_a_shard(tmp_path):
+    """The rebuilt shard is kept only if its sha256 is the manifest's: a source edited since gives other tokens,
+    and the line names what to delete. Seen to catch: the rebuild renamed into place without comparing."""
+    text = tmp_path / "corpus.txt"
+    text.write_text(SHAKESPEARE_HEAD)
+    out = tmp_path / "shards"
+    prep.prepare(str(text), out, shard_tokens=500, val_tokens=100, progress=False)
+    text.write_text(SHAKESPEARE_HEAD.replace("Citizen", "Senator"))
+    (out / "train_000001.bin").unlink()
+    with pytest.raises(UserError, match=r"train_000001.bin is missing, and the source now gives other tokens there, "
+                                        rf"so it cannot be rebuilt: delete {out} and run the same command again$"):
+        prep.prepare(str(text), out, shard_tokens=500, val_tokens=100, progress=False)
+    assert not (out / "train_000001.bin").exists() and not any(p.name.startswith(".tmp") for p in out.iterdir())
+
+
+def test_training_refuses_shards_of_another_tokenizer(tmp_path, prepared):
+    """Seen to catch: open_shards reading the manifest's `tokenizer` field nowhere (shards of another tokenizer were
+    trained on as GPT-2 ids)."""
+    out = _copy(prepared, tmp_path / "fw")
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["tokenizer"] = "llama"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match=r"holds tokens of the tokenizer 'llama', but runs here read and write 'gpt2'"):
+        source(str(out)).train_loader(block_size=32, micro_batch_size=2, rank=0, world_size=1, seed=0)

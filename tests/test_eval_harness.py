@@ -17,7 +17,7 @@ from conftest import REPO_ROOT
 from safetensors.torch import save_file
 
 from common.errors import UserError
-from eval.harness import HarnessModel, main, require_lm_eval, resolve_model, run_harness
+from eval.harness import HarnessModel, hub_needs, main, require_lm_eval, resolve_model, run_harness
 from eval.hellaswag import evaluate_hellaswag, item_loglikelihoods, load_items
 from model import GPT, GPTConfig
 
@@ -108,14 +108,60 @@ def test_a_hub_revision_reaches_the_harness(tmp_path, monkeypatch):
 
     Seen to catch: `revision` left out of lm-eval's `model_args`; the not-a-run check removed from
     `publish.hub.run_weights` (an AttributeError traceback)."""
+    import huggingface_hub
     import lm_eval
 
     seen = {}
     monkeypatch.setattr(lm_eval, "simple_evaluate", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *args, **kwargs: "/cache/config.json")
     monkeypatch.chdir(tmp_path)
     with resolve_model("someone/tiny-gpt2", revision="v1") as model:  # nothing downloaded: lm-eval does that
         run_harness(model, ["hellaswag_tiny"], include_path=TASKS, device="cpu")
     assert seen["model_args"] == {"pretrained": "someone/tiny-gpt2", "revision": "v1"}
+
+
+def test_only_what_needs_the_hub_is_named():
+    """Seen to catch: the old line named the local model among what needs the Hub ("the model /tmp/x, ..."); and
+    `HarnessModel(folder)` without `source` taken for a Hub id."""
+    local, hub = HarnessModel(str(REPO_ROOT)), HarnessModel("someone/gpt2")  # a folder, a Hub id
+    assert hub_needs(local, ["hellaswag_tiny"], ["hellaswag_tiny"]) == []
+    assert hub_needs(local, ["hellaswag", "arc_easy"], []) == ["the datasets of hellaswag, arc_easy"]
+    assert hub_needs(hub, ["hellaswag_tiny", "hellaswag"], ["hellaswag_tiny"]) == [
+        "the model someone/gpt2", "the dataset of hellaswag"]
+
+
+def test_an_unreachable_hub_is_refused_before_the_harness_starts(tmp_path, monkeypatch):
+    """One request, no retries, before the built-in tasks are indexed or the model loaded; only the built-in task's
+    dataset is named, not the local model. Seen to catch: without the early check the harness indexed its tasks,
+    loaded the model, and its downloads retried (3 min 39 s seen) before the same refusal."""
+    import huggingface_hub
+
+    import eval.harness as harness
+    from common import network
+
+    class Unreachable:
+        def head(self, url, timeout):
+            raise ConnectionError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(network, "offline_mode", lambda: False)  # the test session's HF_HUB_OFFLINE=1 aside
+    monkeypatch.setattr(huggingface_hub, "get_session", lambda: Unreachable())
+    monkeypatch.setattr(harness, "_task_manager", lambda *args: pytest.fail("the built-in tasks were indexed"))
+    with pytest.raises(UserError) as refused:
+        run_harness(HarnessModel(str(tmp_path)), ["hellaswag"], device="cpu")
+    assert str(refused.value).startswith("cannot reach the Hugging Face Hub at ")
+    assert " to fetch the dataset of hellaswag (ConnectionError: [Errno -2] Name or service not known); " in \
+        str(refused.value)
+    assert str(tmp_path) not in str(refused.value)
+
+
+def test_offline_a_hub_model_missing_from_the_cache_is_refused_at_once(tmp_path, monkeypatch):
+    """Seen to catch: without the early check, the harness built its tasks and failed in the model's download."""
+    import eval.harness as harness
+
+    monkeypatch.setattr(harness, "_task_manager", lambda *args: pytest.fail("the tasks were built"))
+    with pytest.raises(UserError) as refused:
+        run_harness(HarnessModel("someone/not-cached-gpt2"), ["hellaswag_tiny"], include_path=TASKS, device="cpu")
+    assert str(refused.value).startswith("cannot fetch the model someone/not-cached-gpt2 from the Hub: offline")
 
 
 def test_unfinished_runs_are_exported_to_a_temporary_folder_that_goes_away(tmp_path):
@@ -153,7 +199,7 @@ def test_an_ending_longer_than_the_context_is_one_line(tmp_path, at_repo_root):
 @pytest.mark.slow  # not among the local tasks, so the harness indexes its built-in ones: about 10 s
 def test_unknown_task_is_one_line(tmp_path):
     with pytest.raises(UserError, match="unknown lm-eval task.*no_such_task"):
-        run_harness(HarnessModel("unused"), ["no_such_task"], include_path=TASKS, device="cpu")
+        run_harness(HarnessModel(str(tmp_path)), ["no_such_task"], include_path=TASKS, device="cpu")
 
 
 def test_missing_lm_eval_is_one_line(monkeypatch):

@@ -341,6 +341,17 @@ def test_bad_files_raise_user_error(tmp_path):
         load_items(TINY, limit=0, limit_flag="--hellaswag_limit")
 
 
+def test_a_bad_json_line_is_named_in_full(tmp_path):
+    """The file, the line, what is wrong and where in the line. Seen to catch: the message built from `err.msg`
+    alone, which json cuts before its position ("Invalid control character at")."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(TINY.read_text(encoding="utf-8").splitlines()[0] + "\n" + '{"ctx": "a\tb"}\n', encoding="utf-8")
+    with pytest.raises(UserError) as refused:
+        load_items(bad)
+    assert str(refused.value) == (f"{bad}:2: not valid JSON (Invalid control character at column 11); the file must "
+                                  "hold one JSON object per line")
+
+
 # ---------------------------------------------------------------- the accuracies (evaluate metric)
 
 # Ending scores for which the three accuracies pick different endings, worked out by hand:

@@ -59,8 +59,9 @@ def test_export_loads_in_transformers_with_same_logits(exported):
         ours, _ = model(x, all_logits=True)
     assert (ref - ours).abs().max() < 1e-5
     config = json.loads((folder / "config.json").read_text())
-    assert config["activation_function"] == "gelu_new" and config["n_positions"] == 32
-    assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == 50256
+    assert config["activation_function"] == "gelu_new" and config["n_positions"] == config["n_ctx"] == 32
+    generation = json.loads((folder / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == 50256 and generation["max_length"] == 32  # the context, for every client
 
 
 def test_export_round_trips_to_our_model(exported):
@@ -118,6 +119,22 @@ def test_pipeline_generates_offline(exported):
     out = pipeline("text-generation", model=str(folder))("Hello world", max_new_tokens=5, do_sample=False)
     text = out[0]["generated_text"]
     assert text.startswith("Hello world") and len(text) > len("Hello world")
+
+
+@pytest.mark.slow  # 126 sampled tokens through transformers' generate: 4-15 s on 2 cores
+def test_pipeline_without_length_arguments_stays_within_the_context(tmp_path):
+    """transformers' pipeline adds 256 new tokens by default: a 128-position export generates up to its context, as
+    its generation_config.json says (`max_length`), and config.json names the context as llama.cpp's converter reads
+    it (`n_ctx`). Seen to catch: without `max_length` the pipeline ran past the position table (IndexError)."""
+    from transformers import pipeline
+
+    torch.manual_seed(0)
+    GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=128)).save_pretrained(tmp_path / "m")
+    generator = pipeline("text-generation", model=str(tmp_path / "m"))
+    out = generator("Hello world", return_tensors=True)[0]["generated_token_ids"]
+    assert len(out) == 128 or (len(out) < 128 and out[-1] == 50256)  # the context, or an end-of-text before it
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["n_ctx"] == 128
+    assert json.loads((tmp_path / "m" / "generation_config.json").read_text())["max_length"] == 128
 
 
 def test_export_never_overwrites(exported):

@@ -57,10 +57,13 @@ def test_curves_have_loss_hellaswag_when_measured_and_lr(tmp_path):
 
 
 def test_cli_writes_card_and_curves_into_final_which_still_loads(tmp_path, capsys):
+    """The card names the model, its usage, its context length, curves and results. Seen to catch (the context):
+    the card template without its context sentence (issue 60)."""
     run, model = _run(tmp_path)
     assert card_cli(["--run_dir", str(run)]) == run / "final"
     card = (run / "final" / "README.md").read_text()
     assert card.startswith("---\n") and "# my_run" in card
+    assert "Its context is 32 tokens: it reads at most that many at once" in card
     assert f'pipeline("text-generation", model="{(run / "final").as_posix()}")' in card
     assert "![Training curves: loss, HellaSwag, learning rate](loss_curve.png)" in card
     assert "| HellaSwag acc_norm | 0.3000 | 10 |" in card

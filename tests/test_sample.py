@@ -230,7 +230,8 @@ def test_ctrl_c_ends_the_interactive_loop_quietly(tiny, capsys):
     (["--device", "tpu9"], "unknown --device 'tpu9'; use auto, cpu, cuda, cuda:1 or mps"),
     pytest.param(["--device", "cuda"], "--device cuda: no cuda device on this machine",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
-    (["--model", "SMALL_VOCAB", "--prompt", "Hello"], "the prompt has GPT-2 token 15496, but the model knows only 128"),
+    (["--model", "SMALL_VOCAB", "--prompt", "Hello"],
+     "the prompt has token id 15,496, but the model knows only 128 token ids"),
 ])
 def test_bad_input_is_one_line_exit_2(tiny, capsys, tmp_path, argv, message):
     _, hf, _ = tiny

@@ -7,40 +7,20 @@ itself is not created (the run folder is made only once a resume was accepted).
 """
 from __future__ import annotations
 
-import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-from common.errors import UserError
+from common.atomic import check_folder_writable, nearest_existing
 
 # fp32 weights (4 bytes a parameter) and AdamW's two fp32 moments (8); 4 more cover the other files and overhead.
 BYTES_PER_PARAM = 16
 
 
-def nearest_existing(path: str | Path) -> Path:
-    """`path` itself if it exists, else its closest existing ancestor (the folder a mkdir would write into)."""
-    current = Path(path).expanduser().absolute()
-    while not current.exists():
-        current = current.parent  # the root always exists, so this ends
-    return current
-
-
 def check_out_dir_writable(out_dir: str | Path) -> None:
-    """Raise UserError unless a file can be created in `out_dir`, or in the nearest existing folder above it. A
-    temporary file is created and deleted: unlike `os.access`, that catches read-only mounts, also for root."""
-    folder = nearest_existing(out_dir)
-    if not folder.is_dir():
-        raise UserError(f"--out_dir {out_dir}: {folder} is a file, so the run folder cannot be created there; "
-                        "choose another --out_dir")
-    try:
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-test-")
-    except OSError as err:
-        raise UserError(f"--out_dir {out_dir}: cannot write to {folder} ({err.strerror or err}); make it writable "
-                        "or choose another --out_dir") from None
-    os.close(fd)
-    os.unlink(probe)
+    """Raise UserError unless a file can be created in `out_dir`, or in the nearest existing folder above it
+    (`common.atomic.check_folder_writable`: the same line `python -m data.prepare --out` gives)."""
+    check_folder_writable(out_dir, "--out_dir", "run folder")
 
 
 def checkpoint_bytes(n_params: int) -> int:
