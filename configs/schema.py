@@ -342,15 +342,21 @@ class HubConfig:
 
 @dataclass
 class PresetConfig:
-    """The preset the flags start from (`--config FILE`, or FILE given first)."""
+    """The presets the flags start from (`--config FILE`, repeatable, or FILE given first): after parsing, every
+    preset read, includes too, in the order applied (`configs.parse_config`)."""
 
     _argument_group_name = "preset"
 
-    config: str | None = flag(None, "YAML preset, e.g. configs/shakespeare.yaml (or given first, without "
-                                    "--config); flags override it; default: none, the values below", NOT_COMPARED)
+    config: list[str] | None = flag(
+        None, "YAML preset, e.g. configs/shakespeare.yaml (or given first, without --config); repeat --config to "
+        "apply several in order, each over the ones before; a `config:` key in a preset includes other presets, read "
+        "relative to it, before its own values; flags override every preset; default: none, the values below",
+        NOT_COMPARED)
 
     def __post_init__(self) -> None:
-        _non_empty(self, "config")
+        if self.config is not None and not all(path.strip() for path in self.config):
+            raise UserError("--config is empty; pass a preset's path, e.g. configs/shakespeare.yaml, or leave the flag "
+                            "out")
 
 
 # The groups in command-line order; `TrainConfig` has one attribute per group, named as here.
