@@ -109,6 +109,7 @@ def train(cfg: TrainConfig) -> None:
             resume = find_resume_point(cfg.run.resume, run.path)
             move = checkpoint_move(resume, engine, accelerator.num_processes, plan)
             uploads = HubUploads(cfg.hub, run, cfg.run.save_every, accelerator.is_main_process)
+            source = open_source(cfg.data)  # data that is not there is said before any weights are fetched
             # Identical initial weights on every rank.
             set_seed(cfg.training.seed)
             model, init_weights = build_model(cfg.model, resume, cfg.training.activation_checkpointing,
@@ -117,7 +118,6 @@ def train(cfg: TrainConfig) -> None:
             use_adapter_checkpoints(accelerator, bool(cfg.model.lora_rank))
 
             # Data: every rank reads its own rows of the same global batches; validation is one fixed token set.
-            source = open_source(cfg.data)
             loader = source.train_loader(block_size=geometry.block_size, micro_batch_size=geometry.micro_batch_size,
                                          rank=data_rank, world_size=geometry.world_size, seed=cfg.training.seed)
             on_exit.callback(loader.close)

@@ -355,6 +355,29 @@ def test_block_size_beyond_the_pretrained_positions(monkeypatch, capsys, tmp_pat
     assert f"block_size=64 exceeds the 32 positions of {tmp_path / 'hf'}; use a block_size of at most 32" in err
 
 
+def test_a_missing_dataset_is_said_before_the_weights_are_fetched(monkeypatch, capsys, tmp_path):
+    """`--init_from gpt2 --dataset missing.txt` offline: the file the user can fix at once, not the Hub. Seen to catch:
+    "cannot load gpt2 from the Hub: offline ..." first, the data only once the weights were there."""
+    err = run_in_process(monkeypatch, capsys, ["--init_from", "gpt2", "--dataset", str(tmp_path / "missing.txt"),
+                                               "--out_dir", str(tmp_path / "r")])
+    assert f"dataset path '{tmp_path / 'missing.txt'}' does not exist" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_the_fineweb_preset_before_data_prepare_names_the_command(monkeypatch, capsys, tmp_path):
+    """The 124M preset as the README's first row runs it, in a clone where data.prepare has not made shards/ yet: one
+    line naming the folder and the command, before the 124M model is built. Seen to catch: the preset's dataset read
+    as a Hub id ("cannot stream Hub dataset shards/fineweb_edu_10B: offline ...; unset it")."""
+    from configs import PRESETS_DIR
+
+    monkeypatch.chdir(tmp_path)
+    err = run_in_process(monkeypatch, capsys, ["--config", str(PRESETS_DIR / "gpt2_124m_fineweb_edu.yaml"),
+                                               "--report_to", "none"])
+    assert err.startswith("error: --dataset shards/fineweb_edu_10B: no such folder yet; token shards are made once, "
+                          "with `python -m data.prepare"), err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_resume_latest_in_an_empty_folder_starts_a_new_run(tmp_path):
     out = tmp_path / "run"
