@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
+import math
 import os
 import sys
 import types
@@ -303,6 +304,33 @@ def _preset_first(argv: list[str]) -> list[str]:
     return [word for preset in argv[:first] for word in ("--config", preset)] + argv[first:]
 
 
+# Other trainers' length in epochs (HF Trainer's --num_train_epochs, nanoGPT's and Keras' habits): train.py counts
+# optimizer steps, and says what one epoch of the data is in steps (`_epochs_hint`).
+EPOCH_FLAGS = {"num_train_epochs", "epochs", "num_epochs", "n_epochs", "max_epochs", "train_epochs"}
+
+
+def _epochs_hint(flag: str, value: str | None, cfg: TrainConfig) -> str:
+    """The line for `flag value` (an epoch count): --max_steps, and one epoch of the run's data in steps at its
+    flags, counted by the loader the run would build (a streamed Hub dataset has no size ahead)."""
+    from data.source import HubStream, open_source
+
+    line = f"{flag}{' ' + value if value else ''}: train.py counts optimizer steps, not epochs; pass --max_steps: "
+    source, block, total = open_source(cfg.data), cfg.model.block_size, cfg.training.total_batch_size
+    if isinstance(source, HubStream):
+        return line + ("the size of a streamed Hub dataset is not known ahead (`python -m data.prepare` counts its "
+                       "tokens: an epoch is those tokens / --total_batch_size steps)")
+    loader = source.train_loader(block_size=block, micro_batch_size=1, rank=0, world_size=1, seed=cfg.training.seed)
+    loader.close()
+    rows, what = (loader.n_examples, "examples") if source.masked_targets else (loader.n_sequences, "windows")
+    steps = math.ceil(rows / (total // block))  # a step reads total_batch_size / block_size rows
+    line += f"one epoch of {cfg.data.dataset} is {steps:,} steps of {total:,} tokens ({rows:,} {what} of {block} " \
+            "tokens)"
+    try:
+        return line + f", so {value} epochs is --max_steps {round(float(value) * steps)}"
+    except (TypeError, ValueError):
+        return line
+
+
 # `accelerate launch` options people pass to train.py itself: the launch, not the script, decides them.
 LAUNCH_FLAGS = {"mixed_precision", "num_processes", "dynamo_backend", "multi_gpu", "num_machines", "gpu_ids", "cpu",
                 "fp16", "bf16", "use_fsdp", "main_process_port"}
@@ -325,11 +353,20 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
                         "number of processes come from the launch, e.g. `accelerate launch --mixed_precision bf16 "
                         "--num_processes 2 train.py ...` or `accelerate launch --config_file accelerate_configs/"
                         "single_gpu.yaml train.py ...`")
-    if unknown:
-        parser.error(unknown_arguments_message(unknown, parser.option_names(), FIELD_ALIASES))
     own, added = dict(zip(GROUPS, groups[:len(GROUPS)])), groups[len(GROUPS):]
     own["preset"] = PresetConfig(presets_read)  # every preset read, includes too, as config.yaml records them
-    return TrainConfig(**own, added=dict(zip(list(all_groups())[len(GROUPS):], added)))
+
+    def config() -> TrainConfig:
+        return TrainConfig(**own, added=dict(zip(list(all_groups())[len(GROUPS):], added)))
+
+    for i, word in enumerate(unknown):
+        flag, _, value = word.partition("=")
+        if flag.removeprefix("--").replace("-", "_") in EPOCH_FLAGS:
+            given = value or (unknown[i + 1] if i + 1 < len(unknown) and not unknown[i + 1].startswith("-") else None)
+            raise UserError(_epochs_hint(flag, given, config()))
+    if unknown:
+        parser.error(unknown_arguments_message(unknown, parser.option_names(), FIELD_ALIASES))
+    return config()
 
 
 def write_run_config(values: dict[str, Any], path: Path) -> None:
