@@ -199,7 +199,7 @@ def train(cfg: TrainConfig) -> None:
                     record["checkpoint_s"] = round(saving.seconds, 4)
                 metrics.log(progress.step, record)
                 if stop:
-                    accelerator.print(preempted.stopped_at(progress.step))
+                    accelerator.print(preempted.stopped_at(progress.step, last))
                     break
 
         # Shutdown. A finished run exports final/ with its card; the optimizer state is already in the last
