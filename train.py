@@ -153,7 +153,8 @@ def train(cfg: TrainConfig) -> None:
                                      cfg.model.lora_summary,
                                      source.describe(), Attempt.of_launch().describe(),
                                      runs_here(Asked.of_environment(), Machine.this())))
-        if accelerator.is_main_process and (warning := schedule.warmup_warning()):
+        # Said once steps remain to train: a resume of a finished run trains none.
+        if accelerator.is_main_process and progress.step < max_steps and (warning := schedule.warmup_warning()):
             print(f"warning: {warning}", file=sys.stderr, flush=True)
 
         # The loop: one optimizer step, then what is due after it (a log line, evaluations, a checkpoint, a stop).

@@ -379,6 +379,25 @@ def test_the_fineweb_preset_before_data_prepare_names_the_command(monkeypatch, c
 
 
 @pytest.mark.slow
+def test_a_resume_after_a_lost_export_writes_final_and_says_only_that(tmp_path):
+    """A run whose last checkpoint was saved and whose final/ was not (an export killed or out of disk), resumed: it
+    trains nothing and writes final/. Seen to catch (issue 60): "final/ is written again" for a final/ that was never
+    there, and the warmup warning (--warmup_steps 2 > --max_steps 1) said again for a resume that trains no step."""
+    out = tmp_path / "run"
+    args = TINY + ["--max_steps", "1", "--micro_batch_size", "2", "--total_batch_size", "64", "--out_dir", str(out)]
+    _, first = train_in_process(args)
+    assert "warning: --warmup_steps 2 is longer than the run" in first
+    shutil.rmtree(out / "final")
+    stdout, stderr = train_in_process(args + ["--resume", "latest"])
+    assert "the run had already finished: step 1 is its --max_steps, so nothing is trained; final/ is written now" \
+        in stdout and "written again" not in stdout, stdout
+    assert "warmup" not in stderr, stderr
+    assert (out / "final" / "model.safetensors").is_file()
+    stdout, _ = train_in_process(args + ["--resume", "latest"])  # final/ there: it is written again, and said so
+    assert "final/ is written again from the same weights" in stdout
+
+
+@pytest.mark.slow
 def test_resume_latest_in_an_empty_folder_starts_a_new_run(tmp_path):
     out = tmp_path / "run"
     out.mkdir()

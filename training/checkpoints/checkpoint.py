@@ -250,7 +250,8 @@ def restore(accelerator: Accelerator, resume: ResumePoint | None, cfg: RunConfig
     progress = resume.progress
     accelerator.print(f"resumed from {resume.path} at step {progress.step} ({progress.tokens:,} tokens)")
     if progress.step == max_steps:
+        final = ("written again from the same weights" if RunDir(cfg.out_dir).has_final() else
+                 "written now (the run stopped before its export was whole)")
         accelerator.print(f"the run had already finished: step {progress.step} is its --max_steps, so nothing is "
-                          "trained; final/ is written again from the same weights (pass a larger --max_steps to train "
-                          "on)")
+                          f"trained; final/ is {final} (pass a larger --max_steps to train on)")
     return progress
