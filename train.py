@@ -139,7 +139,8 @@ def train(cfg: TrainConfig) -> None:
         model, *optimizers = prepare(accelerator, model, optimizers, plan)
         # Each data-parallel rank draws its own dropout masks from here on.
         torch.manual_seed(cfg.training.seed + data_rank)
-        progress = restore(accelerator, resume, cfg.run, arch, plan.names, loader, model, optimizers, move, max_steps)
+        progress = restore(accelerator, resume, cfg.run, arch, plan.names, loader, cfg.data.dataset, model, optimizers,
+                           move, max_steps)
         peers.follow(progress)
 
         metrics = open_run_folder(accelerator, run, resume, progress, recipe, cfg.log.wandb_project, cfg.log.run_name)

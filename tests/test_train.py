@@ -398,6 +398,25 @@ def test_a_resume_after_a_lost_export_writes_final_and_says_only_that(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_resume_on_other_data_names_the_runs_data_and_the_way_to_train_on_it(monkeypatch, capsys, uninterrupted,
+                                                                                tmp_path):
+    """Seen to catch (issue 60): "the saved data state has n_sequences=... but this run has ...; resume with the same
+    --dataset" naming neither the data the run trained on nor how to train its weights on the new data. The folder is
+    left as it was."""
+    out = tmp_path / "run"
+    args = resume_copy(uninterrupted, 4, out)
+    other = tmp_path / "other.txt"
+    other.write_text((REPO_ROOT / "data" / "tinyshakespeare.txt").read_text()[:20_000])
+    before = tree_digest(out)
+    err = run_in_process(monkeypatch, capsys, RESUME_ARGS + args + ["--dataset", str(other)])
+    assert err.startswith(f"error: {out / 'checkpoints' / 'step_000004'} was trained on --dataset shakespeare "), err
+    assert f"resume with --dataset shakespeare, or start a new run in another --out_dir with --init_from " \
+           f"{out / 'checkpoints' / 'step_000004'} to train its weights on {other}" in err, err
+    assert "n_sequences" not in err
+    assert tree_digest(out) == before
+
+
+@pytest.mark.slow
 def test_resume_latest_in_an_empty_folder_starts_a_new_run(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
