@@ -97,6 +97,11 @@ class RunConfig:
                 raise UserError(f"--resume {self.resume} is a file; pass 'latest', a checkpoints/step_* folder or a "
                                 "run folder")
             if not resume.exists():
+                from common.run_dir import kept_instead  # here: it imports accelerate, which a parse need not
+
+                if (kept := kept_instead(resume)) is not None:
+                    raise UserError(f"--resume {self.resume}: no such checkpoint: {kept}; pass one of those, or "
+                                    "'latest'")
                 raise UserError(f"--resume {self.resume}: no such folder; pass 'latest', a checkpoints/step_* folder "
                                 "or a run folder")
 
