@@ -139,6 +139,8 @@ def yaml_error_place(err: yaml.YAMLError) -> str:
 
 
 class _DuplicateKey(Exception):
+    """A mapping key given twice in a preset, at lines `first` and `again` (1-based)."""
+
     def __init__(self, key: Any, first: int, again: int) -> None:
         super().__init__(key)
         self.key, self.first, self.again = key, first, again
