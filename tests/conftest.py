@@ -415,6 +415,11 @@ def ddp_run(tmp_path_factory) -> Path:
                        lambda folder: launch(DDP_ARGS + ["--out_dir", str(folder / "run")], nproc=2)) / "run"
 
 
+# The xdist group of the tests that read `quick_start`: one worker builds it and runs them all, while the other goes on
+# with the rest of the suite, instead of waiting on the file lock for the minute it takes.
+QUICK_START_GROUP = "quick_start"
+
+
 @pytest.fixture(scope="session")
 def quick_start(tmp_path_factory) -> Path:
     """The README's Quick start training as written: `python train.py`, a process of its own, in a folder laid out as

@@ -9,7 +9,7 @@ from __future__ import annotations
 import shlex
 
 import pytest
-from conftest import REPO_ROOT, after_quick_start
+from conftest import QUICK_START_GROUP, REPO_ROOT, after_quick_start
 from doc_commands import ELSEWHERE, pages, run_here, shown_on
 
 # What a command's output says when it did what the page says it does (beside exit 0), by command.
@@ -42,6 +42,7 @@ def test_each_command_shown_runs_here_or_says_what_it_needs():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group(QUICK_START_GROUP)
 @pytest.mark.parametrize("page", RUN_HERE)
 def test_a_pages_commands_run_as_written_after_the_quick_start(page, quick_start, tmp_path):
     """Seen to catch (issue 60): the README's `python -m model.export --checkpoint

@@ -22,6 +22,7 @@ import torch
 from conftest import (
     DDP_ARGS,
     HELLASWAG,
+    QUICK_START_GROUP,
     REPO_ROOT,
     RESUME_ARGS,
     TINY,
@@ -71,6 +72,7 @@ def test_run_writes_metrics_checkpoints_and_final(uninterrupted):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group(QUICK_START_GROUP)
 def test_the_quick_start_run_is_what_the_readme_says(quick_start):
     """`python train.py` as the README's Quick start runs it (conftest.quick_start, shared with the docs' commands):
     the validation loss and a sample every 160 steps, the checkpoints the README's rows name (300, 400, 480: keep_last
