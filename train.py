@@ -110,6 +110,7 @@ def train(cfg: TrainConfig) -> None:
             resume = find_resume_point(cfg.run.resume, run.path)
             move = checkpoint_move(resume, parallelism, accelerator.num_processes, plan)
             uploads = HubUploads(cfg.hub, run, cfg.run.save_every, accelerator.is_main_process)
+            source = open_source(cfg.data)  # data that is not there is said before any weights are fetched
             # Identical initial weights on every rank.
             set_seed(cfg.training.seed)
             model, init_weights = build_model(cfg.model, resume, cfg.training.activation_checkpointing,
@@ -118,7 +119,6 @@ def train(cfg: TrainConfig) -> None:
             use_adapter_checkpoints(accelerator, bool(cfg.model.lora_rank))
 
             # Data: every rank reads its own rows of the same global batches; validation is one fixed token set.
-            source = open_source(cfg.data)
             # Every id of the data must be one the model knows (a small-vocabulary --init_from, shards of others).
             source.check_vocab(model.config.vocab_size, f"--init_from {cfg.model.init_from}" if init_weights else
                                "the model")
@@ -143,7 +143,8 @@ def train(cfg: TrainConfig) -> None:
         model, *optimizers = prepare(accelerator, model, optimizers, plan)
         # Each data-parallel rank draws its own dropout masks from here on.
         torch.manual_seed(cfg.training.seed + data_rank)
-        progress = restore(accelerator, resume, cfg.run, arch, plan.names, loader, model, optimizers, move, max_steps)
+        progress = restore(accelerator, resume, cfg.run, arch, plan.names, loader, cfg.data.dataset, model, optimizers,
+                           move, max_steps)
         peers.follow(progress)
 
         metrics = open_run_folder(accelerator, run, resume, progress, recipe, cfg.log.wandb_project, cfg.log.run_name)
@@ -157,7 +158,8 @@ def train(cfg: TrainConfig) -> None:
                                      cfg.model.lora_summary,
                                      source.describe(), Attempt.of_launch().describe(),
                                      runs_here(Asked.of_environment(), Machine.this())))
-        if accelerator.is_main_process and (warning := schedule.warmup_warning()):
+        # Said once steps remain to train: a resume of a finished run trains none.
+        if accelerator.is_main_process and progress.step < max_steps and (warning := schedule.warmup_warning()):
             print(f"warning: {warning}", file=sys.stderr, flush=True)
 
         # The loop: one optimizer step, then what is due after it (a log line, evaluations, a checkpoint, a stop).
@@ -203,7 +205,7 @@ def train(cfg: TrainConfig) -> None:
                     record["checkpoint_s"] = round(saving.seconds, 4)
                 metrics.log(progress.step, record)
                 if stop:
-                    accelerator.print(preempted.stopped_at(progress.step))
+                    accelerator.print(preempted.stopped_at(progress.step, last))
                     break
 
         # Shutdown. A finished run exports final/ with its card; the optimizer state is already in the last

@@ -18,6 +18,8 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, NoReturn
 
+from common.launch import started_by_a_launcher
+
 
 class UserError(Exception):
     """A problem with the user's input or environment, with the fix in the message.
@@ -49,8 +51,9 @@ def computed_alike_on_every_rank() -> Iterator[None]:
 
 
 def launch_rank() -> int:
-    """This process's global rank under torchrun / accelerate launch (0 without a launcher)."""
-    return int(os.environ.get("RANK", "0"))
+    """This process's global rank under torchrun / accelerate launch (0 without a launcher, whatever RANK a shell left
+    in the environment: that process is alone, and must print its own errors)."""
+    return int(os.environ.get("RANK", "0")) if started_by_a_launcher() else 0
 
 
 def print_error(message: str) -> None:

@@ -10,6 +10,12 @@ from __future__ import annotations
 
 import os
 
+# The variables through which a launcher tells each process its place in a group (torch's env:// rendezvous).
+GROUP_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# What a launcher of a group's processes sets beside them: torch's elastic agent (torchrun, and accelerate launch of
+# several processes), DeepSpeed's own launcher, SLURM's srun, MPI.
+LAUNCHER_MARKS = ("TORCHELASTIC_RUN_ID", "CROSS_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
 
 def launched_processes() -> int:
     """How many processes the launch started (`WORLD_SIZE`; 1 for a process started alone)."""
@@ -22,3 +28,26 @@ def grouped_on_this_cpu() -> bool:
     import torch
 
     return launched_processes() > 1 and not torch.cuda.is_available()
+
+
+def started_by_a_launcher() -> bool:
+    """Whether a launcher of a group started this process (`LAUNCHER_MARKS`): only then do RANK and WORLD_SIZE
+    describe a group it belongs to."""
+    return any(mark in os.environ for mark in LAUNCHER_MARKS)
+
+
+def leftover_group_variables(command: str) -> str | None:
+    """The line for a process that no launcher started but whose environment asks it to join a group (WORLD_SIZE
+    above 1, or LOCAL_RANK, which makes accelerate open one): variables left in a shell by another launch. Without
+    it the process waits for peers that never come (MASTER_ADDR and MASTER_PORT set) or ends in accelerate's
+    traceback. `command`: what to run again once they are unset. None when nothing is left over."""
+    env = os.environ
+    if started_by_a_launcher():
+        return None
+    if env.get("WORLD_SIZE", "1").strip() in ("", "0", "1") and "LOCAL_RANK" not in env:
+        return None
+    found = [name for name in GROUP_VARIABLES if name in env]
+    return (f"{', '.join(f'{name}={env[name]}' for name in found)} in the environment ask this process to join a group "
+            "of processes, but no launcher started it (torchrun, accelerate launch, srun), so it would wait for peers "
+            f"that never come: they are left over from another launch; `unset {' '.join(found)}` and run `{command}` "
+            "again, or start the processes with accelerate launch")

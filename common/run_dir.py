@@ -64,6 +64,19 @@ def checkpoint_step(checkpoint: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def kept_instead(missing: Path) -> str | None:
+    """For a `step_N` folder of a run's checkpoints/ that is not there (rotated away, never saved): what the run keeps,
+    e.g. `the run keeps step_000300, step_000400, step_000480 and final/`; None for any other path."""
+    missing = Path(missing)
+    if checkpoint_step(missing) is None or missing.parent.name != "checkpoints" or not missing.parent.is_dir():
+        return None
+    run = RunDir(missing.parent.parent)
+    kept = [p.name for p in run.list_checkpoints()] + (["final/"] if run.has_final() else [])
+    if not kept:
+        return "the run keeps no checkpoint yet"
+    return f"the run keeps {', '.join(kept[:-1]) + ' and ' if len(kept) > 1 else ''}{kept[-1]}"
+
+
 class RunDir:
     """Paths inside one run folder, and which of its checkpoints and weights are complete."""
 

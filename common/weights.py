@@ -37,7 +37,7 @@ from common.errors import UserError
 from common.hub_ids import is_repo_id, split_revision
 from common.manifest import damage, weights_file
 from common.network import reaching_the_hub
-from common.run_dir import ADAPTER_CONFIG, GPT_CONFIG, RunDir, checkpoint_step
+from common.run_dir import ADAPTER_CONFIG, GPT_CONFIG, RunDir, checkpoint_step, kept_instead
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # the released GPT-2 weights' Hub names
 # What a Hub download fetches: the config and the safetensors, one file or shards (model-00001-of-00002...).
@@ -127,6 +127,8 @@ def resolve_weights(spec: str | Path, revision: str | None = None, *, download: 
         return _local(path, spec)
     if path.exists():
         raise UserError(f"{path} is a file; pass the folder that holds config.json and model.safetensors")
+    if (kept := kept_instead(path)) is not None:
+        raise UserError(f"no checkpoint {spec}: {kept}; pass one of those")
     parent = Path(path.parts[0]) if len(path.parts) > 1 and not path.is_absolute() else None
     if parent is not None and parent.is_dir():  # `out/my_rnu` while out/ exists: a typo, not a Hub id
         raise UserError(f"no folder {path} (though {parent}/ exists); check the path, or pass a Hub id such as gpt2")

@@ -99,6 +99,11 @@ class RunConfig:
                 raise UserError(f"--resume {self.resume} is a file; pass 'latest', a checkpoints/step_* folder or a "
                                 "run folder")
             if not resume.exists():
+                from common.run_dir import kept_instead  # here: it imports accelerate, which a parse need not
+
+                if (kept := kept_instead(resume)) is not None:
+                    raise UserError(f"--resume {self.resume}: no such checkpoint: {kept}; pass one of those, or "
+                                    "'latest'")
                 raise UserError(f"--resume {self.resume}: no such folder; pass 'latest', a checkpoints/step_* folder "
                                 "or a run folder")
 
@@ -338,15 +343,21 @@ class HubConfig:
 
 @dataclass
 class PresetConfig:
-    """The preset the flags start from (`--config FILE`, or FILE given first)."""
+    """The presets the flags start from (`--config FILE`, repeatable, or FILE given first): after parsing, every
+    preset read, includes too, in the order applied (`configs.parse_config`)."""
 
     _argument_group_name = "preset"
 
-    config: str | None = flag(None, "YAML preset, e.g. configs/shakespeare.yaml (or given first, without "
-                                    "--config); flags override it; default: none, the values below", NOT_COMPARED)
+    config: list[str] | None = flag(
+        None, "YAML preset, e.g. configs/shakespeare.yaml (or given first, without --config); repeat --config to "
+        "apply several in order, each over the ones before; a `config:` key in a preset includes other presets, read "
+        "relative to it, before its own values; flags override every preset; default: none, the values below",
+        NOT_COMPARED)
 
     def __post_init__(self) -> None:
-        _non_empty(self, "config")
+        if self.config is not None and not all(path.strip() for path in self.config):
+            raise UserError("--config is empty; pass a preset's path, e.g. configs/shakespeare.yaml, or leave the flag "
+                            "out")
 
 
 # The groups in command-line order; `TrainConfig` has one attribute per group, named as here. The degrees' group is

@@ -35,6 +35,7 @@ import torch
 
 from common.errors import UserError
 from data.local import MAX_IN_MEMORY_BYTES, VAL_FRACTION, iter_jsonl_records, resolve_files
+from data.settings import DataMismatch
 from data.strided import _mix, permute_index
 from data.tokenizer import EOT_ID, IGNORE, get_tokenizer
 
@@ -208,11 +209,12 @@ class PairsLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`; any world size or micro-batch size may resume it."""
         if state.get("kind") != "pairs":
-            raise UserError(f"the saved data state is of kind {state.get('kind')!r}, not prompt/completion data; "
-                            "resume with the same --dataset as the original run")
-        for key in ("n_examples", "block_size", "seed"):
+            raise DataMismatch(f"data of kind {state.get('kind')!r} then, prompt/completion examples now")
+        for key in ("block_size", "seed"):
             if state.get(key) != getattr(self, key):
                 raise UserError(f"the saved data state has {key}={state.get(key)!r} but this run has "
-                                f"{getattr(self, key)!r}; resume with the same --dataset (unchanged data), "
-                                "--block_size and --seed as the original run")
+                                f"{getattr(self, key)!r}; resume with the same --block_size and --seed as the "
+                                "original run")
+        if state.get("n_examples") != self.n_examples:
+            raise DataMismatch(f"{state.get('n_examples')} examples then, {self.n_examples} now")
         self.cursor = int(state["cursor"])

@@ -41,6 +41,17 @@ class DataConfig:
             raise UserError("--dataset_config is empty; pass a value or leave the flag out")
 
 
+class DataMismatch(UserError):
+    """A loader's saved position is for other data than the loader reads now (another dataset, changed files, another
+    kind): `detail` says how (`9,506 windows of 129 tokens then, 170 now`). The message adds the generic way out; a
+    trainer that knows the checkpoint and the data it recorded says more (`training.checkpoints.checkpoint.restore`)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"the saved data position is for other data ({detail}); resume with the same --dataset, "
+                         "unchanged, as the original run")
+        self.detail = detail
+
+
 def count_windows(n_tokens: int, block_size: int) -> int:
     """How many windows of block_size + 1 tokens (block_size inputs and their targets, shifted by one) a stream
     of `n_tokens` holds, consecutive windows sharing one token so that no target is lost: the training sequences

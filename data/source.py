@@ -39,6 +39,9 @@ from data.tokenizer import EOT_ID, require_known_ids
 from data.tokens import TOKEN_DTYPE, TokenStream
 
 SHAKESPEARE_FILE = Path(__file__).with_name("tinyshakespeare.txt")
+# Where the presets, the docs and .gitignore put the folders `python -m data.prepare` makes: a `--dataset shards/...`
+# is one of them, never a Hub id (a Hub repo of a user named `shards` is read pinned: `shards/name@main`).
+SHARDS_HOME = "shards"
 
 
 class TrainLoader(Protocol):
@@ -336,16 +339,29 @@ def _pinned_hub_id(dataset: str) -> bool:
         and not any(c in dataset for c in "*?[")
 
 
+def _refuse_a_shard_folder_not_made_yet(dataset: str) -> None:
+    """`shards/name` (the FineWeb-Edu presets' dataset) before data.prepare made it, which would otherwise read as a
+    Hub id: the command that makes it."""
+    if Path(dataset).parts[:1] == (SHARDS_HOME,) and "@" not in dataset and not looks_local(dataset):
+        raise UserError(f"--dataset {dataset}: no such folder yet; token shards are made once, with `python -m "
+                        f"data.prepare --dataset <a Hub id or local files> --out {dataset}` (the FineWeb-Edu presets: "
+                        "--dataset HuggingFaceFW/fineweb-edu:sample-10BT), or pass a Hub id as --dataset to stream "
+                        "the data instead")
+
+
 def open_source(settings: DataConfig) -> DataSource:
     """Parse `settings.dataset` into its source (module docstring). `settings` is a `DataConfig` or any object
     with its six attributes (`configs.DataConfig`, a run's config). Reads nothing but, for local .jsonl data,
-    the first record; a local path that does not exist is refused when its tokens are first read."""
+    the first record; a local path that names no data files (missing, an empty glob, a shard folder not made yet)
+    is refused here, so that a run says so before it loads any weights."""
     s, dataset = settings, settings.dataset
     if dataset == SHAKESPEARE:
         return Shakespeare(dataset, s.val_tokens, text_column=s.text_column)
     if (Path(dataset).expanduser() / MANIFEST).is_file():
         return TokenShards(dataset, s.val_tokens)
+    _refuse_a_shard_folder_not_made_yet(dataset)
     if looks_local(dataset) and not _pinned_hub_id(dataset):
+        resolve_files(dataset)  # the files are there
         if is_pairs_dataset(dataset, text_column=s.text_column, prompt_field=s.prompt_field,
                             completion_field=s.completion_field):
             return PromptCompletion(dataset, s.val_tokens, prompt_field=s.prompt_field,

@@ -38,6 +38,7 @@ from common.errors import UserError
 from common.network import network_failure, reaching_the_hub
 from data.ahead import Ahead, Inline
 from data.hub import PREPARE_ELSEWHERE
+from data.settings import DataMismatch
 from data.tokens import TOKEN_DTYPE, default_threads, encode_documents
 
 VAL_DOCS = 1000
@@ -294,10 +295,7 @@ class StreamingLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly where `state` stopped; same world size and rank required."""
         if state.get("kind") != "streaming":
-            raise UserError(
-                f"the saved data state is of kind {state.get('kind')!r}, not a streaming position; "
-                "resume with the same --dataset as the original run"
-            )
+            raise DataMismatch(f"data of kind {state.get('kind')!r} then, a Hub stream now")
         if state["world_size"] != self.world_size:
             raise UserError(
                 f"the streaming data position was saved with world size {state['world_size']}, now {self.world_size}; "

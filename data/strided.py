@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from common.errors import UserError
-from data.settings import count_windows
+from data.settings import DataMismatch, count_windows
 from data.tokens import TokenStream
 
 STATE_VERSION = 1
@@ -121,17 +121,18 @@ class StridedLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state`; any world size or micro-batch size may resume it."""
         if state.get("kind") != "strided":
-            raise UserError(
-                f"the saved data state is of kind {state.get('kind')!r}, not a token-stream position; "
-                "resume with the same --dataset as the original run"
-            )
+            raise DataMismatch(f"data of kind {state.get('kind')!r} then, a token stream now")
         # Shard folders carry a content hash: re-prepared data with the same length is caught too. (A local
         # path is only a name, which may be spelled differently on resume, so it is not compared.)
-        checked = ("source",) if str(state.get("source", "")).startswith("shards:") else ()
-        for key in (*checked, "n_sequences", "block_size", "seed", "shuffle"):
+        for key in ("block_size", "seed", "shuffle"):
             if state.get(key) != getattr(self, key):
                 raise UserError(
                     f"the saved data state has {key}={state.get(key)!r} but this run has {getattr(self, key)!r}; "
-                    "resume with the same --dataset (unchanged data), --block_size and --seed as the original run"
+                    "resume with the same --block_size and --seed as the original run"
                 )
+        if str(state.get("source", "")).startswith("shards:") and state["source"] != self.source:
+            raise DataMismatch(f"token shards {state['source']} then, {self.source} now")
+        if state.get("n_sequences") != self.n_sequences:
+            raise DataMismatch(f"{state.get('n_sequences')} windows of {self.block_size + 1} tokens then, "
+                               f"{self.n_sequences} now")
         self.cursor = int(state["cursor"])

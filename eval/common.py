@@ -9,7 +9,7 @@ from typing import Any, Iterator
 import torch
 
 from common.errors import UserError
-from common.launch import grouped_on_this_cpu, launched_processes
+from common.launch import grouped_on_this_cpu, launched_processes, leftover_group_variables
 from common.weights import Weights
 from data.tokenizer import require_known_ids
 from model.unwrap import unwrapped
@@ -76,6 +76,8 @@ def cli_accelerator(cpu: bool, command: str) -> Iterator[Any]:
     """
     from accelerate import Accelerator
 
+    if (leftover := leftover_group_variables(command)) is not None:
+        raise UserError(leftover)
     accelerator = Accelerator(cpu=cpu or grouped_on_this_cpu())
     if accelerator.num_processes != launched_processes():
         raise UserError(f"this launch started {launched_processes()} processes but accelerate brought up "

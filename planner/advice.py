@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from common.engine_names import FSDP
 from model.config import GPTConfig
 from planner.launch import GB, Launch
-from planner.memory import RunPhases, format_gib, plan_memory, plan_run
+from planner.memory import CPU_PROCESS_BYTES, RunPhases, format_gib, plan_memory, plan_run, run_process_bytes
 from training.distributed.layout import Layout
 from training.distributed.processes import BatchGeometry
 
@@ -28,13 +28,15 @@ def resized(config: GPTConfig, launch: Launch, micro_batch_size: int, processes:
 
 
 
-def largest_micro_batch(config: GPTConfig, launch: Launch, device_bytes: int, limit: int = 1024) -> int:
+def largest_micro_batch(config: GPTConfig, launch: Launch, device_bytes: int, limit: int = 1024,
+                        process_bytes: int = CPU_PROCESS_BYTES) -> int:
     """The largest micro-batch (<= limit) that the run accepts and whose plan fits in `device_bytes`; 0 when none
     does. Every candidate is planned, from the largest down: with a fixed total batch the accumulation changes with
-    the micro-batch (and with it whether the gradients are held between micro-steps), so the peak is not monotone."""
+    the micro-batch (and with it whether the gradients are held between micro-steps), so the peak is not monotone.
+    `process_bytes`: the process's own RSS on a CPU (`plan_memory`'s)."""
     for micro_batch_size in range(limit, 0, -1):
         candidate = resized(config, launch, micro_batch_size)
-        if candidate is not None and plan_memory(config, candidate).fits(device_bytes):
+        if candidate is not None and plan_memory(config, candidate, process_bytes).fits(device_bytes):
             return micro_batch_size
     return 0
 
@@ -59,28 +61,31 @@ class Spelling:
 
 
 
-def advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: Spelling = Spelling()) -> str | None:
-    """None when the plan fits; else one line: what does not fit and the one setting to change."""
-    plan = plan_memory(config, launch)
+def advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: Spelling = Spelling(),
+           process_bytes: int = CPU_PROCESS_BYTES) -> str | None:
+    """None when the plan fits; else one line: what does not fit and the one setting to change. `process_bytes`: the
+    process's own RSS on a CPU (a bare step's by default; `run_advice` gives train.py's, so that the line states the
+    table's total)."""
+    plan = plan_memory(config, launch, process_bytes)
     if plan.fits(device_bytes):
         return None
     where = f"needs {format_gib(plan.peak + plan.reserve)} per device, more than the {device_bytes / GB:g} GB device"
     B = launch.micro_batch_size
-    if (mb := largest_micro_batch(config, launch, device_bytes, B - 1)) > 0:
+    if (mb := largest_micro_batch(config, launch, device_bytes, B - 1, process_bytes)) > 0:
         return f"micro-batch {B} {where}; lower {spelling.micro_batch} to {mb} (the batch keeps its tokens " \
                "through more accumulation)"
     if not launch.activation_checkpointing:
         checkpointed = replace(launch, activation_checkpointing=True)
-        if (mb := largest_micro_batch(config, checkpointed, device_bytes, B)) > 0:
+        if (mb := largest_micro_batch(config, checkpointed, device_bytes, B, process_bytes)) > 0:
             return f"micro-batch {B} {where}; add {spelling.checkpointing}" + \
                    (f" (it fits then at micro-batch {B})" if mb == B else f" and lower {spelling.micro_batch} to {mb}")
     layout = launch.layout
     if launch.device == "cpu" and not spelling.sharding:
-        return _cpu_advice(config, launch, device_bytes, spelling, where)
+        return _cpu_advice(config, launch, device_bytes, spelling, where, process_bytes)
     if layout.full_replicas and launch.optimizer_shards:
         for checkpointing in (launch.activation_checkpointing, True):
             sharded = replace(launch, layout=layout.sharded(), activation_checkpointing=checkpointing)
-            if (mb := largest_micro_batch(config, sharded, device_bytes, B)) > 0:
+            if (mb := largest_micro_batch(config, sharded, device_bytes, B, process_bytes)) > 0:
                 extra = "" if checkpointing == launch.activation_checkpointing else f" and {spelling.checkpointing}"
                 return f"micro-batch {B} {where}; shard it with {spelling.fsdp}{extra}" + \
                        ("" if mb == B else f", at {spelling.micro_batch} {mb}")
@@ -91,7 +96,7 @@ def advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: Spell
         more, doubled = 2 * layout.parallelism.pipeline_parallel, 2 * layout.world_size
         staged = Layout(doubled, layout.parallelism.with_sizes(pipeline_parallel=more))
         candidate = resized(config, replace(launch, layout=staged), B) if more <= config.n_layer else None
-        fits = candidate is not None and plan_memory(config, candidate).fits(device_bytes)
+        fits = candidate is not None and plan_memory(config, candidate, process_bytes).fits(device_bytes)
         return f"micro-batch {B} {where}, even at micro-batch 1" + (
             f"; split it into {more} stages (--pipeline_parallel {more}, {doubled} processes)"
             if fits else "; use a larger device")
@@ -100,7 +105,7 @@ def advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: Spell
 
     def fits_on(processes: int) -> bool:
         candidate = resized(config, sharded, 1, processes)
-        return candidate is not None and plan_memory(config, candidate).fits(device_bytes)
+        return candidate is not None and plan_memory(config, candidate, process_bytes).fits(device_bytes)
 
     devices = next((n for n in (2**k for k in range(1, 11)) if n > layout.world_size and fits_on(n)), None)
     return f"micro-batch {B} {where}, even at micro-batch 1 with {spelling.checkpointing}" + \
@@ -110,7 +115,8 @@ def advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: Spell
 
 
 
-def _cpu_advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: Spelling, where: str) -> str:
+def _cpu_advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: Spelling, where: str,
+                process_bytes: int) -> str:
     """What is left to advise a CPU launch that fits at no micro-batch, where no engine shards (`advice`): its
     processes share this machine's memory (`device_bytes` is each one's share), so more of them bring no more of it,
     and fewer bring more to each: one process, if it then fits; else more memory than this machine has."""
@@ -118,7 +124,7 @@ def _cpu_advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: 
     if layout.world_size > 1 and layout.parallelism.model_parallel == 1:
         for checkpointing in (launch.activation_checkpointing, True):
             alone = resized(config, replace(launch, activation_checkpointing=checkpointing), B, 1)
-            mb = largest_micro_batch(config, alone, device_bytes * layout.world_size, B) if alone else 0
+            mb = largest_micro_batch(config, alone, device_bytes * layout.world_size, B, process_bytes) if alone else 0
             if mb > 0:
                 return (f"micro-batch {B} {where}, even at micro-batch 1; its {layout.world_size} processes share "
                         "this machine's memory: train it as one process (python train.py, no accelerate launch)"
@@ -140,8 +146,9 @@ def run_advice(config: GPTConfig, launch: Launch, run: RunPhases, device_bytes: 
     phase = plan.phase
     where = (f"the {phase} needs {format_gib(plan.peak + plan.reserve)} per device, more than the "
              f"{device_bytes / GB:g} GB device")
-    if phase == "step":  # (a CPU step fits in `advice`'s plan, with a bare process, and not with train.py's)
-        return advice(config, launch, device_bytes, spelling) or f"{where} (train.py's process included)"
+    process = run_process_bytes(launch, run)
+    if phase == "step":
+        return advice(config, launch, device_bytes, spelling, process)
     if plan.settings[phase] == "--eval_batch_size":
         smaller = next((b for b in range(run.eval_batch_size - 1, 0, -1)
                         if plan_run(config, launch, replace(run, eval_batch_size=b)).fits(device_bytes)), 0)
@@ -149,7 +156,7 @@ def run_advice(config: GPTConfig, launch: Launch, run: RunPhases, device_bytes: 
             return f"{where}; lower --eval_batch_size to {smaller} (now {run.eval_batch_size})"
     if phase == "Hub staging":
         return f"{where}; push only the final model (--hub_push_every 0)"
-    step_line = advice(config, launch, device_bytes, spelling)
+    step_line = advice(config, launch, device_bytes, spelling, process)
     if step_line is not None:  # what the step's advice changes (sharding, more devices) lowers what is kept too
         return f"{where}, and the step does not fit either: {step_line}"
     return f"{where} (the weights and optimizer state every rank keeps)" + \

@@ -439,6 +439,12 @@ def evaluation_bytes(config: GPTConfig, launch: Launch, rows: int, tokens: int) 
 
 
 
+def run_process_bytes(launch: Launch, run: RunPhases) -> int:
+    """train.py's own process RSS beside its tensors on a CPU (`TRAIN_PROCESS_BYTES` and what each evaluation it
+    scores adds); 0 on CUDA, where the process's host memory is not the device's."""
+    return TRAIN_PROCESS_BYTES + sum(spec.cpu_process_bytes for spec in run.specs) if launch.device == "cpu" else 0
+
+
 def plan_run(config: GPTConfig, launch: Launch, run: RunPhases) -> RunPlan:
     """The peak of each phase of a run of `config` under `launch` (see `RunPlan`); on a CPU with train.py's own
     process RSS (`TRAIN_PROCESS_BYTES`, and what each evaluation it scores adds: `cpu_process_bytes`).
@@ -456,7 +462,7 @@ def plan_run(config: GPTConfig, launch: Launch, run: RunPhases) -> RunPlan:
     Under pipeline parallelism the plan is the fuller stage's (`plan_memory`), and a checkpoint save and the export
     gather the whole model (with the optimizer state for a save) on the main process's host memory, where its
     files are written (`training.distributed.pipeline`)."""
-    process = TRAIN_PROCESS_BYTES + sum(spec.cpu_process_bytes for spec in run.specs) if launch.device == "cpu" else 0
+    process = run_process_bytes(launch, run)
     step = plan_memory(config, launch, process)
     counts = step.params
     params, _, state = _weights_and_state(counts, launch)

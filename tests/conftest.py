@@ -3,11 +3,11 @@
 The helpers every end-to-end test uses (a tiny model's flags, `launch` for a train.py run, in this process where
 the claim allows, `resume_copy` for a feature's resume, weight and metric comparisons, bit for bit or to float
 rounding with the bounds of tests/bounds.py, `run_in_process` for a refusal) and the reference runs
-(`uninterrupted`, `single_run`, `ddp_run`) and tiny HF GPT-2 folder (`tiny_hf_gpt2`), which are built once per
-pytest session and shared by every file that compares against them; `project_files`, the project's own files for
-the tests that read the code (never a virtual environment or a run's output inside the clone); and the hooks of
-the tiers (tests/tiers.py) and of xdist's groups. Plain helpers are imported as `from conftest import ...`;
-fixtures are found by name.
+(`uninterrupted`, `single_run`, `ddp_run`; `quick_start`, the README's own) and tiny HF GPT-2 folder (`tiny_hf_gpt2`),
+which are built once per pytest session and shared by every file that compares against them; `project_files`, the
+project's own files for the tests that read the code (never a virtual environment or a run's output inside the
+clone); and the hooks of the tiers (tests/tiers.py) and of xdist's groups. Plain helpers are imported as
+`from conftest import ...`; fixtures are found by name.
 
 Under pytest-xdist the session fixtures are built once for all workers: the first worker to need one builds it
 under a file lock in the session's shared temporary folder, the others wait and reuse it (`shared_once`).
@@ -416,6 +416,36 @@ def ddp_run(tmp_path_factory) -> Path:
     Shared by test_train, test_ctrl_c and test_gpu_paths_on_cpu; read only."""
     return shared_once(tmp_path_factory, "ddp",
                        lambda folder: launch(DDP_ARGS + ["--out_dir", str(folder / "run")], nproc=2)) / "run"
+
+
+# The xdist group of the tests that read `quick_start`: one worker builds it and runs them all, while the other goes on
+# with the rest of the suite, instead of waiting on the file lock for the minute it takes.
+QUICK_START_GROUP = "quick_start"
+
+
+@pytest.fixture(scope="session")
+def quick_start(tmp_path_factory) -> Path:
+    """The README's Quick start training as written: `python train.py`, a process of its own, in a folder laid out as
+    a clone (the project's top-level files and folders, linked), where it leaves out/shakespeare. Returns that
+    folder; what the run printed is beside it, in ../output.txt. About a minute on 2 cores: the one run of the
+    default recipe in the suite. Read only: `after_quick_start` copies it for a test that changes it."""
+    def build(folder: Path) -> None:
+        clone = folder / "clone"
+        clone.mkdir()
+        for name in sorted({path.relative_to(REPO_ROOT).parts[0] for path in project_files()}):
+            (clone / name).symlink_to(REPO_ROOT / name)
+        proc = subprocess.run([sys.executable, "train.py"], cwd=clone, capture_output=True, text=True, timeout=1200,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        (folder / "output.txt").write_text(proc.stdout + proc.stderr)
+        assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+    return shared_once(tmp_path_factory, "quick_start", build) / "clone"
+
+
+def after_quick_start(quick_start: Path, to: Path) -> Path:
+    """A copy of the `quick_start` clone at `to` (its links to the project, its own out/), for a test to change."""
+    shutil.copytree(quick_start, to, symlinks=True)
+    return to
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ FAULT (environment) picks the fault; without it this is plain train.py:
 - `ctrl_c_in_step:N`   Ctrl-C as a terminal gives it (SIGINT to the launcher under `accelerate launch`, else to this
                        process) as optimizer step N (1-based) begins, from rank 0
 - `ctrl_c_twice_in_step:N`  the same, twice in a row
+- `sigterm_in_step:N`  SIGTERM to this process (a scheduler's preemption) as optimizer step N (1-based) begins
 - `slow_rank_0:S`      rank 0 starts S seconds after the others (a busy machine, a slow node's imports)
 - `kill_rank_1_after_step:N`  SIGKILL rank 1 alone once N steps are done, in the launch's first attempt
 - `kill_rank_1_every_attempt:N`  the same in every attempt of the launch (restarts never get past it)
@@ -132,17 +133,18 @@ elif kind == "kill_after_step":
         return factor(self, step)
 
     LRSchedule.factor = factor_then_die
-elif kind in ("ctrl_c_in_step", "ctrl_c_twice_in_step"):
+elif kind in ("ctrl_c_in_step", "ctrl_c_twice_in_step", "sigterm_in_step"):
     from training.step import LRSchedule
 
     factor = LRSchedule.factor
     # Under accelerate launch the terminal's Ctrl-C reaches the launcher (this process's parent), which forwards it.
-    target = os.getppid() if "LOCAL_RANK" in os.environ else os.getpid()
+    target = os.getppid() if "LOCAL_RANK" in os.environ and kind != "sigterm_in_step" else os.getpid()
+    sent = signal.SIGTERM if kind == "sigterm_in_step" else signal.SIGINT
 
     def factor_then_ctrl_c(self, step):  # called as step `step + 1` begins
         if step + 1 == at and os.environ.get("RANK", "0") == "0":
             for _ in range(2 if kind == "ctrl_c_twice_in_step" else 1):
-                os.kill(target, signal.SIGINT)
+                os.kill(target, sent)
         return factor(self, step)
 
     LRSchedule.factor = factor_then_ctrl_c

@@ -178,3 +178,80 @@ def test_the_evaluation_batch_defaults_to_the_micro_batch():
     assert given.eval.eval_batch_size == 16
     with pytest.raises(UserError, match="--eval_batch_size must be positive"):
         parse_config(["--eval_batch_size", "0"])
+
+
+# ---- presets compose (issue 60): in order, with includes, every one recorded -----------------------------------
+
+def _write(path: Path, text: str) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return str(path)
+
+
+def test_presets_apply_in_order_then_the_flags(tmp_path: Path):
+    """Seen to catch: parse_config reading only the last --config (a.yaml silently dropped, config.yaml naming b.yaml
+    alone)."""
+    a = _write(tmp_path / "a.yaml", "lr: 1e-3\nmax_steps: 5\nn_layer: 3\n")
+    b = _write(tmp_path / "b.yaml", "max_steps: 7\nwarmup_steps: 2\n")
+    cfg = parse_config(["--config", a, "--config", b, "--n_layer", "2"])
+    assert (cfg.optim.lr, cfg.training.max_steps, cfg.optim.warmup_steps, cfg.model.n_layer) == (1e-3, 7, 2, 2)
+    assert cfg.preset.config == [a, b] and cfg.flat()["config"] == [a, b]  # what config.yaml records
+    assert parse_config([a, "--config", b, "--n_layer", "2"]) == cfg  # a preset given first is the first --config
+    assert parse_config([a, b, "--n_layer", "2"]) == cfg
+    assert parse_config(["--config", b, "--config", a]).training.max_steps == 5  # the later one wins
+
+
+def test_a_preset_includes_presets_relative_to_itself(tmp_path: Path, monkeypatch):
+    """A preset's `config:` key is an include, read relative to the preset, before the preset's own values; a preset
+    reached twice is applied once. Seen to catch: the `config:` key accepted and ignored (the base's values absent)."""
+    base = _write(tmp_path / "presets" / "base" / "model.yaml", "n_layer: 3\nlr: 1e-3\nmax_steps: 9\n")
+    _write(tmp_path / "presets" / "mine.yaml", "config: base/model.yaml\nlr: 2e-3\n")
+    _write(tmp_path / "presets" / "other.yaml", "config: [base/model.yaml]\nwarmup_steps: 3\n")
+    monkeypatch.chdir(tmp_path / "presets" / "base")  # not where the presets are: includes do not follow the cwd
+    mine, other = str(tmp_path / "presets" / "mine.yaml"), str(tmp_path / "presets" / "other.yaml")
+    cfg = parse_config(["--config", mine, "--config", other, "--max_steps", "4"])
+    assert (cfg.model.n_layer, cfg.optim.lr, cfg.optim.warmup_steps, cfg.training.max_steps) == (3, 2e-3, 3, 4)
+    assert cfg.preset.config == [base, mine, other]  # every preset read, in the order applied, each once
+
+
+@pytest.mark.parametrize("files, message", [
+    ({"a.yaml": "config: b.yaml\n", "b.yaml": "config: a.yaml\n"},
+     "{a}: its `config:` includes close a circle ({a} -> {b} -> {a}); remove one of these includes"),
+    ({"a.yaml": "config: a.yaml\n"}, "{a}: its `config:` includes close a circle ({a} -> {a})"),
+    ({"a.yaml": "config: missing.yaml\nlr: 1e-3\n"},
+     "{a}: config: missing.yaml: no such file (an include is read relative to the preset's folder, {dir}); fix the "
+     "path or remove the key"),
+    ({"a.yaml": "config: 3\n"}, "{a}: config: 3 is not a preset's path nor a list of them"),
+    ({"a.yaml": "lr: 1e-3\nmax_steps: 5\nlr: 2e-3\n"},
+     "--config {a}: lr is given twice (lines 1 and 3); keep one"),
+    ({"a.yaml": "config: b.yaml\n", "b.yaml": "n_layer: 2\nn_layer: 3\n"},
+     "{b} (included by {a}): n_layer is given twice (lines 1 and 2); keep one"),
+])
+def test_preset_faults_are_one_line(tmp_path: Path, files, message):
+    """Seen to catch: an include circle, a missing include and a mistyped `config:` accepted and ignored; a key given
+    twice silently taking its last value."""
+    for name, text in files.items():
+        _write(tmp_path / name, text)
+    names = {"a": str(tmp_path / "a.yaml"), "b": str(tmp_path / "b.yaml"), "dir": str(tmp_path)}
+    with pytest.raises(UserError) as err:
+        parse_config(["--config", names["a"], "--out_dir", str(tmp_path / "run")])
+    assert message.format(**names) in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_help_says_how_presets_compose():
+    from configs import _config_parser
+
+    text = " ".join(_config_parser().format_help().split())
+    assert "repeat --config to apply several in order, each over the ones before" in text
+    assert "a `config:` key in a preset includes other presets, read relative to it, before its own values" in text
+
+
+def test_trackers_get_the_presets_as_one_string():
+    """config.yaml records the presets as a list; TensorBoard's hparams take only scalars and strings, so the trackers
+    get them joined. Seen to catch: the list passed to the trackers as it is (add_hparams: ValueError)."""
+    from training.recipe import Recipe
+
+    recipe = Recipe({"config": ["configs/a.yaml", "configs/b.yaml"], "lr": 1e-3})
+    assert recipe.config_yaml()["config"] == ["configs/a.yaml", "configs/b.yaml"]
+    assert recipe.tracker_values() == {"config": "configs/a.yaml, configs/b.yaml", "lr": 1e-3}

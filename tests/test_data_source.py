@@ -47,8 +47,7 @@ def shards(tmp_path) -> Path:
 # ---- one parse, one kind ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dataset", [str(FIXTURES / "docs.jsonl"), str(PARQUET), str(FIXTURES / "txt"),
-                                     str(FIXTURES / "txt" / "*.txt"), str(FIXTURES / "txt" / "a.txt"),
-                                     "missing/corpus.txt", "./not-there"])
+                                     str(FIXTURES / "txt" / "*.txt"), str(FIXTURES / "txt" / "a.txt")])
 def test_local_text_of_every_form(dataset):
     s = source(dataset, text_column="text")
     assert type(s) is TextFiles and s.path == dataset and s.text_column == "text" and not s.masked_targets
@@ -138,10 +137,32 @@ def test_prepare_refuses_what_is_not_text_before_writing_anything(tmp_path, shar
         prep.prepare(str(FIXTURES / "docs.jsonl"), tmp_path / "out", val_split="test", progress=False)
 
 
-def test_a_missing_local_path_is_refused_when_first_read(tmp_path):
-    missing = source(str(tmp_path / "gone.txt"))
-    with pytest.raises(UserError, match="does not exist"):
-        missing.val_set(block_size=8)
+def test_a_missing_local_path_is_refused_when_parsed(tmp_path):
+    """Refused by open_source itself, which train.py calls before it loads any weights (issue 60: `--init_from gpt2
+    --dataset missing.txt` offline named the Hub first). Seen to catch: the refusal left to the first read."""
+    with pytest.raises(UserError, match="dataset path '.*gone.txt' does not exist"):
+        source(str(tmp_path / "gone.txt"))
+    with pytest.raises(UserError, match="no .txt, .jsonl or .parquet files found"):
+        source(str(tmp_path / "*.jsonl"))
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_a_shard_folder_not_made_yet_names_data_prepare(monkeypatch, offline):
+    """`dataset: shards/fineweb_edu_10B` (the FineWeb-Edu presets) before data.prepare made it: the local folder that
+    is not there yet and the command that makes it, never a Hub id, online or offline. Seen to catch: the value read
+    as a Hub dataset ("cannot stream Hub dataset shards/fineweb_edu_10B: offline ...; unset it", and online "cannot
+    reach the Hugging Face Hub")."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    monkeypatch.setattr(source_module, "locate_hub_dataset", lambda *a: pytest.fail("asked the Hub"))
+    with pytest.raises(UserError) as err:
+        source("shards/fineweb_edu_10B").describe()
+    assert str(err.value) == (
+        "--dataset shards/fineweb_edu_10B: no such folder yet; token shards are made once, with `python -m "
+        "data.prepare --dataset <a Hub id or local files> --out shards/fineweb_edu_10B` (the FineWeb-Edu presets: "
+        "--dataset HuggingFaceFW/fineweb-edu:sample-10BT), or pass a Hub id as --dataset to stream the data instead")
+    assert isinstance(source("shards/fineweb_edu_10B@main"), HubStream)  # a Hub repo of a user named `shards`
 
 
 # ---- prompt/completion detection reads the first record once ----------------------------------------------
@@ -182,6 +203,9 @@ def test_describe(tmp_path, shards, monkeypatch):
     Seen to catch: `1000` for `1,000` documents; Shakespeare without its Hub id."""
     monkeypatch.setattr(source_module, "locate_hub_dataset", located)
     pairs = write_pairs(tmp_path / "p.jsonl")
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.jsonl").write_text('{"body": "text"}\n')
+    monkeypatch.chdir(tmp_path)
     expected = {
         "shakespeare": "data: shakespeare (Tiny Shakespeare, shipped in data/) | validation: the last 10% of its "
                        "tokens, at most 8,192 tokens",
@@ -203,12 +227,16 @@ def test_describe(tmp_path, shards, monkeypatch):
     assert source("shakespeare", val_tokens=100).describe().endswith("at most 100 tokens")
 
 
-def test_card_names_the_data(tmp_path):
+def test_card_names_the_data(tmp_path, monkeypatch):
     fw = "[HuggingFaceFW/fineweb-edu](https://huggingface.co/datasets/HuggingFaceFW/fineweb-edu"
     assert source("HuggingFaceFW/fineweb-edu:sample-10BT").card_text() == fw + ") (config `sample-10BT`)"
     assert source("HuggingFaceFW/fineweb-edu:sample-10BT@v1.0.0").card_text() == \
         fw + "/tree/v1.0.0) (config `sample-10BT`, revision `v1.0.0`)"
     assert source("shakespeare").hub_id == "karpathy/tiny_shakespeare"
+    for folder, file in (("data", "corpus.txt"), ("shards", "a.parquet")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / file).write_bytes(PARQUET.read_bytes() if file.endswith(".parquet") else b"text")
+    monkeypatch.chdir(tmp_path)
     for local in ("data/corpus.txt", "shards/*.parquet", str(write_pairs(tmp_path / "p.jsonl"))):
         assert source(local).hub_id is None and source(local).card_text() == f"`{local}`"
 

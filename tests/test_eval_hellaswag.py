@@ -262,6 +262,7 @@ def test_a_cli_launched_on_several_processes_groups_them_or_refuses_in_one_line(
     with cli_accelerator(cpu=False, command="python -m eval.hellaswag") as one:
         assert one.num_processes == 1
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # what the launch sets beside it: no leftover (common.launch)
     monkeypatch.setattr(FakeAccelerator, "joined", 2)
     with cli_accelerator(cpu=False, command="python -m eval.hellaswag"):
         pass

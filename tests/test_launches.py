@@ -336,3 +336,77 @@ def test_a_multi_node_config_alone_waits_in_torchs_rendezvous_before_train_py_st
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+# ---- a group's variables left over in a shell (issue 60) ------------------------------------------------------
+
+LEFTOVERS = [
+    {"WORLD_SIZE": "2"},
+    {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"},
+    {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"},
+    {"LOCAL_RANK": "0"},
+]
+
+
+def _only(monkeypatch, env: dict[str, str]) -> None:
+    """`env` as the only group and launcher variables of this process's environment."""
+    from common.launch import GROUP_VARIABLES, LAUNCHER_MARKS
+
+    for name in (*GROUP_VARIABLES, *LAUNCHER_MARKS):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.parametrize("env", LEFTOVERS, ids=lambda env: ",".join(env))
+def test_a_leftover_group_environment_is_one_line_before_any_wait(monkeypatch, capsys, tmp_path, env):
+    """A plain `python train.py` in a shell that another launch left WORLD_SIZE (and MASTER_ADDR, RANK...) in: one line
+    naming the variables and what to do, before accelerate opens a group; no run folder. Seen to catch (as a process,
+    before the check existed): accelerate's 19-line ValueError traceback for WORLD_SIZE=2 alone and for LOCAL_RANK=0;
+    a silent wait in the rendezvous with MASTER_ADDR/MASTER_PORT (killed at 60 s, no folder)."""
+    from conftest import run_in_process
+
+    _only(monkeypatch, env)
+    err = run_in_process(monkeypatch, capsys, ["--out_dir", str(tmp_path / "run"), "--max_steps", "1"])
+    assert all(f"{name}={value}" in err for name, value in env.items()), err
+    assert f"`unset {' '.join(env)}` and run `python train.py` again" in err or "unset" in err, err
+    assert "no launcher started it" in err and not (tmp_path / "run").exists()
+
+
+def test_a_launchers_group_is_no_leftover(monkeypatch):
+    """What torchrun or accelerate launch, DeepSpeed's launcher, srun or MPI set beside the variables marks a real
+    group; a plain process with none of them is not one."""
+    from common.launch import leftover_group_variables
+
+    group = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}
+    for mark in ("TORCHELASTIC_RUN_ID", "CROSS_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        _only(monkeypatch, {**group, mark: "0"})
+        assert leftover_group_variables("python train.py") is None, mark
+    for alone in ({}, {"WORLD_SIZE": "1"}, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"}, {"RANK": "0"}):
+        _only(monkeypatch, alone)
+        assert leftover_group_variables("python train.py") is None, alone
+
+
+def test_an_evaluation_in_a_leftover_group_environment_is_one_line(monkeypatch):
+    from common.errors import UserError
+    from eval.common import cli_accelerator
+
+    _only(monkeypatch, {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"})
+    with pytest.raises(UserError, match=r"^WORLD_SIZE=2, MASTER_ADDR=127.0.0.1, MASTER_PORT=29511 in the environment "
+                                        r".*run `python -m eval.hellaswag` again"):
+        with cli_accelerator(cpu=False, command="python -m eval.hellaswag"):
+            pass
+
+
+@pytest.mark.slow
+def test_a_leftover_group_environment_ends_a_real_process_at_once(tmp_path):
+    """The same as a user meets it, a process of its own: with MASTER_ADDR/MASTER_PORT set too it waited silently
+    (90 s seen, no folder). Now it exits 2 with the one line, well before the rendezvous' timeout."""
+    env = {key: value for key, value in os.environ.items() if key not in ("TORCHELASTIC_RUN_ID", "SLURM_PROCID")}
+    env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "train.py", *TINY, "--max_steps", "1", "--out_dir", str(tmp_path / "run")],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: WORLD_SIZE=2, MASTER_ADDR=127.0.0.1, MASTER_PORT="
+                                                           "29511 in the environment"), proc.stderr[-2000:]
+    assert not (tmp_path / "run").exists()

@@ -250,3 +250,21 @@ def test_lora_and_full_checkpoints_do_not_mix(monkeypatch, capsys, tmp_path, bas
     args = lora_args(base) + ["--out_dir", str(full_run), "--resume", "latest"]
     assert "is a checkpoint of a full fine-tune (every weight), not of a LoRA run" in \
         run_in_process(monkeypatch, capsys, args)
+
+
+def test_the_header_counts_a_few_thousand_adapter_weights_as_they_are():
+    """The optimizer line of a LoRA run on a tiny model. Seen to catch (issue 60): "on all 0.00M trainable params"
+    for 4,096; a count under 100,000 is written out, a larger one in millions."""
+    from configs import ModelConfig, OptimConfig
+    from model import GPT, GPTConfig
+    from model.lora import add_adapters, lora_config
+    from training.optimizers.plan import describe_optimizers, plan_optimizers
+
+    model = add_adapters(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32)),
+                         lora_config(4, 16.0, 0.0, ["c_attn", "c_proj", "c_fc"], "base"))
+    plan = plan_optimizers(OptimConfig(), ModelConfig(init_from="gpt2", lora_rank=4))
+    assert describe_optimizers(model, plan).endswith("on all 4,096 trainable params")
+    for p in model.parameters():
+        p.requires_grad = True
+    assert describe_optimizers(model, plan).endswith(f"on all {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
+                                                     "trainable params")

@@ -697,3 +697,15 @@ def test_muon_under_sharding_plans_its_whole_matrix():
     assert round({i.name: i.bytes for i in xl.by_moment["optimizer step"]}["Muon's whole matrix"] / 2 ** 20) == 195
     for launch in (Launch(4, Layout(8), optimizer="muon"), Launch(4, Layout(8, Parallelism(FSDP)))):
         assert "Muon's whole matrix" not in {i.name for i in plan_memory(config, launch).by_moment["optimizer step"]}
+
+
+def test_train_plan_states_one_total(monkeypatch, capsys):
+    """The table's total and the verdict's "needs" are the same figure: the step of train.py's own process. Seen to
+    catch (issue 60): the README's --plan row on a CPU machine printed "total 103.27 GiB" and "needs 102.85 GiB", the
+    verdict planning a bare process (and advising its micro-batch for it)."""
+    out = train_plan(monkeypatch, capsys, gpu_gb=None)
+    total = re.search(r"^    total +([\d.]+) GiB$", out, re.M).group(1)
+    needs = re.search(r"fits: NO: micro-batch 64 needs ([\d.]+) GiB per device", out).group(1)
+    assert total == needs, out
+    advised = re.search(r"lower --micro_batch_size to (\d+) ", out).group(1)
+    assert "fits: yes" in train_plan(monkeypatch, capsys, "--micro_batch_size", advised, gpu_gb=None)

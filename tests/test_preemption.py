@@ -60,6 +60,22 @@ def test_sigterm_through_a_dying_pipe_still_checkpoints(tmp_path):
     assert "signal received" not in (tmp_path / "log").read_text()  # written after tee died, dropped
 
 
+@pytest.mark.slow
+def test_sigterm_on_the_last_step_finishes_the_run_and_says_so(tmp_path):
+    """A preemption signal that lands on the run's last step: the checkpoint of that step is saved, final/ is written
+    and the line says the run is finished. Seen to catch (issue 60): "signal received: checkpoint saved at step 2;
+    continue with --resume latest" for a run that then wrote final/ (a resume would train nothing)."""
+    from conftest import launch
+
+    out = tmp_path / "run"
+    proc = launch(TINY + ["--max_steps", "2", "--micro_batch_size", "2", "--total_batch_size", "128", "--out_dir",
+                          str(out)], fault="sigterm_in_step:2")
+    assert ("signal received on the last step: checkpoint saved at step 2, the run is finished and writes final/ now"
+            in proc.stdout), proc.stdout
+    assert "continue with --resume latest" not in proc.stdout + proc.stderr
+    assert saved_steps(out) == [2] and (out / "final" / "model.safetensors").is_file()
+
+
 def test_after_a_signal_a_dead_stream_is_pointed_at_devnull():
     """The in-loop half of the test above, plus what it cannot see: after the first failed write, the file
     descriptor is /dev/null, so writers holding the original stream (the interpreter's flush at exit, a

@@ -275,6 +275,27 @@ def test_local_paths_that_name_no_weights(tmp_path, monkeypatch):
         resolve_weights("hf", revision="v1")
 
 
+def test_a_checkpoint_the_run_no_longer_keeps_lists_those_it_keeps(tmp_path, monkeypatch):
+    """The README's export row named step_000100 of a run that keeps 300, 400 and 480. Seen to catch (issue 60): "no
+    folder out/shakespeare/checkpoints/step_000100 (though out/ exists); ... pass a Hub id such as gpt2", naming
+    none of the run's checkpoints. --resume says the same (`configs.schema.RunConfig`)."""
+    from configs import parse_config
+
+    monkeypatch.chdir(tmp_path)
+    for step in (300, 400, 480):
+        write_checkpoint(tmp_path / "out" / "run" / "checkpoints" / f"step_{step:06d}", tiny_gpt(0))
+    (tmp_path / "out" / "run" / "checkpoints" / ".tmp-step_000500").mkdir()  # a save in progress: not kept
+    tiny_gpt(0).save_pretrained(tmp_path / "out" / "run" / "final")
+    kept = "the run keeps step_000300, step_000400, step_000480 and final/"
+    with pytest.raises(UserError) as err:
+        resolve_weights("out/run/checkpoints/step_000100")
+    assert str(err.value) == f"no checkpoint out/run/checkpoints/step_000100: {kept}; pass one of those"
+    with pytest.raises(UserError) as err:
+        parse_config(["--resume", "out/run/checkpoints/step_000100", "--out_dir", "out/run"])
+    assert str(err.value) == f"--resume out/run/checkpoints/step_000100: no such checkpoint: {kept}; pass one of " \
+                             "those, or 'latest'"
+
+
 def test_a_lora_checkpoint_whose_base_is_gone_or_whose_adapter_config_is_damaged(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     tiny_gpt(0).save_pretrained(tmp_path / "base")

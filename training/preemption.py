@@ -69,9 +69,13 @@ class PreemptionFlag:
     def received(self) -> bool:
         return self.signal is not None
 
-    def stopped_at(self, step: int) -> str:
-        """What the run says when it stops on a signal, after saving the checkpoint of `step`."""
+    def stopped_at(self, step: int, last: bool = False) -> str:
+        """What the run says when it stops on a signal, after saving the checkpoint of `step`. On the `last` step the
+        run has finished: it goes on to write final/, and there is nothing to continue."""
         what = "interrupted (Ctrl-C)" if self.signal == signal.SIGINT else "signal received"
+        if last:
+            return (f"{what} on the last step: checkpoint saved at step {step}, the run is finished and writes final/ "
+                    "now (should this be cut short, --resume latest writes it)")
         return f"{what}: checkpoint saved at step {step}; continue with --resume latest"
 
     def any_rank(self, accelerator: Accelerator) -> bool:

@@ -95,6 +95,12 @@ class Recipe:
         """config.yaml's content: the flags' keys, then `resumes` when a resume changed something."""
         return {**self.values, RESUMES: list(self.resumes)} if self.resumes else dict(self.values)
 
+    def tracker_values(self) -> dict[str, Any]:
+        """`values` as the trackers take them: a list (the presets read) as one string, since TensorBoard's hparams
+        hold only numbers, strings and booleans."""
+        return {name: ", ".join(map(str, value)) if isinstance(value, list) else value
+                for name, value in self.values.items()}
+
 
 def _same_hub_weights(old: Any, new: str) -> bool:
     """Whether `--init_from new` may name the weights config.yaml records as `old` (`id@commit`). A resumed full

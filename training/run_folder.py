@@ -126,7 +126,7 @@ def open_run_folder(accelerator: Accelerator, run: RunDir, resume: ResumePoint |
     # this run logs again replace them: each step once, as in metrics.jsonl.
     # trackio (its runs in the SQLite of its own folder, $TRACKIO_DIR) continues its run as wandb does, by the run id.
     with trackers_in_plain_text():  # trackio's banner, without its colour codes in a log
-        accelerator.init_trackers(wandb_project, config=recipe.values,
+        accelerator.init_trackers(wandb_project, config=recipe.tracker_values(),
                                   init_kwargs={"wandb": {"id": progress.run_id, "resume": "allow",
                                                          "name": run_name or run.path.name, "dir": str(run.path)},
                                                "trackio": {"name": tracker_run_name(run_name, run, progress.run_id),

@@ -29,7 +29,8 @@ from common.errors import UserError
 from common.manifest import FORMAT, write_manifest
 from common.parallelism import Parallelism
 from common.run_dir import ADAPTER_WEIGHTS, GPT_CONFIG, RUN_STATE, RunDir, checkpoint_step, data_state_file
-from configs import RunConfig
+from configs import RunConfig, read_run_config
+from data.settings import DataMismatch
 from model import GPTConfig
 from model.lora import adapter_state, has_adapters, load_adapter_state, save_adapter_config
 from model.unwrap import unwrapped
@@ -235,22 +236,45 @@ class Checkpointer:
                                self.keep_last, self.engine, model, self.trained)
 
 
+def other_data(checkpoint: Path, dataset: str, detail: str) -> str:
+    """The line for a resume whose `--dataset` is not the data `checkpoint` was trained on (`detail`: how it differs,
+    the loader's `data.settings.DataMismatch`): the dataset the run recorded, and the two ways on."""
+    recorded = read_run_config(RunDir(checkpoint.parent.parent).config_file).get("dataset")
+    if recorded is None:
+        return (f"{checkpoint} was trained on other data than --dataset {dataset} ({detail}); resume with the run's "
+                f"own --dataset, or start a new run in another --out_dir with --init_from {checkpoint} to train its "
+                f"weights on {dataset}")
+    if recorded == dataset:
+        return (f"{checkpoint} was trained on --dataset {dataset}, whose data changed since ({detail}); restore the "
+                f"data, or start a new run in another --out_dir with --init_from {checkpoint} to train its weights on "
+                "the data as it is now")
+    return (f"{checkpoint} was trained on --dataset {recorded} and this resume reads {dataset} ({detail}); resume "
+            f"with --dataset {recorded}, or start a new run in another --out_dir with --init_from {checkpoint} to "
+            f"train its weights on {dataset}")
+
+
 def restore(accelerator: Accelerator, resume: ResumePoint | None, cfg: RunConfig, gpt_config: GPTConfig,
-            optimizers: tuple[str, ...], loader: Any, model: torch.nn.Module | None = None,
+            optimizers: tuple[str, ...], loader: Any, dataset: str, model: torch.nn.Module | None = None,
             trained: list[torch.optim.Optimizer] = (), move: Move | None = None,
             max_steps: int | None = None) -> Progress:
     """Load the resume point into the prepared model and optimizers, the RNGs and the data loader; the run's
     progress (a new run's when there is nothing to resume). A resume point at `max_steps` is a finished run's, and
-    the line says so (a requeued job, a `--resume latest` run again): nothing is trained."""
+    the line says so (a requeued job, a `--resume latest` run again): nothing is trained. A loader whose data is not
+    the checkpoint's is one line naming the `dataset` the run recorded and this one (`other_data`)."""
     if resume is None:
         if cfg.resume:
             accelerator.print(f"no checkpoint in {cfg.out_dir} yet: starting a new run")
         return Progress()
-    loader.load_state_dict(load_checkpoint(accelerator, resume, gpt_config, optimizers, model, trained, move))
+    data_state = load_checkpoint(accelerator, resume, gpt_config, optimizers, model, trained, move)
+    try:
+        loader.load_state_dict(data_state)
+    except DataMismatch as other:
+        raise UserError(other_data(resume.path, dataset, other.detail)) from None
     progress = resume.progress
     accelerator.print(f"resumed from {resume.path} at step {progress.step} ({progress.tokens:,} tokens)")
     if progress.step == max_steps:
+        final = ("written again from the same weights" if RunDir(cfg.out_dir).has_final() else
+                 "written now (the run stopped before its export was whole)")
         accelerator.print(f"the run had already finished: step {progress.step} is its --max_steps, so nothing is "
-                          "trained; final/ is written again from the same weights (pass a larger --max_steps to train "
-                          "on)")
+                          f"trained; final/ is {final} (pass a larger --max_steps to train on)")
     return progress

@@ -16,7 +16,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import ProjectConfiguration, gather_object
 
 from common.errors import UserError
-from common.launch import grouped_on_this_cpu
+from common.launch import grouped_on_this_cpu, leftover_group_variables
 from common.run_dir import RunDir
 from configs import TrainingConfig
 from training.distributed.engines import (
@@ -79,7 +79,10 @@ def process_state(**process_group: Any) -> PartialState:
 
     A multi-process DDP launch without CUDA runs on gloo; otherwise every process would think it is rank 0. A launch
     whose ranks still come up alone is refused. The first call opens the group with `process_group`, the keyword
-    arguments of `init_process_group` (`training.distributed.elastic`)."""
+    arguments of `init_process_group` (`training.distributed.elastic`). A group's variables left over in the
+    environment of a process no launcher started are one line, before accelerate waits or fails on them."""
+    if (leftover := leftover_group_variables("python train.py")) is not None:
+        raise UserError(leftover)
     if (missing := deepspeed_missing()) is not None:
         raise UserError(missing)
     check_launch()  # a launch this machine cannot run is one line

@@ -79,13 +79,19 @@ def describe_optimizers(model: torch.nn.Module, plan: OptimizerPlan, placement: 
         else f"lr {plan.spec.peak_lr(plan):g}"
     head = "optimizer" if stage is None else f"optimizer (this stage's, {stage}; each stage steps its own)"
     if plan.spec.alone:
-        return f"{head}: {plan.spec.display} ({about}) on all {total / 1e6:.2f}M trainable params"
+        return f"{head}: {plan.spec.display} ({about}) on all {parameter_count(total)} trainable params"
     claimed = sum(full_numel(named[name]) for name in names)
     if any(isinstance(named[name], DTensor) for name in names):  # FSDP2's shards, tensor parallelism's pieces
         about += ", each matrix gathered whole on every rank"
     base = adamw.describe(plan, device_type, [], placement)
-    return (f"{head}: {plan.spec.display} ({about}) on {plan.spec.claims} ({claimed / 1e6:.2f}M params), "
-            f"AdamW ({base}) on embeddings/output layer, biases, LayerNorms ({(total - claimed) / 1e6:.2f}M)")
+    return (f"{head}: {plan.spec.display} ({about}) on {plan.spec.claims} ({parameter_count(claimed)} params), "
+            f"AdamW ({base}) on embeddings/output layer, biases, LayerNorms ({parameter_count(total - claimed)})")
+
+
+def parameter_count(n: int) -> str:
+    """A number of parameters as the header writes it: in millions (`0.17M`), or whole under 100,000 (a LoRA run on a
+    small model trains a few thousand: `4,096`, not `0.00M`)."""
+    return f"{n / 1e6:.2f}M" if n >= 100_000 else f"{n:,}"
 
 
 def full_numel(parameter) -> int:
