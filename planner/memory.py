@@ -202,98 +202,154 @@ def _compute_param_bytes(launch: Launch) -> int:
 
 
 
+@dataclass(frozen=True)
+class _Share:
+    """The part of the model one process's step holds: a tensor-parallel rank's, or a pipeline stage's."""
+
+    counts: ParamCounts  # its parameters
+    layers: int  # its blocks
+    in_flight: int  # the micro-batches whose activations it holds at once (1F1B)
+    last: bool  # it computes the loss (one process, or the last stage)
+
+    @classmethod
+    def of(cls, config: GPTConfig, launch: Launch, stage: int | None) -> _Share:
+        parallelism = launch.layout.parallelism
+        if stage is None:
+            return cls(ParamCounts.per_rank(config, parallelism), config.n_layer, 1, True)
+        stages = parallelism.pipeline_parallel
+        return cls(ParamCounts.per_stage(config, parallelism, stage), len(stage_blocks(config.n_layer, stages)[stage]),
+                   min(stages - stage, launch.accumulation), stage == stages - 1)
+
+    @property
+    def root_params(self) -> int:
+        """FSDP2's root unit: the embeddings and ln_f."""
+        return self.counts.embeddings + self.counts.final_norm
+
+    @property
+    def block_params(self) -> int:
+        return (self.counts.block_matrices + self.counts.block_vectors) // self.layers
+
+
+
 def plan_memory(config: GPTConfig, launch: Launch, process_bytes: int = CPU_PROCESS_BYTES,
                 stage: int | None = None) -> MemoryPlan:
-    """The per-process peak of a training step of `config` under `launch`, by item (see the module docstring).
-    `process_bytes`: the process's own RSS on a CPU (a bare step's by default; `plan_run` gives train.py's).
-    Under pipeline parallelism, the plan of the fuller of the first stage (the embeddings, and under 1F1B the
-    activations of as many micro-batches in flight as there are stages) and the last (the loss, the output layer's
-    copy); `stage`: that stage's plan."""
-    layout, parallelism = launch.layout, launch.layout.parallelism
-    stages = parallelism.pipeline_parallel
+    """The per-process peak of a training step of `config` under `launch`, by item and moment.
+
+    `process_bytes` is the process's own RSS on a CPU: a bare step's by default, train.py's from `plan_run`.
+    Under pipeline parallelism it plans the fuller of the first and the last stage; `stage` plans that one."""
+    parallelism = launch.layout.parallelism
     if parallelism.pipelined and stage is None:
-        return max((plan_memory(config, launch, process_bytes, s) for s in (0, stages - 1)), key=lambda p: p.peak)
-    tp = parallelism.tensor_parallel
-    if (problem := split_problem(config.n_head, config.n_embd, tp)) is not None:
-        raise UserError(f"tensor parallel {tp} cannot split this model: {problem}; plan a degree that divides n_head")
-    counts = ParamCounts.per_rank(config, parallelism) if stage is None else \
-        ParamCounts.per_stage(config, parallelism, stage)
-    P = counts.total
-    shards = launch.shards
-    B, T, C, V = launch.micro_batch_size, config.block_size, config.n_embd, config.padded_vocab_size
-    L = config.n_layer if stage is None else len(stage_blocks(config.n_layer, stages)[stage])
-    in_flight = 1 if stage is None else min(stages - stage, launch.accumulation)  # 1F1B's micro-batches held
-    last = stage is None or stage == stages - 1
-    bf16 = launch.dtype == "bf16"
-    pc = _compute_param_bytes(launch)
-    btc = B * T * C
-
-    params, grads, state = _weights_and_state(counts, launch)
-    static = [params, state]
-    if layout.full_replicas:
-        static.append(Item("DDP gradient buckets", 4 * P, "a flat copy of the gradients for the all-reduce"))
-    if layout.reduces_in_buckets:
-        static.append(Item("DeepSpeed reduce buckets", pc * min(P, DEEPSPEED_BUCKET_ELEMENTS),
-                           f"its reduce_bucket_size ({DEEPSPEED_BUCKET_ELEMENTS:.0e} elements by default)"))
-    block_params = (counts.block_matrices + counts.block_vectors) // L
-    root_params = counts.embeddings + counts.final_norm
-    if layout.shards_parameters:
-        static.append(Item(f"{layout.sharding_name} unsharded in flight",
-                           pc * (root_params + 2 * block_params),
-                           "embeddings and ln_f (the root) + 2 blocks (this one and the prefetched one)"))
-    elif bf16 and not launch.bf16_parameters:
-        static.append(Item("bf16 weight copies", 2 * (counts.block_matrices + (V * C if last else 0)),
-                           "autocast's casts of the matrices, kept for the backward"))
-    if launch.accumulation > 1:
-        static.append(replace(grads, note=grads.note + ", kept between micro-steps"))
-
-    per_layer = activation_bytes_per_layer(config, launch)
-    r = _residual_bytes(launch)
-    final_norm_input = btc * r + 8 * B * T if last else 0
-    flight = f" x {in_flight} micro-batches in flight (1F1B)" if in_flight > 1 else ""
-    if launch.activation_checkpointing:
-        activations = Item("activations", in_flight * (L * btc * r + final_norm_input) + per_layer,
-                           f"checkpointed: {L} block inputs of {format_gib(btc * r)}{flight} + one block recomputed "
-                           f"({format_gib(per_layer)})")
-    else:
-        dropout = btc if config.dropout > 0 else 0
-        activations = Item("activations", in_flight * (L * per_layer + final_norm_input + dropout),
-                           f"{L} layers x {format_gib(per_layer)}" + (" + the final LayerNorm's input" if last else "")
-                           + flight)
-    if launch.loss_rows:  # the chunked loss
-        weight_grad = (2 if launch.bf16_parameters else 4) * V * C  # the loss's output-layer gradient, in wte's dtype
-        rows = min(B * T, launch.loss_rows)
-        autocast_temps = 2 * rows * V + 2 * V * C if bf16 else 0  # bf16 logits and weight-gradient products
-        loss_forward = 4 * rows * V + 8 * btc + weight_grad + autocast_temps if last else 0  # the last stage's
-        loss_backward = 8 * btc + 2 * weight_grad if last else 0  # its saved gradients and their scaled copies
-        loss_name, forward_note = "loss (chunked)", f"a {rows} x {V} fp32 logits buffer, its gradients"
-        backward_note = "its two gradients, scaled"
-    else:  # the full logits: the module docstring's accounting
-        logits, matmul_input = B * T * V, (2 if bf16 else 4) * btc
-        loss_forward = 8 * logits + matmul_input if last else 0
-        loss_backward = 12 * logits + matmul_input if last else 0
-        loss_name, forward_note = "loss (full logits)", f"the fp32 {B * T} x {V} logits and their log-softmax"
-        backward_note = "the log-softmax, its gradient and the logits' gradient, fp32"
-    fsdp_grads_in_flight = pc * (root_params + block_params) if layout.shards_parameters else 0
-
+        ends = (0, parallelism.pipeline_parallel - 1)
+        return max((plan_memory(config, launch, process_bytes, s) for s in ends), key=lambda p: p.peak)
+    _check_split(config, parallelism.tensor_parallel)
+    share = _Share.of(config, launch, stage)
+    weights = _weights_and_state(share.counts, launch)
+    held = _held_through_the_step(config, launch, share, *weights)
+    activations = _activations(config, launch, share)
+    loss_forward, loss_backward = _loss(config, launch, share)
     moments: dict[str, list[Item]] = {
-        "forward's end": [*static, activations] + ([Item(loss_name, loss_forward, forward_note)] if last else []),
-        "backward's start": [*static, activations]
-                            + ([Item(loss_name, loss_backward, backward_note)] if last else [])
-                            + ([Item("unsharded gradients", fsdp_grads_in_flight,
-                                     "the root's and one block's, before their reduce-scatter")]
-                               if layout.shards_parameters else []),
-        "optimizer step": [params, grads, state] + [i for i in static if i.name in
-                                                     ("DDP gradient buckets", "DeepSpeed reduce buckets")]
-                          + _whole_matrix(config, launch) + _stacked_newton_schulz(config, launch, L)
-                          + ([Item("step temporaries", 2 * 4 * V * C // shards.optimizer_state,
-                                   "AdamW's for-loop on the CPU: 2 copies of the largest parameter")]
-                             if launch.device == "cpu" else []),
+        "forward's end": [*held, activations, *loss_forward],
+        "backward's start": [*held, activations, *loss_backward, *_unsharded_gradients(launch, share)],
+        "optimizer step": _optimizer_step(config, launch, share, weights, held),
     }
     if launch.device == "cpu":
         for items in moments.values():
             items.append(_process_item(process_bytes))
-    return MemoryPlan(config, launch, counts, per_layer, moments, stage)
+    return MemoryPlan(config, launch, share.counts, activation_bytes_per_layer(config, launch), moments, stage)
+
+
+def _check_split(config: GPTConfig, tp: int) -> None:
+    """Refuse a tensor-parallel degree that cannot split this model, in the run's words."""
+    if (problem := split_problem(config.n_head, config.n_embd, tp)) is not None:
+        raise UserError(f"tensor parallel {tp} cannot split this model: {problem}; plan a degree that divides n_head")
+
+
+def _held_through_the_step(config: GPTConfig, launch: Launch, share: _Share, params: Item, grads: Item,
+                           state: Item) -> list[Item]:
+    """What the forward and the backward hold beside the activations and the loss.
+
+    They are the weights and optimizer state, the engine's buffers, autocast's weight copies, and the gradients kept
+    between micro-steps."""
+    layout, counts = launch.layout, share.counts
+    P, pc = counts.total, _compute_param_bytes(launch)
+    held = [params, state]
+    if layout.full_replicas:
+        held.append(Item("DDP gradient buckets", 4 * P, "a flat copy of the gradients for the all-reduce"))
+    if layout.reduces_in_buckets:
+        held.append(Item("DeepSpeed reduce buckets", pc * min(P, DEEPSPEED_BUCKET_ELEMENTS),
+                         f"its reduce_bucket_size ({DEEPSPEED_BUCKET_ELEMENTS:.0e} elements by default)"))
+    if layout.shards_parameters:
+        held.append(Item(f"{layout.sharding_name} unsharded in flight",
+                         pc * (share.root_params + 2 * share.block_params),
+                         "embeddings and ln_f (the root) + 2 blocks (this one and the prefetched one)"))
+    elif launch.dtype == "bf16" and not launch.bf16_parameters:
+        head = config.padded_vocab_size * config.n_embd if share.last else 0
+        held.append(Item("bf16 weight copies", 2 * (counts.block_matrices + head),
+                         "autocast's casts of the matrices, kept for the backward"))
+    if launch.accumulation > 1:
+        held.append(replace(grads, note=grads.note + ", kept between micro-steps"))
+    return held
+
+
+def _activations(config: GPTConfig, launch: Launch, share: _Share) -> Item:
+    """What autograd saves for the backward: every layer's tensors, or only each block's input when checkpointed."""
+    B, T = launch.micro_batch_size, config.block_size
+    btc = B * T * config.n_embd
+    per_layer = activation_bytes_per_layer(config, launch)
+    r = _residual_bytes(launch)
+    L, in_flight = share.layers, share.in_flight
+    final_norm_input = btc * r + 8 * B * T if share.last else 0
+    flight = f" x {in_flight} micro-batches in flight (1F1B)" if in_flight > 1 else ""
+    if launch.activation_checkpointing:
+        return Item("activations", in_flight * (L * btc * r + final_norm_input) + per_layer,
+                    f"checkpointed: {L} block inputs of {format_gib(btc * r)}{flight} + one block recomputed "
+                    f"({format_gib(per_layer)})")
+    dropout = btc if config.dropout > 0 else 0
+    return Item("activations", in_flight * (L * per_layer + final_norm_input + dropout),
+                f"{L} layers x {format_gib(per_layer)}" + (" + the final LayerNorm's input" if share.last else "")
+                + flight)
+
+
+def _loss(config: GPTConfig, launch: Launch, share: _Share) -> tuple[list[Item], list[Item]]:
+    """The loss's item at the forward's end and at the backward's start, on the launch's path; none before the
+    last stage."""
+    if not share.last:
+        return [], []
+    B, T, C, V = launch.micro_batch_size, config.block_size, config.n_embd, config.padded_vocab_size
+    btc, bf16 = B * T * C, launch.dtype == "bf16"
+    if launch.loss_rows:  # the chunked loss
+        weight_grad = (2 if launch.bf16_parameters else 4) * V * C  # the loss's output-layer gradient, in wte's dtype
+        rows = min(B * T, launch.loss_rows)
+        autocast_temps = 2 * rows * V + 2 * V * C if bf16 else 0  # bf16 logits and weight-gradient products
+        return ([Item("loss (chunked)", 4 * rows * V + 8 * btc + weight_grad + autocast_temps,
+                      f"a {rows} x {V} fp32 logits buffer, its gradients")],
+                [Item("loss (chunked)", 8 * btc + 2 * weight_grad, "its two gradients, scaled")])
+    logits, matmul_input = B * T * V, (2 if bf16 else 4) * btc  # the full logits
+    return ([Item("loss (full logits)", 8 * logits + matmul_input, f"the fp32 {B * T} x {V} logits and their "
+                  "log-softmax")],
+            [Item("loss (full logits)", 12 * logits + matmul_input,
+                  "the log-softmax, its gradient and the logits' gradient, fp32")])
+
+
+def _unsharded_gradients(launch: Launch, share: _Share) -> list[Item]:
+    """FSDP2's and ZeRO-3's gradients at the backward's start: the root's and one block's, not yet reduce-scattered."""
+    if not launch.layout.shards_parameters:
+        return []
+    return [Item("unsharded gradients", _compute_param_bytes(launch) * (share.root_params + share.block_params),
+                 "the root's and one block's, before their reduce-scatter")]
+
+
+def _optimizer_step(config: GPTConfig, launch: Launch, share: _Share, weights: tuple[Item, Item, Item],
+                    held: list[Item]) -> list[Item]:
+    """What the optimizer step holds: the weights, their gradients and state, the engine's buckets, Muon's working
+    set, and on a CPU AdamW's for-loop temporaries."""
+    buckets = [i for i in held if i.name in ("DDP gradient buckets", "DeepSpeed reduce buckets")]
+    temporaries = [Item("step temporaries", 2 * 4 * config.padded_vocab_size * config.n_embd
+                        // launch.shards.optimizer_state,
+                        "AdamW's for-loop on the CPU: 2 copies of the largest parameter")] \
+        if launch.device == "cpu" else []
+    return [*weights, *buckets, *_whole_matrix(config, launch), *_stacked_newton_schulz(config, launch, share.layers),
+            *temporaries]
 
 
 
