@@ -1,4 +1,4 @@
-"""The architecture of a GPT: `GPTConfig`, and the named sizes (GPT-2's four, and three that train on a CPU)."""
+"""The architecture of a GPT: `GPTConfig`, and the named sizes: GPT-2's four, and three that train on a CPU."""
 from __future__ import annotations
 
 from dataclasses import dataclass

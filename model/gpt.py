@@ -1,9 +1,9 @@
 """The GPT-2 network: pre-LN transformer blocks, learned positions, tied input/output embeddings.
 
-Module and parameter names follow Hugging Face's GPT2LMHeadModel (`transformer.h.0.attn.c_attn`,
-...), so converting weights is a transpose of the four Conv1D matrices and nothing else
-(`model/state_dict_adapter.py`). The architecture is `model/config.py`'s GPTConfig; loading and
-exporting live in `model/pretrained.py`; this file is only the network.
+Module and parameter names follow Hugging Face's GPT2LMHeadModel (`transformer.h.0.attn.c_attn`, ...). So
+converting weights is a transpose of the four Conv1D matrices and nothing else (`model/state_dict_adapter.py`).
+The architecture is `model/config.py`'s GPTConfig. Loading and exporting live in `model/pretrained.py`. This file
+is only the network.
 """
 from __future__ import annotations
 
@@ -37,15 +37,15 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None = None):
         B, T, _ = x.shape
-        # [q | k | v]; under tensor parallelism this rank's heads' q, k and v (model/tensor_parallel.py), so the
-        # number of heads is read from the projection's width rather than from the config.
+        # [q | k | v]. Under tensor parallelism they are this rank's heads' q, k and v (model/tensor_parallel.py).
+        # So the number of heads is read from the projection's width, not from the config.
         q, k, v = self.c_attn(x).chunk(3, dim=2)
         n_head = q.size(-1) // self.head_dim
         q, k, v = (t.view(B, T, n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
         if past is not None:
             k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-        # With a cache, the new queries sit at the end of the key sequence; SDPA's is_causal aligns
-        # the mask to the top-left corner, so build it explicitly (only when more than one query).
+        # With a cache, the new queries sit at the end of the key sequence. SDPA's is_causal aligns the mask to
+        # the top-left corner. So the mask is built here (only when there is more than one query).
         mask, causal = None, past is None
         if past is not None and T > 1:
             S = k.size(2)
@@ -98,26 +98,28 @@ class GPT(nn.Module):
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, V, bias=False)
-        # Recompute each block's activations in the backward pass (in training only). A setting of the run, not of
-        # the architecture: no GPTConfig field, so it never reaches a checkpoint or an export.
+        # Recompute each block's activations in the backward pass (in training only). A setting of the run, not
+        # of the architecture. It has no GPTConfig field, so it never reaches a checkpoint or an export.
         self.activation_checkpointing = False
-        # The training loss's path (`model.loss`), also a setting of the run: 0 the full logits and one
-        # F.cross_entropy, N > 0 the walk in chunks of N rows, None the default of the device the forward runs on
-        # (`model.loss.default_loss_chunk_rows`: resolved at each forward from the hidden states, so a model built
-        # on the CPU and moved to a GPU gets the GPU's). Settable at any time (train.py's --loss_chunk_rows, a
-        # benchmark's variants); a compiled model recompiles for a new value. Evaluation always walks chunks.
+        # The training loss's path (`model.loss`), also a setting of the run.
+        #   0: the full logits and one F.cross_entropy.
+        #   N > 0: the walk in chunks of N rows.
+        #   None: the default of the device the forward runs on (`model.loss.default_loss_chunk_rows`).
+        # None is resolved at each forward, from the hidden states: a model moved to a GPU gets the GPU's.
+        # It may be set at any time (train.py's --loss_chunk_rows, a benchmark's variants). A compiled model
+        # recompiles for a new value. Evaluation always walks chunks.
         self.loss_chunk_rows: int | None = None
         # Tied input/output embeddings, as in GPT-2: one matrix, saved once.
         self.lm_head.weight = self.transformer.wte.weight
         self.apply(self._init_weights)
-        # Padding rows are never looked up nor returned (and so get no gradient): keep them at zero so
-        # an export, which drops them, loses nothing.
+        # Padding rows are never looked up nor returned, and so get no gradient. They stay at zero, so an export,
+        # which drops them, loses nothing.
         with torch.no_grad():
             self.transformer.wte.weight[config.vocab_size :].zero_()
 
     def _init_weights(self, module: nn.Module) -> None:
-        # GPT-2 init: N(0, 0.02) everywhere; the projections that write into the residual stream get
-        # std 0.02/sqrt(2*n_layer) so the stream's variance does not grow with depth (2 per block).
+        # GPT-2 init: N(0, 0.02) everywhere. The projections that write into the residual stream (2 per block)
+        # get std 0.02/sqrt(2*n_layer), so the stream's variance does not grow with depth.
         if isinstance(module, nn.Linear):
             std = 0.02
             if getattr(module, "residual_scaled_init", False):
@@ -145,15 +147,18 @@ class GPT(nn.Module):
     ):
         """Return `(logits, loss)`.
 
-        `targets` are the already-shifted next tokens (B, T), -100 = ignore. With targets, `logits`
-        is None unless `all_logits=True`: a (B, T, V) fp32 tensor is the largest one in training and
-        the loss does not need it returned (accelerate would also cast it to fp32 again). Without
-        targets, only the last position's logits (B, 1, V), or all positions with `all_logits=True`.
-        Logits cover the real `vocab_size` ids only, never the padding rows. Without `all_logits` the training
-        loss takes the path `loss_chunk_rows` says (`model.loss.cross_entropy`: the full logits or chunks), and the
-        evaluation loss (eval mode) `model.loss.chunked_cross_entropy`, which never holds the full logits, with the
-        output layer in fp32 as `_logits`; a per-token loss ("none") that needs gradients, or `all_logits`, takes
-        F.cross_entropy over the full logits.
+        `targets` are the already-shifted next tokens (B, T), -100 = ignore.
+
+        With targets, `logits` is None unless `all_logits=True`. A (B, T, V) fp32 tensor is the largest one in
+        training, and the loss does not need it returned. (accelerate would also cast it to fp32 again.) Without
+        targets: only the last position's logits (B, 1, V), or all positions with `all_logits=True`. Logits cover
+        the real `vocab_size` ids only, never the padding rows.
+
+        The loss's path, without `all_logits`:
+          in training, the path `loss_chunk_rows` says (`model.loss.cross_entropy`: the full logits or chunks);
+          in eval mode, `model.loss.chunked_cross_entropy`, with the output layer in fp32 as `_logits`.
+        A per-token loss ("none") that needs gradients, or `all_logits`, takes F.cross_entropy over full logits.
+
         `kv_cache` (a list, filled in place) is for `generate`: pass `[]` to start one.
         """
         B, T = idx.shape
@@ -166,8 +171,8 @@ class GPT(nn.Module):
         pos = torch.arange(past, past + T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         # Activation checkpointing: a block keeps only its input; the rest is recomputed in the backward pass.
-        # Non-reentrant, so the recomputation restores the forward's RNG state (the same dropout masks), works
-        # under torch.compile, DDP and FSDP2, and with inputs that need no gradient (LoRA's frozen embeddings).
+        # Non-reentrant, so the recomputation restores the forward's RNG state: the same dropout masks. It also
+        # works under torch.compile, DDP and FSDP2, and with inputs that need no gradient (LoRA's frozen embeddings).
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled() and kv_cache is None
         for i, block in enumerate(self.transformer.h):
             if recompute:
@@ -175,7 +180,7 @@ class GPT(nn.Module):
                 continue
             x, kv = block(x, kv_cache[i] if past else None)
             if kv_cache is None:
-                del kv  # its k and v are views of the block's (B, T, 3C) projection: not kept through the next block
+                del kv  # views of the block's (B, T, 3C) projection: not kept through the next block
             else:
                 if past:
                     kv_cache[i] = kv
@@ -192,16 +197,16 @@ class GPT(nn.Module):
         weight = self.lm_head.weight
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         if not all_logits and (loss_reduction != "none" or not needs_grad):
-            # In training, the loss and its gradients on the run's path; in evaluation chunk by chunk, never holding
-            # the (B*T, V) logits: the validation loss and HellaSwag's per-token scores peak no higher than a step.
+            # In training, the loss and its gradients on the run's path. In evaluation, chunk by chunk, never holding
+            # the (B*T, V) logits. So the validation loss and HellaSwag's per-token scores peak no higher than a step.
             if self.training:
                 return None, cross_entropy(x, weight, targets, V, loss_reduction, self.loss_chunk_rows)
             with torch.autocast(x.device.type, enabled=False):  # evaluation's output layer in fp32 (see _logits)
                 return None, chunked_cross_entropy(x.float(), weight.float(), targets, V, loss_reduction)
-        # The matmul runs over all padded rows (aligned sizes are what make it fast on tensor cores);
-        # a bias of -inf on the padding columns, fused into the matmul, gives them no probability: the
-        # loss is exactly the one over the real vocabulary, and no (B, T, V) tensor is written twice.
-        # (Filling the slice in place instead makes autograd clone the whole logits gradient.)
+        # The matmul runs over all padded rows: aligned sizes are what make it fast on tensor cores. A bias of -inf
+        # on the padding columns, fused into the matmul, gives them no probability. So the loss is exactly the one
+        # over the real vocabulary, and no (B, T, V) tensor is written twice. (Filling the slice in place instead
+        # makes autograd clone the whole logits gradient.)
         pad_bias = None
         if self.config.padded_vocab_size > V:
             pad_bias = torch.zeros(self.config.padded_vocab_size, device=x.device, dtype=x.dtype)
@@ -215,8 +220,10 @@ class GPT(nn.Module):
         return (logits[..., :V].contiguous() if all_logits else None), loss
 
     def _logits(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """The output layer. Outside training it runs in fp32 even under bf16 autocast: GPT-2's logits sit
-        around -100, where bf16 values are 0.5 apart, enough to move log-likelihood comparisons (HellaSwag)."""
+        """The output layer. Outside training it runs in fp32, even under bf16 autocast.
+
+        GPT-2's logits sit around -100, where bf16 values are 0.5 apart. That is enough to move log-likelihood
+        comparisons (HellaSwag)."""
         if self.training:
             return F.linear(x, self.lm_head.weight, bias)
         with torch.autocast(x.device.type, enabled=False):
@@ -253,10 +260,10 @@ class GPT(nn.Module):
     ) -> Iterator[torch.Tensor]:
         """Yield each of `max_new_tokens` new tokens (B, 1) as soon as it is sampled, continuing `idx` (B, T).
 
-        `temperature=0` is greedy decoding. The KV cache makes each new token cost O(T) instead of a
-        full forward pass. Past `block_size` the context slides (the last `block_size` tokens), which
-        invalidates cached positions, so those steps run without the cache: same tokens either way.
-        Settings are checked on the first `next()`, before any forward pass.
+        `temperature=0` is greedy decoding. The KV cache makes each new token cost O(T) instead of a full forward
+        pass. Past `block_size` the context slides (the last `block_size` tokens). That invalidates cached
+        positions, so those steps run without the cache: the same tokens either way. Settings are checked on the
+        first `next()`, before any forward pass.
         """
         if idx.size(1) == 0:
             raise ValueError(f"generate needs at least one prompt token; start from e.g. <|endoftext|> ({EOT_ID})")
@@ -278,8 +285,9 @@ class GPT(nn.Module):
             yield idx_next
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Training FLOPs per token (forward + backward): 6N for the weights plus the attention
-        scores and weighted sum, 6 * 2 * n_layer * seq_len * n_embd (PaLM appendix B).
+        """Training FLOPs per token (forward + backward), as PaLM's appendix B counts them.
+
+        6N for the weights, plus 6 * 2 * n_layer * seq_len * n_embd for the attention scores and weighted sum.
 
         N counts the output projection (tied with wte) but not the position embeddings (a lookup)."""
         cfg = self.config
@@ -289,9 +297,11 @@ class GPT(nn.Module):
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path | Weights, block_size: int | None = None,
                         dropout: float | None = None, revision: str | None = None) -> "GPT":
-        """Load from a Hub id (at `revision`: a branch, tag or commit), a local HF GPT-2 folder, one of our
-        run or checkpoint folders, or a LoRA run's checkpoint (its base with the adapter merged in). The model is in
-        eval mode (no dropout), as transformers' `from_pretrained` returns one; call `.train()` to train it.
+        """Load from a Hub id, a local HF GPT-2 folder, one of our run or checkpoint folders, or a LoRA checkpoint.
+
+        `revision` is a Hub branch, tag or commit. A LoRA checkpoint loads as its base with the adapter merged in.
+        The model is in eval mode (no dropout), as transformers' `from_pretrained` returns one. Call `.train()` to
+        train it.
 
         `block_size` keeps the first positions (at most the weights' own); `dropout` replaces the saved rate."""
         return pretrained.load(cls, name_or_path, revision=revision, block_size=block_size, dropout=dropout)

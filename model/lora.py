@@ -1,20 +1,20 @@
 """LoRA adapters on our GPT, through `peft`: add them, read and load their weights, merge them, export them.
 
-peft injects its LoRA layers into the GPT in place (`peft.inject_adapter_in_model`): the model stays a `GPT`
-(forward, generate, evaluations unchanged), its targeted `nn.Linear` layers become peft `lora.Linear`
-layers holding the frozen base layer and the trainable `lora_A`/`lora_B` matrices, and only those
-matrices require gradients. The adapter's settings travel with the model as `model.peft_config["default"]`
-(`base_model_name_or_path` names the weights it was added to).
+peft injects its LoRA layers into the GPT in place (`peft.inject_adapter_in_model`). The model stays a `GPT`:
+forward, generate and the evaluations are unchanged. Its targeted `nn.Linear` layers become peft `lora.Linear`
+layers. Each holds the frozen base layer and the trainable `lora_A`/`lora_B` matrices; only those require
+gradients. The adapter's settings travel with the model as `model.peft_config["default"]`.
+`base_model_name_or_path` names the weights it was added to.
 
 Invariants:
-- `adapter_state` has our module paths (`transformer.h.0.attn.c_attn.lora_A.weight`), which are also
-  transformers' GPT2LMHeadModel paths: a PEFT adapter folder written by `save_adapter_folder` loads on
-  GPT2LMHeadModel with `PeftModel.from_pretrained`. Its config says `fan_in_fan_out: true` because
-  transformers' Conv1D stores weights transposed from our nn.Linear (the A/B matrices are the same).
+- `adapter_state` has our module paths (`transformer.h.0.attn.c_attn.lora_A.weight`). They are also
+  transformers' GPT2LMHeadModel paths. So a PEFT adapter folder written by `save_adapter_folder` loads on
+  GPT2LMHeadModel with `PeftModel.from_pretrained`. Its config says `fan_in_fan_out: true`: transformers'
+  Conv1D stores weights transposed from our nn.Linear. The A/B matrices are the same.
 - `merged(model)` is a plain GPT (no peft layers) computing what `model` computes, without changing `model`.
-- Adapters go only on nn.Linear layers inside the transformer blocks: `lm_head` is tied to the token
-  embedding, so an adapter there would untie them and break the GPT-2 export.
-- This module never imports the network (`model/gpt.py`): it works on the model it is given, and builds a
+- Adapters go only on nn.Linear layers inside the transformer blocks. `lm_head` is tied to the token
+  embedding: an adapter there would untie them and break the GPT-2 export.
+- This module never imports the network (`model/gpt.py`). It works on the model it is given, and builds a
   copy with `type(model)`. Loading a LoRA checkpoint (`model.pretrained`) loads the base, then calls
   `merge_adapter`.
 """
@@ -32,7 +32,7 @@ from common.errors import UserError
 from common.run_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from common.weights import Kind, Weights
 
-if TYPE_CHECKING:  # peft itself is imported where it is used: only a LoRA run (or a LoRA checkpoint) needs it
+if TYPE_CHECKING:  # peft is imported where it is used: only a LoRA run (or a LoRA checkpoint) needs it
     from peft import LoraConfig, PeftModel
 
 ADAPTER = "default"  # peft's name for the one adapter of a model
@@ -41,8 +41,10 @@ DEFAULT_TARGETS = ("c_attn", "c_proj", "c_fc")  # attention (qkv, output) and ML
 
 def lora_config(rank: int, alpha: float, dropout: float, targets: list[str] | tuple[str, ...], base: str,
                 revision: str | None = None) -> LoraConfig:
-    """peft's LoraConfig for our GPT; `base` names the weights the adapter is added to, `revision` the Hub revision
-    of a Hub base (both recorded in adapter_config.json, where `common.weights` finds the base again)."""
+    """peft's LoraConfig for our GPT. `base` names the weights the adapter is added to.
+
+    `revision` is a Hub base's revision. Both are recorded in adapter_config.json, where `common.weights` finds the
+    base again."""
     from peft import LoraConfig
 
     return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), bias="none",
@@ -59,8 +61,8 @@ def _targeted_layers(model: torch.nn.Module, config: LoraConfig) -> dict[str, to
 def add_adapters(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
     """Inject LoRA adapters into `model` in place and freeze everything else; returns `model`.
 
-    Refuses (one line) targets that match no layer, or match something other than a block's linear layer, and a
-    rank larger than the smallest dimension of a targeted layer (the update would have no low rank left)."""
+    Refused in one line: targets that match no layer, or something other than a block's linear layer. Also a rank
+    larger than the smallest dimension of a targeted layer: the update would have no low rank left."""
     targets = ", ".join(sorted(config.target_modules))
     layers = _targeted_layers(model, config)
     linear_names = sorted({name.rsplit(".", 1)[-1] for name, m in model.transformer.h.named_modules()
@@ -104,8 +106,9 @@ def load_adapter_state(model: torch.nn.Module, state: dict[str, torch.Tensor], s
 
 
 def _peft_model(model: torch.nn.Module) -> PeftModel:
-    """A PeftModel over a fresh copy of `model`'s base weights, holding `model`'s adapter (so peft's merge and
-    save_pretrained can run without touching the model being trained)."""
+    """A PeftModel over a fresh copy of `model`'s base weights, holding `model`'s adapter.
+
+    So peft's merge and save_pretrained run without touching the model being trained."""
     from peft import LoraConfig, get_peft_model
 
     config = model.peft_config[ADAPTER]
@@ -121,13 +124,14 @@ def _peft_model(model: torch.nn.Module) -> PeftModel:
 
 
 def merged(model: torch.nn.Module) -> torch.nn.Module:
-    """A plain GPT whose weights are `model`'s base weights plus its adapters' update (W + B A * alpha / r)."""
+    """A plain GPT: `model`'s base weights plus its adapters' update (W + B A * alpha / r)."""
     return _peft_model(model).merge_and_unload()
 
 
 def merge_adapter(base: torch.nn.Module, adapter: Path) -> torch.nn.Module:
-    """`base` (a plain GPT, changed in place) with the adapter saved in the folder `adapter` (a LoRA run's
-    checkpoint) added, as a plain GPT with the adapter merged in."""
+    """`base` (a plain GPT, changed in place) with the adapter in the folder `adapter` merged in.
+
+    `adapter` is a LoRA run's checkpoint. The result is a plain GPT."""
     add_adapters(base, read_adapter_config(adapter))
     try:
         state = load_file(adapter / ADAPTER_WEIGHTS)
@@ -139,8 +143,9 @@ def merge_adapter(base: torch.nn.Module, adapter: Path) -> torch.nn.Module:
 
 
 def save_adapter_folder(model: torch.nn.Module, directory: Path, base: str, revision: str | None) -> None:
-    """Write `model`'s adapter as a PEFT adapter folder for transformers' GPT2LMHeadModel (see the module docstring),
-    naming `base` (a Hub id, at `revision`, or a folder transformers loads) as the model it goes on."""
+    """Write `model`'s adapter as a PEFT adapter folder for transformers' GPT2LMHeadModel (the module docstring).
+
+    It names `base` as the model it goes on: a Hub id, at `revision`, or a folder transformers loads."""
     _peft_model(model).save_pretrained(directory, save_embedding_layers=False)  # only the adapter
     _rewrite_config(directory, fan_in_fan_out=True,  # GPT2LMHeadModel's Conv1D layers hold W transposed
                     task_type="CAUSAL_LM",  # PeftModel.from_pretrained then gives a PeftModelForCausalLM (generate)
@@ -155,8 +160,8 @@ def save_adapter_config(model: torch.nn.Module, directory: Path) -> None:
 
 
 def _rewrite_config(directory: Path, **changes: object) -> None:
-    # peft writes target_modules in a set's order, which changes from process to process: sort it, so that a
-    # resumed run writes the very bytes of an uninterrupted one.
+    # peft writes target_modules in a set's order, which changes from process to process. Sorted, a resumed run
+    # writes the very bytes of an uninterrupted one.
     config_file = directory / ADAPTER_CONFIG
     config = json.loads(config_file.read_text())
     config.update(changes, target_modules=sorted(config["target_modules"]))
@@ -175,23 +180,27 @@ def read_adapter_config(folder: Path) -> LoraConfig:
 
 
 def base_name(weights: Weights) -> str:
-    """How the adapter config names its base weights: an absolute path for a local folder (a resume or a loader
-    from another working directory finds the same folder), the Hub id otherwise (its revision goes beside it)."""
+    """How the adapter config names its base weights.
+
+    A local folder is named by its absolute path: a resume or a loader in another working directory finds it.
+    A Hub base is named by its id; its revision goes beside it."""
     return weights.spec if weights.kind is Kind.HUB else str(Path(weights.spec).expanduser().resolve())
 
 
 def run_lora_config(rank: int, alpha: float, dropout: float, targets: list[str] | tuple[str, ...],
                     weights: Weights) -> LoraConfig:
-    """A run's adapter settings (`--lora_rank`, `--lora_alpha`, `--lora_dropout`, `--lora_targets`) on the base
-    `weights` it loaded (`--init_from`), named as its checkpoints record it (`base_name`)."""
+    """A run's adapter settings (`--lora_rank`, `--lora_alpha`, `--lora_dropout`, `--lora_targets`).
+
+    They go on the base `weights` it loaded (`--init_from`), named as its checkpoints record it (`base_name`)."""
     return lora_config(rank, alpha, dropout, targets, base_name(weights), weights.revision)
 
 
 def loadable_base(weights: Weights) -> tuple[str, str | None]:
-    """How `final_adapter/` names its base (`base_model_name_or_path`, `revision`), for a loader that has only that
-    folder: peft's `AutoPeftModelForCausalLM` loads the base with transformers from those two. A Hub repo is its id
-    at the commit the run downloaded; local weights are the absolute path of the folder they were read from (for a
-    run folder given as `--init_from`, its final/: transformers cannot load a run folder). The checkpoints keep
+    """How `final_adapter/` names its base (`base_model_name_or_path`, `revision`), for a loader with that folder only.
+
+    peft's `AutoPeftModelForCausalLM` loads the base with transformers from those two. A Hub repo is its id at the
+    commit the run downloaded. Local weights are the absolute path of the folder they were read from. For a run
+    folder given as `--init_from`, that is its final/: transformers cannot load a run folder. The checkpoints keep
     `base_name`, the name a resume is checked against."""
     if weights.kind is Kind.HUB:
         return weights.spec, weights.commit or weights.revision
@@ -199,8 +208,9 @@ def loadable_base(weights: Weights) -> tuple[str, str | None]:
 
 
 def check_resume(config: LoraConfig | None, checkpoint: Path) -> None:
-    """Refuse to resume a LoRA checkpoint as a full run (`config` None) or the reverse, or with other LoRA settings
-    (`config`, from `run_lora_config`) or base."""
+    """Refuse to resume a LoRA checkpoint as a full run (`config` None), or the reverse.
+
+    Also refused: other LoRA settings (`config`, from `run_lora_config`) or another base."""
     saved_lora = (checkpoint / ADAPTER_CONFIG).is_file()
     if config is not None and not saved_lora:
         raise UserError(f"{checkpoint} is a checkpoint of a full fine-tune (every weight), not of a LoRA run; resume "

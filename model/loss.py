@@ -1,39 +1,28 @@
 """Cross-entropy of the output layer, on one of two paths chosen by one integer, `loss_chunk_rows`.
 
-- `N > 0`: `chunked_cross_entropy` walks the tokens in chunks of N rows, never holding the full (tokens x vocab)
-  logits. With GPT-2's 50,304 output rows, the logits of one micro-batch of 8 x 1,024 tokens take 1.6 GB in fp32,
-  and autograd keeps them (or their log-softmax) until the backward, then allocates as much again for their
-  gradient. The walk instead computes, for each chunk, the logits, the loss and at once the gradients they
-  contribute to the hidden states and to the output weight, then drops the chunk. The backward only scales the two
-  stored gradients by the incoming one. Nothing is recomputed; what stays alive from forward to backward is one
-  (tokens x n_embd) and one weight-sized tensor. This is why the default CPU run fits and is fast.
+- `N > 0`: `chunked_cross_entropy` walks the tokens in chunks of N rows. It never holds the full (tokens x vocab)
+  logits. For each chunk it computes the logits, the loss, and at once the gradients they contribute to the hidden
+  states and to the output weight. Then it drops the chunk. The backward only scales the two stored gradients.
+  Nothing is recomputed. What stays alive from forward to backward is one (tokens x n_embd) and one weight-sized
+  tensor. This is why the default CPU run fits and is fast.
 - `0`: `full_cross_entropy`, the full logits and one `F.cross_entropy`, as nanoGPT, torchtitan, nanochat and
-  modded-nanogpt compute it: under autocast the logits in bf16, the softmax in fp32 (an explicit upcast, so that
-  bf16 parameters without autocast get an fp32 softmax too); inside the compiled region when the model is
-  compiled, where inductor fuses the upcast, the softmax and their backward. On an accelerator the walk's cost is
-  its accumulation: each chunk adds its product into the fp32 weight gradient (GPT-2: 154 MB read and written per
-  chunk, 32 times per 16 x 1,024 micro-batch at 512 rows).
+  modded-nanogpt compute it. Under autocast the logits are bf16 and the softmax fp32. The upcast is explicit, so
+  bf16 parameters without autocast get an fp32 softmax too. When the model is compiled this runs inside the
+  compiled region, where inductor fuses the upcast, the softmax and their backward.
 
-`default_loss_chunk_rows(device type)` is the path a device gets when the run does not choose one; `cross_entropy`
-takes either path (None: that default, for the hidden states' device).
+docs/internals.md ("The loss's two paths") gives each path's bytes and what was not done.
+`default_loss_chunk_rows(device type)` is the path a device gets when the run does not choose one.
+`cross_entropy` takes either path (None: that default, for the hidden states' device).
 
-Without gradients (evaluation) the walk gives the loss alone, also per token (`reduction="none"`), so the
-validation loss and HellaSwag's per-token scores never hold the full logits either (`model.gpt` evaluates on the
-walk whatever the training path).
+Without gradients (evaluation) the walk gives the loss alone, also per token (`reduction="none"`). So the
+validation loss and HellaSwag's per-token scores never hold the full logits either. `model.gpt` evaluates on the
+walk whatever the training path.
 
-Invariants: on both paths the loss and both gradients equal `F.cross_entropy(F.linear(x, weight), targets)` over
-the first `n_valid` columns (the rest is the embedding's padding, given no probability), targets of -100 ignored
-(a loss of 0 per ignored token with "none"), to float rounding (fp32: ~1e-7 relative; `tests/test_loss.py` states
-its bounds). Under autocast the matmuls run in the autocast dtype and the softmax in fp32; the walk accumulates the
-weight gradient over chunks in the weight's dtype (fp32), one rounding per chunk.
-
-Not done: accumulating each chunk's product straight into the fp32 weight gradient (`torch.addmm(..., out_dtype=
-torch.float32)`) instead of a bf16 product and an add. This torch (2.13, CPU build) has the op's schema but no CPU
-kernel (`NotImplementedError` for `aten::addmm.dtype`), so it cannot be tested here; PyTorch's CUDA kernel has
-required `self` in the inputs' dtype (a bf16 accumulator) in some versions and accepts an fp32 one in later ones,
-so which the GPU image's torch 2.11 runs needs a GPU to find out. What it would save: the product's write and read,
-77 MB each per chunk for GPT-2, about a third of a chunk's accumulation traffic; at the chunk sizes an accelerator
-would use (16,384 rows: 4 chunks per 64 x 1,024 micro-batch) ~0.6 GB per micro-batch, about 0.2 ms on an H100.
+Invariants: on both paths the loss and both gradients equal `F.cross_entropy(F.linear(x, weight), targets)`, to
+float rounding. That is over the first `n_valid` columns; the rest is the embedding's padding, given no probability.
+Targets of -100 are ignored (a loss of 0 per ignored token with "none"). The rounding is ~1e-7 relative in fp32;
+`tests/test_loss.py` states its bounds. Under autocast the matmuls run in the autocast dtype and the softmax in
+fp32. The walk sums the weight gradient over chunks in the weight's dtype (fp32), one rounding per chunk.
 """
 from __future__ import annotations
 
@@ -45,18 +34,19 @@ from torch.nn import functional as F
 from data.tokenizer import IGNORE
 
 # Token rows per chunk on a CPU: 512 x 50,304 fp32 logits are 103 MB. Measured on a 2-core CPU (GPT-2 head,
-# 2,048 tokens): 512 rows cost the same CPU time as the plain loss, 256 about 10% more, 128 about 30% more.
+# 2,048 tokens), 512 rows cost the same CPU time as the plain loss. 256 cost about 10% more, 128 about 30%.
 LOSS_CHUNK_ROWS = 512
 
 
 def default_loss_chunk_rows(device_type: str) -> int:
-    """The loss path of a device type when the run does not choose one (`--loss_chunk_rows` left out; a model's
-    `loss_chunk_rows` None): the walk in chunks of LOSS_CHUNK_ROWS rows on the CPU (measured: as fast as the full
-    logits there, at half the memory: docs/benchmarks.md), 0 (the full logits) on CUDA and other accelerators.
+    """The loss path of a device type when the run does not choose one (`--loss_chunk_rows` left out).
 
-    The accelerators' 0 is provisional: it is what nanoGPT, torchtitan, nanochat and modded-nanogpt do, not yet a
-    measurement of ours. The GPU sweep of issue 53 (`benchmarks/gpu_acceptance.py`) times 0 against 512 and
-    16,384 rows on an H100, and its result decides this value."""
+    On the CPU: the walk in chunks of LOSS_CHUNK_ROWS rows. It was measured as fast as the full logits there, at
+    half the memory (docs/benchmarks.md). On CUDA and other accelerators: 0, the full logits.
+
+    The accelerators' 0 is provisional: it is what nanoGPT, torchtitan, nanochat and modded-nanogpt do. It is not
+    yet a measurement of ours. The GPU sweep of issue 53 (`benchmarks/gpu_acceptance.py`) times 0 against 512 and
+    16,384 rows on an H100. Its result decides this value."""
     return LOSS_CHUNK_ROWS if device_type == "cpu" else 0
 
 
@@ -67,9 +57,10 @@ def describe_loss_path(rows: int) -> str:
 
 def cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid: int,
                   reduction: str = "mean", chunk_rows: int | None = None) -> torch.Tensor:
-    """Cross-entropy of `x @ weight.T` (columns from `n_valid` on excluded) against `targets`, on the path
-    `chunk_rows` names: 0 the full logits (`full_cross_entropy`), N > 0 the walk in chunks of N rows
-    (`chunked_cross_entropy`), None the default of the device `x` is on (`default_loss_chunk_rows`)."""
+    """Cross-entropy of `x @ weight.T` (columns from `n_valid` on excluded) against `targets`.
+
+    `chunk_rows` names the path. 0: the full logits (`full_cross_entropy`). N > 0: the walk in chunks of N rows
+    (`chunked_cross_entropy`). None: the default of the device `x` is on (`default_loss_chunk_rows`)."""
     rows = default_loss_chunk_rows(x.device.type) if chunk_rows is None else chunk_rows
     if rows < 0:
         raise ValueError(f"loss_chunk_rows must be 0 (the full logits) or a number of rows per chunk, not {rows}")
@@ -80,19 +71,19 @@ def cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, 
 
 def full_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid: int,
                        reduction: str = "mean") -> torch.Tensor:
-    """The full (tokens x V) logits and one `F.cross_entropy` in fp32; shapes and reductions as
-    `chunked_cross_entropy`'s ("none" with gradients too).
+    """The full (tokens x V) logits and one `F.cross_entropy` in fp32.
 
-    The matmul runs over all V rows (aligned sizes are what make it fast on tensor cores); a bias of -inf on the
-    padding columns, fused into the matmul, gives them no probability, so no (tokens x V) tensor is written twice.
-    (Filling the slice in place instead makes autograd clone the whole logits gradient.)"""
+    Shapes and reductions are `chunked_cross_entropy`'s ("none" with gradients too). The matmul runs over all V
+    rows: aligned sizes are what make it fast on tensor cores. A bias of -inf on the padding columns, fused into
+    the matmul, gives them no probability. So no (tokens x V) tensor is written twice. Filling the slice in place
+    instead makes autograd clone the whole logits gradient."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"full_cross_entropy supports reduction 'mean', 'sum' or 'none', not {reduction!r}")
     bias = None
     if n_valid < weight.size(0):
         bias = torch.zeros(weight.size(0), device=x.device, dtype=x.dtype)
         bias[n_valid:] = float("-inf")
-    # In one expression: the bf16 logits are freed once upcast, so eager holds at most the fp32 copy and its
+    # In one expression: the bf16 logits are freed once upcast. So eager holds at most the fp32 copy and its
     # log-softmax (planner.memory counts them).
     loss = F.cross_entropy(F.linear(x.reshape(-1, x.size(-1)), weight, bias).float(), targets.reshape(-1),
                            ignore_index=IGNORE, reduction=reduction)
@@ -101,12 +92,13 @@ def full_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
 
 def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid: int,
                           reduction: str = "mean", chunk_rows: int | None = None) -> torch.Tensor:
-    """Cross-entropy of `x @ weight.T` (columns from `n_valid` on excluded) against `targets`, walked in chunks of
-    `chunk_rows` rows (None: LOSS_CHUNK_ROWS).
+    """Cross-entropy of `x @ weight.T` (columns from `n_valid` on excluded) against `targets`, walked in chunks.
 
-    x: (..., C) hidden states; weight: (V, C); targets: (...) ids, -100 = ignore. `reduction`: "mean"
-    over the non-ignored targets (NaN when there is none, like F.cross_entropy), "sum", or "none" (targets'
-    shape, 0 at ignored ones; only without gradients: a per-token loss's backward would need the logits again)."""
+    x: (..., C) hidden states; weight: (V, C); targets: (...) ids, -100 = ignore. `chunk_rows` rows per chunk
+    (None: LOSS_CHUNK_ROWS). `reduction`:
+      "mean" over the non-ignored targets (NaN when there is none, like F.cross_entropy);
+      "sum";
+      "none": the targets' shape, 0 at ignored ones. Only without gradients: its backward would need the logits."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"chunked_cross_entropy supports reduction 'mean', 'sum' or 'none', not {reduction!r}")
     rows = LOSS_CHUNK_ROWS if chunk_rows is None else chunk_rows
@@ -131,19 +123,20 @@ class _Walk(NamedTuple):
 
 def _walk(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid: int, rows: int, need_x: bool,
           need_w: bool) -> _Walk:
-    """The chunk walk: x (N, C), weight (V, C), targets (N,), `rows` per chunk. Each chunk's logits, its per-token
-    losses and, when asked for, the gradients of the losses' sum; no (N, V) tensor is ever held."""
-    # Under autocast, matmul's result is in the autocast dtype and cannot be accumulated in place
-    # into the fp32 weight gradient by addmm_; a separate product + add keeps that sum in fp32.
+    """The chunk walk: x (N, C), weight (V, C), targets (N,), `rows` per chunk. No (N, V) tensor is ever held.
+
+    Per chunk: its logits, its per-token losses, and when asked for, the gradients of the losses' sum."""
+    # Under autocast, matmul's result is in the autocast dtype: addmm_ cannot add it into the fp32 weight
+    # gradient in place. A separate product and add keeps that sum in fp32.
     autocast = torch.is_autocast_enabled(x.device.type)
-    # bf16 parameters without autocast (DeepSpeed's bf16): the matmuls in bf16 as under autocast, the logits and
-    # the weight gradient's sum in fp32 (cast to the weight's dtype at the end).
+    # bf16 parameters without autocast (DeepSpeed's bf16): the matmuls run in bf16, as under autocast. The logits
+    # and the weight gradient's sum are fp32, cast to the weight's dtype at the end.
     low = None if autocast or x.dtype == torch.float32 else x.dtype
     grad_x = torch.empty_like(x) if need_x else None
     grad_w = torch.zeros_like(weight, dtype=torch.float32 if low else weight.dtype) if need_w else None
     losses = torch.empty(x.size(0), device=x.device, dtype=torch.float32)
-    # One fp32 logits buffer for every chunk, and no other (rows x V) tensor: each one is a fresh
-    # allocation, which on a CPU costs zero-filling its pages again (100 MB a chunk for GPT-2).
+    # One fp32 logits buffer for every chunk, and no other (rows x V) tensor. Each would be a fresh allocation,
+    # which on a CPU costs zero-filling its pages again (100 MB a chunk for GPT-2).
     buffer = torch.empty(min(x.size(0), rows), weight.size(0), device=x.device, dtype=torch.float32)
     for start in range(0, x.size(0), rows):
         xc, tc = x[start:start + rows], targets[start:start + rows]

@@ -1,15 +1,20 @@
-"""Our GPT cut into pipeline stages: whole blocks on each stage, the embeddings on the first, the final LayerNorm and
-the tied output layer on the last.
+"""Our GPT cut into pipeline stages: whole blocks on each stage.
 
-`GPTStage` takes its modules from a built `GPT` (the same initial weights on every stage: the model is built whole,
-then cut) and keeps the full model's parameter names (`transformer.h.5.attn.c_attn.weight` on the stage that holds
-block 5), so a stage's state dict is a slice of the whole model's, and the whole one is their union. The output
-layer is tied to the token embedding: a last stage that is not also the first holds its own copy of `wte` under the
-same name, kept equal to the first stage's by summing their gradients (`training.distributed.pipeline`).
+The embeddings are on the first stage; the final LayerNorm and the tied output layer on the last.
 
-Invariants: the stages' blocks are consecutive and cover every block once, the earlier stages holding one more
-when the blocks do not divide evenly; a stage's forward takes the previous stage's output (token ids on the first)
-and returns the residual stream (the last: after `ln_f`); `loss` is the model's loss on that output.
+`GPTStage` takes its modules from a built `GPT`. The model is built whole, then cut: every stage starts from the
+same initial weights. A stage keeps the full model's parameter names (`transformer.h.5.attn.c_attn.weight` on the
+stage that holds block 5). So a stage's state dict is a slice of the whole model's, and the whole one is their
+union. The output layer is tied to the token embedding. A last stage that is not also the first holds its own copy
+of `wte` under the same name. Summing their gradients keeps it equal to the first stage's
+(`training.distributed.pipeline`).
+
+Invariants:
+- The stages' blocks are consecutive and cover every block once. When the blocks do not divide evenly, the earlier
+  stages hold one more.
+- A stage's forward takes the previous stage's output (token ids on the first). It returns the residual stream
+  (the last: after `ln_f`).
+- `loss` is the model's loss on that output.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from model.loss import chunked_cross_entropy, cross_entropy
 
 
 def stage_blocks(n_layer: int, stages: int) -> list[range]:
-    """The blocks of each stage: consecutive, as even as they divide (the earlier stages one more)."""
+    """The blocks of each stage: consecutive, as even as they divide, the earlier stages one more."""
     if not 1 <= stages <= n_layer:
         raise ValueError(f"{stages} stages for {n_layer} blocks; use 1 to {n_layer}")
     size, extra = divmod(n_layer, stages)
@@ -30,7 +35,7 @@ def stage_blocks(n_layer: int, stages: int) -> list[range]:
 
 
 class GPTStage(nn.Module):
-    """Stage `stage` of `stages` of `model` (whose modules it takes: `model` is not usable afterwards)."""
+    """Stage `stage` of `stages` of `model`. It takes `model`'s modules: `model` is not usable afterwards."""
 
     def __init__(self, model: nn.Module, stage: int, stages: int) -> None:
         super().__init__()
@@ -47,7 +52,7 @@ class GPTStage(nn.Module):
                                                             freeze=False)
         self.transformer = nn.ModuleDict(parts)
         self.activation_checkpointing = False  # as `GPT.activation_checkpointing`: blocks recomputed in the backward
-        self.loss_chunk_rows = model.loss_chunk_rows  # as `GPT.loss_chunk_rows` (the last stage's loss), the model's
+        self.loss_chunk_rows = model.loss_chunk_rows  # as `GPT.loss_chunk_rows`, for the last stage's loss
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -64,8 +69,9 @@ class GPTStage(nn.Module):
         return self.transformer.ln_f(x) if self.last else x
 
     def loss(self, hidden: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        """The loss of the last stage's output, as `GPT.forward` computes it: in training on the path
-        `loss_chunk_rows` says, in evaluation chunked with the output layer in fp32."""
+        """The loss of the last stage's output, as `GPT.forward` computes it.
+
+        In training, on the path `loss_chunk_rows` says. In evaluation, chunked, with the output layer in fp32."""
         V = self.config.vocab_size
         if self.training:
             return cross_entropy(hidden, self.output_weight, targets, V, reduction, self.loss_chunk_rows)

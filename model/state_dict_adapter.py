@@ -1,13 +1,13 @@
 """Hugging Face GPT-2 <-> our GPT: configs, state dicts, and reading safetensors files.
 
-Our module and parameter names are GPT2LMHeadModel's (`transformer.h.0.attn.c_attn.weight`, ...), so a
+Our module and parameter names are GPT2LMHeadModel's (`transformer.h.0.attn.c_attn.weight`, ...). So a
 state dict converts with these rules and nothing else:
-  - HF's Conv1D stores the four block matrices as (in, out), transposed from our nn.Linear (out, in);
+  - HF's Conv1D stores the four block matrices as (in, out): our nn.Linear's (out, in) transposed;
   - our embedding has `padded_vocab_size` rows (zeros past `vocab_size`), HF's exactly `vocab_size`;
   - `lm_head.weight` is tied to `transformer.wte.weight`: neither side needs it in a file;
-  - GPT-2 always has biases: a bias-less GPT exports zeros (the same function), dropped again on load;
+  - GPT-2 always has biases: a bias-less GPT exports zeros (the same function), dropped on load;
   - OpenAI's original files name keys without `transformer.` and carry causal-mask buffers (skipped).
-Weights are read from safetensors only (one file or the shards of an index): a pickle can run code.
+Weights are read from safetensors only, one file or the shards of an index: a pickle can run code.
 """
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def config_to_hf(config: GPTConfig) -> Any:
 
 
 def state_dict_from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """Our state dict (without the tied lm_head.weight) from an HF GPT-2 one, for a GPT of `config`."""
+    """Our state dict from an HF GPT-2 one, for a GPT of `config` (without the tied lm_head.weight)."""
     state: dict[str, torch.Tensor] = {}
     for key, tensor in hf_state.items():
         key = key.removeprefix("transformer.")  # older GPT-2 files (the OpenAI ones) have no prefix
@@ -94,7 +94,7 @@ def state_dict_from_hf(hf_state: dict[str, torch.Tensor], config: GPTConfig) -> 
         state["transformer." + key] = tensor
     wte = state.get("transformer.wte.weight")
     if wte is not None and wte.size(0) < config.padded_vocab_size:
-        # The padding rows are never used as inputs nor returned as logits; zeros are as good as any.
+        # The padding rows are never inputs nor returned as logits: zeros are as good as any.
         pad = wte.new_zeros(config.padded_vocab_size - wte.size(0), wte.size(1))
         state["transformer.wte.weight"] = torch.cat([wte, pad])
     if not config.bias:
@@ -124,7 +124,7 @@ def state_dict_to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[
 def read_safetensors(folder: Path, source: str) -> dict[str, torch.Tensor]:
     """All tensors of `model.safetensors`, or of the shards a `model.safetensors.index.json` lists.
 
-    A folder without them is one line: an FSDP sharded checkpoint gets the merge command, pickled weights
+    A folder without them is one line. An FSDP sharded checkpoint gets the merge command. Pickled weights
     (`*.bin`, `*.pt*`) are named and never loaded."""
     from safetensors import SafetensorError
 

@@ -1,5 +1,6 @@
-"""Tensor parallelism for our GPT: each block's four projections split across the ranks of a tensor-parallel group
-(Megatron's layout, through torch's `parallelize_module`); everything else replicated.
+"""Tensor parallelism for our GPT: each block's four projections split across a tensor-parallel group's ranks.
+
+It is Megatron's layout, through torch's `parallelize_module`. Everything else is replicated.
 
 Per block, on a group of `degree` ranks (C = n_embd, H = n_head, both divisible by `degree`):
 
@@ -8,17 +9,18 @@ Per block, on a group of `degree` ranks (C = n_embd, H = n_head, both divisible 
     mlp.c_fc      column-wise: 1/degree of the 4C hidden units                          weight (4C/degree, C)
     mlp.c_proj    row-wise: their share of the output, summed (1 all-reduce)            weight (C, 4C/degree)
 
-Replicated (whole on every rank, plain tensors): the token and position embeddings, the output layer tied to the
-token embedding, the LayerNorms, and the biases of the row-wise layers. Activations between the layers are
-replicated too, so the chunked loss (`model.loss`) runs unchanged on every rank of the group (each computes the
-same loss over the whole vocabulary: the head is not split; `docs/engines.md` says why).
+Replicated (whole on every rank, plain tensors): the token and position embeddings, the tied output layer, the
+LayerNorms, and the row-wise layers' biases. Activations between the layers are replicated too. So the chunked
+loss (`model.loss`) runs unchanged on every rank of the group. Each computes the same loss over the whole
+vocabulary: the head is not split (`docs/engines.md` says why).
 
-The fused `c_attn` holds q, k and v one after another (rows [q | k | v], each head-major: the Hugging Face layout
-the checkpoints and exports keep). A plain column split would give the first rank all of q and part of k, so the
-rows are first put in head-group order, [q_0 k_0 v_0 | q_1 k_1 v_1 | ...], where q_r is the r-th 1/degree of q
-(`head_group_order`): each rank's contiguous share is then q, k and v of its own heads, and `CausalSelfAttention`
-reads them with `chunk(3)`. The order is the identity for degree 1. A tensor-parallel model's `c_attn` is in that
-order (its training checkpoints too); `natural_order` puts a full state dict back in the Hugging Face order.
+The fused `c_attn` holds q, k and v one after another: rows [q | k | v], each head-major. That is the Hugging Face
+layout the checkpoints and exports keep. A plain column split would give the first rank all of q and part of k.
+So the rows are first put in head-group order (`head_group_order`): [q_0 k_0 v_0 | q_1 k_1 v_1 | ...], where q_r
+is the r-th 1/degree of q. Each rank's contiguous share is then q, k and v of its own heads.
+`CausalSelfAttention` reads them with `chunk(3)`. The order is the identity for degree 1. A tensor-parallel
+model's `c_attn` is in that order, and so are its training checkpoints. `natural_order` puts a full state dict
+back in the Hugging Face order.
 """
 from __future__ import annotations
 
@@ -32,8 +34,9 @@ QKV = "attn.c_attn"
 
 
 def split_problem(n_head: int, n_embd: int, degree: int) -> str | None:
-    """Why these sizes cannot be split over `degree` ranks (None when they can): each rank takes whole heads and
-    an equal share of the MLP's 4 x n_embd hidden units."""
+    """Why these sizes cannot be split over `degree` ranks (None when they can).
+
+    Each rank takes whole heads and an equal share of the MLP's 4 x n_embd hidden units."""
     if degree < 1:
         return f"a tensor-parallel degree of {degree}"
     if n_head % degree:
@@ -44,16 +47,18 @@ def split_problem(n_head: int, n_embd: int, degree: int) -> str | None:
 
 
 def head_group_order(n_embd: int, degree: int) -> torch.Tensor:
-    """The rows of `c_attn` (3 x n_embd, [q | k | v]) in head-group order: for each rank r, q, k then v of its
-    heads. `weight[order]` is the tensor-parallel layout; the identity for degree 1."""
+    """The rows of `c_attn` (3 x n_embd, [q | k | v]) in head-group order: for each rank, q, k then v of its heads.
+
+    `weight[order]` is the tensor-parallel layout; the identity for degree 1."""
     share = n_embd // degree
     return torch.cat([torch.arange(part * n_embd + r * share, part * n_embd + (r + 1) * share)
                       for r in range(degree) for part in range(3)])
 
 
 def natural_order(state_dict: dict[str, torch.Tensor], n_embd: int, degree: int) -> dict[str, torch.Tensor]:
-    """A full state dict of a tensor-parallel GPT (keys as GPT's own) with every `c_attn` weight and bias back in
-    the [q | k | v] order of the Hugging Face layout; other tensors as they are (the same objects)."""
+    """A full state dict of a tensor-parallel GPT (keys as GPT's own), its `c_attn` in the Hugging Face order.
+
+    Every `c_attn` weight and bias goes back to [q | k | v]. Other tensors stay as they are (the same objects)."""
     if degree == 1:
         return state_dict
     inverse = torch.argsort(head_group_order(n_embd, degree))
@@ -61,8 +66,9 @@ def natural_order(state_dict: dict[str, torch.Tensor], n_embd: int, degree: int)
 
 
 def parallel_order(state_dict: dict[str, torch.Tensor], n_embd: int, degree: int) -> dict[str, torch.Tensor]:
-    """`natural_order`'s inverse: a full state dict in the Hugging Face order with every `c_attn` weight and bias in
-    the head-group order of `degree` (what a tensor-parallel model holds); other tensors as they are."""
+    """`natural_order`'s inverse: a full state dict in the Hugging Face order, made what a TP model holds.
+
+    Every `c_attn` weight and bias goes into the head-group order of `degree`. Other tensors stay as they are."""
     if degree == 1:
         return state_dict
     order = head_group_order(n_embd, degree)
@@ -74,9 +80,10 @@ def _is_qkv(name: str) -> bool:
 
 
 def parallelize(model: nn.Module, mesh) -> nn.Module:
-    """Split `model`'s blocks over the 1-D device mesh `mesh` (its size is the degree), in place: `c_attn` is put
-    in head-group order first, then each projection becomes a DTensor sharded as the module docstring says. Every
-    rank must hold the same weights (same seed, or the same loaded ones). Returns the model."""
+    """Split `model`'s blocks over the 1-D device mesh `mesh` (its size is the degree), in place.
+
+    `c_attn` is put in head-group order first. Then each projection becomes a DTensor, sharded as the module
+    docstring says. Every rank must hold the same weights (same seed, or the same loaded ones). Returns the model."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     degree, n_embd = mesh.size(), model.config.n_embd

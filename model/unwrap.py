@@ -1,12 +1,13 @@
-"""The network inside the wrappers of a run (torch.compile's OptimizedModule, DDP, FSDP1), as accelerate's
-`extract_model_from_parallel` (`Accelerator.unwrap_model(model, keep_torch_compile=False)`) returns it, without
-importing DeepSpeed where nothing uses it.
+"""The network inside the wrappers of a run: torch.compile's OptimizedModule, DDP, FSDP1.
+
+It is what accelerate's `extract_model_from_parallel` returns (`Accelerator.unwrap_model(model,
+keep_torch_compile=False)`), without importing DeepSpeed where nothing uses it.
 
 accelerate's unwrapping imports DeepSpeed whenever it is installed (`.[dev]`, `.[deepspeed]`), to recognise its
-engine, and DeepSpeed's first import prints `[WARNING] ... Setting accelerator to CPU` on every process of a machine
-without a GPU: that was the first line of every run and CLI. A model can only be a DeepSpeed engine once DeepSpeed
-is imported (a ZeRO run imports it when accelerate prepares the model), so until then the wrappers are torch's own;
-likewise FSDP1's (1 s to import for a CLI that never meets it).
+engine. DeepSpeed's first import prints `[WARNING] ... Setting accelerator to CPU` on every process of a machine
+without a GPU. That was the first line of every run and CLI. A model can only be a DeepSpeed engine once DeepSpeed
+is imported; a ZeRO run imports it when accelerate prepares the model. Until then the wrappers are torch's own.
+Likewise FSDP1's: 1 s to import, for a CLI that never meets it.
 """
 from __future__ import annotations
 

@@ -1,15 +1,14 @@
-"""The memory planner: how much memory one training process needs, computed from the model's shapes and the launch's
-layout, without allocating anything.
+"""The memory planner: how much memory one training process needs, from the model's shapes and the launch's layout.
 
-One way inside, each module importing only those before it:
-    launch  -> what a process does with the model (`Launch`, `Shards`), from the run's
-    `training.distributed.layout.Layout`
+Nothing is allocated. Each module imports only those before it:
+    launch  -> what a process does with the model (`Launch`, `Shards`), from the run's `Layout`
     memory  -> the per-process plan of a step and of every phase of a run (`plan_memory`, `plan_run`)
     advice  -> the one setting to change when it does not fit
     render  -> the table
-    cli     -> `train.py --plan` (`exit_after_plan`) and the sizes and device `benchmarks.memory_plan` plans for
-The planner sits above `training/` (it reads the layout, the optimizer plan, the batch geometry and the support
-table there), and nothing in `training/` imports it.
+    cli     -> `train.py --plan` (`exit_after_plan`), and the sizes and device `benchmarks.memory_plan` plans for
+
+The planner sits above `training/`: it reads the layout, the optimizer plan, the batch geometry and the support
+table there. Nothing in `training/` imports it.
 """
 from planner.advice import Spelling, advice, largest_micro_batch, resized, run_advice
 from planner.cli import (

@@ -1,5 +1,6 @@
-"""What to change when a plan does not fit: the largest micro-batch that does, and one line naming the one setting to
-change (a micro-batch the run accepts, FSDP2, activation checkpointing, more devices).
+"""What to change when a plan does not fit: the largest micro-batch that does, and the one setting to change.
+
+The setting is a micro-batch the run accepts, FSDP2, activation checkpointing, or more devices.
 """
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from training.distributed.processes import BatchGeometry
 
 
 def resized(config: GPTConfig, launch: Launch, micro_batch_size: int, processes: int | None = None) -> Launch | None:
-    """`launch` at another micro-batch (and number of processes). With a fixed total batch only a micro-batch the
-    run accepts (`BatchGeometry`'s rule), at the accumulation it gives; None for one the run would refuse."""
+    """`launch` at another micro-batch (and number of processes).
+
+    With a fixed total batch, only a micro-batch the run accepts (`BatchGeometry`'s rule), at its accumulation.
+    None for one the run would refuse."""
     layout = launch.layout if processes is None else replace(launch.layout, world_size=processes)
     if launch.total_batch_size is None:
         return replace(launch, micro_batch_size=micro_batch_size, layout=layout)
@@ -30,10 +33,11 @@ def resized(config: GPTConfig, launch: Launch, micro_batch_size: int, processes:
 
 def largest_micro_batch(config: GPTConfig, launch: Launch, device_bytes: int, limit: int = 1024,
                         process_bytes: int = CPU_PROCESS_BYTES) -> int:
-    """The largest micro-batch (<= limit) that the run accepts and whose plan fits in `device_bytes`; 0 when none
-    does. Every candidate is planned, from the largest down: with a fixed total batch the accumulation changes with
-    the micro-batch (and with it whether the gradients are held between micro-steps), so the peak is not monotone.
-    `process_bytes`: the process's own RSS on a CPU (`plan_memory`'s)."""
+    """The largest micro-batch (<= limit) the run accepts whose plan fits in `device_bytes`; 0 when none does.
+
+    Every candidate is planned, from the largest down: the peak is not monotone. With a fixed total batch, the
+    accumulation changes with the micro-batch. So does whether gradients are held between micro-steps.
+    `process_bytes` is the process's own RSS on a CPU, as `plan_memory` counts it."""
     for micro_batch_size in range(limit, 0, -1):
         candidate = resized(config, launch, micro_batch_size)
         if candidate is not None and plan_memory(config, candidate, process_bytes).fits(device_bytes):
@@ -44,9 +48,10 @@ def largest_micro_batch(config: GPTConfig, launch: Launch, device_bytes: int, li
 
 @dataclass(frozen=True)
 class Spelling:
-    """How an entry point names the settings in its advice, and whether it may advise a sharding engine (`sharding`:
-    not where the plan is for a CPU no such engine runs on, `training.distributed.machine.accelerate_runs_engines`:
-    train.py --plan on a machine without a GPU)."""
+    """How an entry point names the settings in its advice, and whether it may advise a sharding engine.
+
+    `sharding` is False for a CPU that runs no such engine (`machine.accelerate_runs_engines`). That is train.py
+    --plan on a machine without a GPU."""
 
     micro_batch: str = "--micro_batch_size"
     fsdp: str = "--fsdp"
@@ -55,8 +60,9 @@ class Spelling:
     sharding: bool = True
 
     def engine(self, layout: Layout) -> str:
-        """How the advice names the engine of `layout` (a sharded one): FSDP2 by the setting that launches it
-        (`fsdp`), DeepSpeed by its name (the launch keeps its own config)."""
+        """How the advice names the sharded engine of `layout`.
+
+        FSDP2 is named by the setting that launches it (`fsdp`). DeepSpeed is named; the launch keeps its config."""
         return self.fsdp if layout.parallelism.kind == FSDP else layout.describe()
 
 
@@ -117,9 +123,11 @@ def advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: Spell
 
 def _cpu_advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: Spelling, where: str,
                 process_bytes: int) -> str:
-    """What is left to advise a CPU launch that fits at no micro-batch, where no engine shards (`advice`): its
-    processes share this machine's memory (`device_bytes` is each one's share), so more of them bring no more of it,
-    and fewer bring more to each: one process, if it then fits; else more memory than this machine has."""
+    """What is left to advise a CPU launch that fits at no micro-batch, where no engine shards (`advice`).
+
+    Its processes share this machine's memory; `device_bytes` is each one's share. So more processes bring no more
+    memory, and fewer bring more to each. The advice is one process, if it then fits. Else the run needs more
+    memory than this machine has."""
     B, layout = launch.micro_batch_size, launch.layout
     if layout.world_size > 1 and layout.parallelism.model_parallel == 1:
         for checkpointing in (launch.activation_checkpointing, True):
@@ -137,9 +145,10 @@ def _cpu_advice(config: GPTConfig, launch: Launch, device_bytes: int, spelling: 
 
 def run_advice(config: GPTConfig, launch: Launch, run: RunPhases, device_bytes: int,
                spelling: Spelling = Spelling()) -> str | None:
-    """None when every phase of the run fits; else one line naming the phase that decides the peak and the setting
-    that lowers it: the step's own advice (`advice`), a smaller --eval_batch_size for an evaluation, the Hub staging
-    of every checkpoint, or, for the weights themselves (a save, the export), sharding or a larger device."""
+    """None when every phase of the run fits. Else one line: the phase that decides the peak, and what lowers it.
+
+    The step: its own advice (`advice`). An evaluation: a smaller --eval_batch_size. The Hub staging: staging only
+    the final model. A save or the export: the weights themselves decide, so sharding or a larger device."""
     plan = plan_run(config, launch, run)
     if plan.fits(device_bytes):
         return None

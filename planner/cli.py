@@ -1,5 +1,7 @@
-"""The planner at the command line: `python train.py ... --plan` (`exit_after_plan`: the plan of a run's resolved config
-and launch, then exit 0), and the model sizes and the device that `python -m benchmarks.memory_plan` plans for.
+"""The planner at the command line: `python train.py ... --plan`, and what `benchmarks.memory_plan` plans for.
+
+`exit_after_plan` prints the plan of a run's resolved config and launch, then exits 0. The rest names the model
+sizes and the device.
 """
 from __future__ import annotations
 
@@ -35,11 +37,11 @@ def model_config(name: str, block_size: int | None = None) -> GPTConfig:
 
 
 def launch_environment(machine: Machine | None = None) -> dict[str, object]:
-    """What `accelerate launch` tells the processes it starts, beside the layout
-    (`training.distributed.layout.Layout`): how many, the precision, and the device they train on on `machine`
-    (default: this one) as `training.distributed.machine.trains_on` rules: the CPU under a CPU launch (`--cpu`) and on
-    a machine without a GPU, which is where accelerate puts them; "cuda" for an FSDP or DeepSpeed launch there, which
-    trains nowhere here (the run refuses it) and is planned for the GPUs it asks for."""
+    """What `accelerate launch` tells the processes it starts, beside the layout: how many, and the precision.
+
+    Also the device they train on, on `machine` (default: this one), as `machine.trains_on` rules. That is the CPU
+    under a CPU launch (`--cpu`) and on a machine without a GPU, where accelerate puts them. An FSDP or DeepSpeed
+    launch there trains nowhere (the run refuses it). It is planned as "cuda", for the GPUs it asks for."""
     env = os.environ
     asked = Asked.of_environment()
     return {"processes": asked.processes, "per_machine": asked.per_machine,
@@ -54,12 +56,12 @@ def machine_memory() -> int:
 
 
 def device_here(device: str, processes_here: int = 1, why: str = "") -> tuple[int, str]:
-    """The bytes per process a plan for a `device` ("cuda" or "cpu") launch is made against, and a line that says
-    which: this machine's first GPU, else the default 80 GB (a plan for a GPU run is often made on a machine without
-    one, which has no size to read); for a CPU launch, this machine's memory shared by the `processes_here` processes
-    it runs (issue 44: an 80 GB "device" told a 24 GB machine it had 69 GiB to spare), `why` the launch trains on
-    the CPU (issue 55: train.py --plan said "an 80 GB CUDA device" under cpu_2proc.yaml and on a machine without
-    a GPU, where the run trains on the CPU)."""
+    """The bytes per process a plan for a `device` ("cuda" or "cpu") launch is made against, and a line saying which.
+
+    For "cuda": this machine's first GPU, else the default 80 GB. A GPU run is often planned on a machine without
+    one, which has no size to read. For "cpu": this machine's memory, shared by the `processes_here` processes it
+    runs. Issue 44: an 80 GB "device" told a 24 GB machine it had 69 GiB to spare. `why` says why the launch trains
+    on the CPU. Issue 55: train.py --plan said "an 80 GB CUDA device" there, under cpu_2proc.yaml and without a GPU."""
     import torch
 
     if device == "cpu":
@@ -78,10 +80,11 @@ def device_here(device: str, processes_here: int = 1, why: str = "") -> tuple[in
 
 
 def exit_after_plan(cfg):
-    """`python train.py ... --plan`: print the memory plan of this config and launch, every phase of the run
-    (`plan_run`: the step, its evaluations, checkpoint saves, the export), exit 0 before anything is built.
-    Otherwise return `cfg` unchanged. The shapes come from the flags, or from `--init_from` when it names one of
-    GPT-2's sizes; processes, FSDP and precision from the accelerate launch (its environment)."""
+    """`python train.py ... --plan`: print the memory plan of this config and launch, then exit 0.
+
+    The plan has every phase of the run (`plan_run`), and is made before anything is built. Without --plan, `cfg`
+    comes back unchanged. The shapes come from the flags, or from `--init_from` when it names a GPT-2 size. The
+    processes, engine and precision come from the accelerate launch's environment."""
     if not cfg.run.plan:
         return cfg
     model = cfg.model

@@ -1,7 +1,8 @@
-"""What a training process does with the model, as the planner sees it: its batch, its precision, and its layout,
-the run's (`training.distributed.layout.Layout`): its share of the model (`Shards`) is what the layout's engine
-shards, and a launch the run refuses (the layout's checks, `training.distributed.support`'s table) is refused here in
-the run's words.
+"""What a training process does with the model, as the planner sees it: its batch, its precision, its layout.
+
+The layout is the run's (`training.distributed.layout.Layout`). Its share of the model (`Shards`) is what the
+layout's engine shards. A launch the run refuses is refused here in the run's words. The layout's checks and
+`training.distributed.support`'s table decide.
 """
 from __future__ import annotations
 
@@ -26,10 +27,14 @@ DEVICES = ("cuda", "cpu")
 
 @dataclass(frozen=True)
 class Shards:
-    """Over how many processes the parameters, their gradients and the optimizer state are split (each process holds
-    1/n of the term): the data-parallel ranks for a term the engine shards (`Layout.shards_parameters`, ...), else 1.
-    One process and DDP: 1, 1, 1; FSDP2: N, N, N; ZeRO-1: 1, 1, N; ZeRO-2: 1, N, N; ZeRO-3: N, N, N. Every phase of
-    the plan takes these terms from here."""
+    """Over how many processes the parameters, their gradients and the optimizer state are split.
+
+    Each process holds 1/n of a term. n is the data-parallel ranks for a term the engine shards, else 1:
+        one process, DDP: 1, 1, 1
+        FSDP2, ZeRO-3:    N, N, N
+        ZeRO-1:           1, 1, N
+        ZeRO-2:           1, N, N
+    Every phase of the plan takes these terms from here."""
 
     parameters: int = 1
     gradients: int = 1
@@ -48,8 +53,10 @@ class Shards:
 
 @dataclass(frozen=True)
 class Launch:
-    """What a training process does with the model: its batch, its layout (the processes, the engine, the degrees:
-    `Launch(4, Layout(8, Parallelism(FSDP, tensor_parallel=2)))`), its precision."""
+    """What a training process does with the model: its batch, its layout, its precision.
+
+    The layout holds the processes, the engine and the degrees: `Launch(4, Layout(8, Parallelism(FSDP,
+    tensor_parallel=2)))`."""
 
     micro_batch_size: int
     layout: Layout = Layout()
@@ -58,11 +65,11 @@ class Launch:
     dtype: str = "bf16"  # "bf16": accelerate's autocast (fp32 master weights), "fp32": no autocast
     accumulation: int = 1  # micro-steps per optimizer step: above 1 the gradients live through the forward
     device: str = "cuda"  # "cpu" adds the process's own RSS (Python, torch) and AdamW's for-loop temporaries
-    # The tokens of one optimizer step when the run fixes them (train.py --plan): the advice then names only the
-    # micro-batches the run accepts, with the accumulation each gives (`resized`). None: any micro-batch.
+    # The tokens of one optimizer step when the run fixes them (train.py --plan). The advice then names only the
+    # micro-batches the run accepts, each with its accumulation (`resized`). None: any micro-batch.
     total_batch_size: int | None = None
-    # --loss_chunk_rows: the training loss's path (`model.loss`): 0 the full logits, N rows per chunk, None the
-    # device's default (`model.loss.default_loss_chunk_rows`: chunks on the CPU, the full logits on CUDA).
+    # --loss_chunk_rows: the training loss's path (`model.loss`). 0: the full logits. N: rows per chunk.
+    # None: the device's default (`default_loss_chunk_rows`: chunks on the CPU, the full logits on CUDA).
     loss_chunk_rows: int | None = None
     # --grad_clip: 0 lets Muon run under ZeRO (`training.distributed.support`: a refusal that hangs on it)
     grad_clip: float = 1.0
@@ -95,14 +102,16 @@ class Launch:
 
     @property
     def bf16_parameters(self) -> bool:
-        """The forward computes with bf16 parameters (bf16, and an engine that holds them so: `Layout.bf16_parameters`)
-        rather than with autocast's bf16 copies of fp32 parameters."""
+        """The forward computes with bf16 parameters, not with autocast's bf16 copies of fp32 ones.
+
+        That takes bf16 and an engine that holds them so (`Layout.bf16_parameters`)."""
         return self.dtype == "bf16" and self.layout.bf16_parameters
 
     @property
     def fp32_master(self) -> bool:
-        """The module's parameters and gradients stored in bf16 beside an fp32 master copy (bf16, and an engine that
-        keeps one: `Layout.fp32_master`)."""
+        """The module's parameters and gradients are bf16, beside an fp32 master copy.
+
+        That takes bf16 and an engine that keeps one (`Layout.fp32_master`)."""
         return self.dtype == "bf16" and self.layout.fp32_master
 
     def __post_init__(self) -> None:

@@ -1,47 +1,9 @@
 """How much memory one training process needs, computed from the model's shapes: the memory planner.
 
-`plan_memory(GPTConfig, Launch)` adds up, per device, what a step of this project's code holds: the fp32
-parameters, their gradients, the optimizer state (AdamW: two fp32 tensors per parameter; Muon: one momentum
-buffer on the blocks' matrices and AdamW's two on the rest, as `training.optimizers.plan` splits them), DDP's gradient
-buckets, FSDP2's sharding and its unsharded blocks in flight, the bf16 weight copies autocast keeps, the
-activations autograd saves (per layer, from `model.gpt.Block`'s code path) and the loss's tensors, on the launch's
-path (`model.loss`: chunked or the full logits). `benchmarks/memory_plan.py` is its command line; `python train.py
-... --plan` prints it for a run's resolved config (`exit_after_plan`). Everything here is arithmetic: nothing is
-allocated or measured.
-
-What one Block saves for its backward (B x T x C = one "BTC"; a = bytes of an activation: 2 under bf16, 4
-in fp32; r = bytes of the residual stream: fp32 under autocast because the embeddings' sum is fp32, bf16 under
-FSDP2's bf16 parameters), checked against torch's saved-tensor hooks (tests/test_memory_plan.py):
-  the two LayerNorm inputs (the residual stream, 2 x r BTC) and their mean/rstd (4 x 4 BT bytes);
-  c_attn's input (a BTC), its output q, k, v (3a BTC), SDPA's output, which is also c_proj's input (a BTC;
-  flash / memory-efficient SDPA, on CUDA and on the CPU alike, keeps a logsumexp of 4 x B x H x T bytes, never
-  the T x T scores), c_fc's input (a BTC), the GELU's input and output (2 x 4a BTC):  2r + 14a bytes per BTC.
-  Dropout > 0 adds a one-byte mask per element at each of its three places (attention's output, the MLP's
-  output, and once the embeddings) - the attention-probability dropout inside SDPA is not modelled.
-  With activation checkpointing only each block's input (r BTC) is kept, plus one block's full set while it is
-  recomputed in the backward.
-Under tensor parallelism over N ranks (`--tensor_parallel`, `model.tensor_parallel`'s plan) a rank holds 1/N of
-the blocks' matrices and column-wise biases (then FSDP2's share of that over the processes / N groups), and 1/N of
-q, k, v, SDPA's output, the GELU's input and output (12a of the 14a) and the logsumexp; the LayerNorm inputs and
-the two column-wise layers' inputs, the embeddings, the head and the loss stay whole on every rank (the
-evaluations' forwards are planned unsplit: an overestimate).
-The loss, on the path `Launch.loss_rows` names (`model.loss`; the run's --loss_chunk_rows, by default chunks on the
-CPU and the full logits on CUDA):
-  chunked (N rows): it keeps (B*T x C) gradients and a weight-sized one from its forward, with one (N x V) fp32
-  logits buffer while it runs, and under autocast a bf16 chunk of logits and a bf16 weight-gradient product.
-  full logits: F.linear keeps its input for the backward (a BTC: the autocast copy, or the residual stream's own
-  dtype), and with L = B*T x V logits: the forward holds the fp32 upcast and its log-softmax at once (8 L bytes;
-  the bf16 logits, 2 L, are freed by the upcast), keeps the log-softmax (4 L) for the backward, whose start holds
-  it, its gradient and the gradient of the logits (12 L), all fp32; the bf16 gradient and the weight gradient come
-  after, when these are freed. Measured on the CPU with torch.profiler's memory events (fp32 and bf16 autocast:
-  8.0, 4.0 and 12.0 L); `tests/test_memory_plan.py` holds the saved part against autograd's saved tensors.
-  Compiled, inductor fuses the upcast, the softmax and their backward, and keeps less: to be measured on a GPU.
-
-The peak is the largest of three moments: the forward's end (activations + the loss's working set), the
-backward's start (activations + the loss's two gradients and their scaled copies) and the optimizer step
-(parameters + gradients + state + the step's temporaries). It is a plan for eager PyTorch: torch.compile saves
-fewer activations (it recomputes cheap ones), so a compiled run needs less, not more. Allocator slack
-(the CUDA caching allocator's fragmentation, NCCL's buffers, the CUDA context of ~0.5 GiB) is not in it.
+`plan_memory(GPTConfig, Launch)` adds up what one step holds per device, by item and by moment. `plan_run` plans
+each phase of a run beside the step. Everything here is arithmetic: nothing is allocated or measured.
+docs/engines.md ("How the planner counts") derives each item's bytes. `benchmarks/memory_plan.py` is the command
+line; `python train.py ... --plan` prints a run's plan (`exit_after_plan`).
 """
 from __future__ import annotations
 
@@ -59,18 +21,17 @@ from planner.launch import GiB, Launch
 from training.evaluations.registry import EVALUATIONS
 from training.evaluations.spec import EvaluationSpec
 
-# RSS of a CPU process with torch and the project's modules imported and one tiny step run (the kernels' thread
-# pools and workspaces): 0.31 GiB measured on the 2-core EPYC of docs/benchmarks.md, torch 2.13
-# (benchmarks/memory_plan.py --validate measures it again in each process it compares).
+# A CPU process's RSS with torch and the project imported, after one tiny step: its thread pools and workspaces.
+# Measured on docs/benchmarks.md's 2-core EPYC, torch 2.13. `memory_plan.py --validate` measures it in each process.
 CPU_PROCESS_BYTES = int(0.31 * GiB)
-# Kept free on a CUDA device when judging a fit: the CUDA context (~0.5 GiB, with NCCL's buffers ~1 GiB) and the
-# caching allocator's fragmentation (blocks cached but not reusable at another size): 10% of the peak.
+# Kept free on a CUDA device when judging a fit. The context takes ~0.5 GiB, ~1 GiB with NCCL's buffers.
+# The caching allocator's fragmentation (cached blocks not reusable at another size) takes 10% of the peak.
 CUDA_CONTEXT_BYTES = GiB
 ALLOCATOR_SLACK = 0.10
-# The RSS of a train.py process on the CPU beside its tensors: torch, accelerate, the tokenizer, the data and
-# evaluation modules. Measured by benchmarks/bench_run_memory.py (docs/benchmarks.md): a run's resident set between
-# its phases less its parameters and AdamW's state, 0.45 GiB for GPT-2 124M and for `small` alike (2-core EPYC,
-# torch 2.13); each evaluation declares what it adds (`EvaluationSpec.cpu_process_bytes`).
+# A train.py process's RSS on the CPU beside its tensors: torch, accelerate, the tokenizer, data and evaluations.
+# benchmarks/bench_run_memory.py measured it: the RSS between phases less the parameters and AdamW's state.
+# 0.45 GiB for GPT-2 124M and `small` alike (2-core EPYC, torch 2.13). Evaluations add their own
+# (`EvaluationSpec.cpu_process_bytes`).
 TRAIN_PROCESS_BYTES = int(0.45 * GiB)
 # DeepSpeed's default reduce_bucket_size, in elements: ZeRO-1 and 2 reduce the gradients through buckets this large.
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000
@@ -81,9 +42,9 @@ DEEPSPEED_BUCKET_ELEMENTS = 500_000_000
 class ParamCounts:
     """The model's parameters by where they go (a tied weight once)."""
 
-    block_matrices: int  # the 2-D weights inside the transformer blocks (Muon's, with --optimizer muon)
+    block_matrices: int  # the blocks' 2-D weights (Muon's, with --optimizer muon)
     block_vectors: int  # the blocks' biases and LayerNorm weights
-    embeddings: int  # token (padded vocabulary, tied to the output layer) and position embeddings
+    embeddings: int  # token (padded vocabulary, tied to the head) and position embeddings
     final_norm: int  # ln_f
 
     @property
@@ -100,8 +61,8 @@ class ParamCounts:
 
     @classmethod
     def per_stage(cls, config: GPTConfig, parallelism: Parallelism, stage: int) -> ParamCounts:
-        """What pipeline stage `stage` of `parallelism`'s holds (`model.pipeline`): its blocks; the embeddings on the
-        first; ln_f and the tied output layer's copy of the token embedding on the last."""
+        """What pipeline stage `stage` holds (`model.pipeline`): its blocks. The first also holds the embeddings.
+        The last holds ln_f and the tied output layer's copy of the token embedding."""
         whole, stages = cls.of(config), parallelism.pipeline_parallel
         share = len(stage_blocks(config.n_layer, stages)[stage]) / config.n_layer
         first, last = stage == 0, stage == stages - 1
@@ -112,8 +73,8 @@ class ParamCounts:
 
     @classmethod
     def per_rank(cls, config: GPTConfig, parallelism: Parallelism) -> ParamCounts:
-        """What one rank of a tensor-parallel group holds (`model.tensor_parallel`'s plan): 1/degree of the blocks'
-        matrices and of the column-wise layers' biases (c_attn's 3C, c_fc's 4C), the rest whole."""
+        """What one rank of a tensor-parallel group holds (`model.tensor_parallel`'s plan). It holds 1/degree of the
+        blocks' matrices and of the column-wise biases (c_attn's 3C, c_fc's 4C), the rest whole."""
         whole, tensor_parallel = cls.of(config), parallelism.tensor_parallel
         if tensor_parallel == 1:
             return whole
@@ -140,7 +101,7 @@ class MemoryPlan:
     params: ParamCounts
     activation_per_layer: int  # saved for the backward by one Block (without checkpointing)
     by_moment: dict[str, list[Item]] = field(default_factory=dict)  # what each moment holds, in table order
-    stage: int | None = None  # the pipeline stage planned (the fuller one), None without pipeline parallelism
+    stage: int | None = None  # the pipeline stage planned (the fuller one); None without a pipeline
 
     @property
     def moments(self) -> dict[str, int]:
@@ -177,7 +138,7 @@ class MemoryPlan:
 
 
 def activation_bytes_per_layer(config: GPTConfig, launch: Launch) -> int:
-    """What one Block saves for its backward, in bytes (the module docstring lists each tensor)."""
+    """What one Block saves for its backward, in bytes (docs/engines.md lists each tensor)."""
     B, T, C, H = launch.micro_batch_size, config.block_size, config.n_embd, config.n_head
     a = 2 if launch.dtype == "bf16" else 4
     r = _residual_bytes(launch)
@@ -196,113 +157,169 @@ def _residual_bytes(launch: Launch) -> int:
 
 
 def _compute_param_bytes(launch: Launch) -> int:
-    """Bytes of a parameter as the forward uses it: FSDP2 all-gathers bf16 copies (accelerate's
-    MixedPrecisionPolicy(param_dtype=bf16)); otherwise the fp32 parameter itself."""
+    """Bytes of a parameter as the forward uses it. FSDP2 all-gathers bf16 copies (accelerate's
+    MixedPrecisionPolicy(param_dtype=bf16)); otherwise it is the fp32 parameter itself."""
     return 2 if launch.bf16_parameters else 4
+
+
+
+@dataclass(frozen=True)
+class _Share:
+    """The part of the model one process's step holds: a tensor-parallel rank's, or a pipeline stage's."""
+
+    counts: ParamCounts  # its parameters
+    layers: int  # its blocks
+    in_flight: int  # the micro-batches whose activations it holds at once (1F1B)
+    last: bool  # it computes the loss (one process, or the last stage)
+
+    @classmethod
+    def of(cls, config: GPTConfig, launch: Launch, stage: int | None) -> _Share:
+        parallelism = launch.layout.parallelism
+        if stage is None:
+            return cls(ParamCounts.per_rank(config, parallelism), config.n_layer, 1, True)
+        stages = parallelism.pipeline_parallel
+        return cls(ParamCounts.per_stage(config, parallelism, stage), len(stage_blocks(config.n_layer, stages)[stage]),
+                   min(stages - stage, launch.accumulation), stage == stages - 1)
+
+    @property
+    def root_params(self) -> int:
+        """FSDP2's root unit: the embeddings and ln_f."""
+        return self.counts.embeddings + self.counts.final_norm
+
+    @property
+    def block_params(self) -> int:
+        return (self.counts.block_matrices + self.counts.block_vectors) // self.layers
 
 
 
 def plan_memory(config: GPTConfig, launch: Launch, process_bytes: int = CPU_PROCESS_BYTES,
                 stage: int | None = None) -> MemoryPlan:
-    """The per-process peak of a training step of `config` under `launch`, by item (see the module docstring).
-    `process_bytes`: the process's own RSS on a CPU (a bare step's by default; `plan_run` gives train.py's).
-    Under pipeline parallelism, the plan of the fuller of the first stage (the embeddings, and under 1F1B the
-    activations of as many micro-batches in flight as there are stages) and the last (the loss, the output layer's
-    copy); `stage`: that stage's plan."""
-    layout, parallelism = launch.layout, launch.layout.parallelism
-    stages = parallelism.pipeline_parallel
+    """The per-process peak of a training step of `config` under `launch`, by item and moment.
+
+    `process_bytes` is the process's own RSS on a CPU: a bare step's by default, train.py's from `plan_run`.
+    Under pipeline parallelism it plans the fuller of the first and the last stage; `stage` plans that one."""
+    parallelism = launch.layout.parallelism
     if parallelism.pipelined and stage is None:
-        return max((plan_memory(config, launch, process_bytes, s) for s in (0, stages - 1)), key=lambda p: p.peak)
-    tp = parallelism.tensor_parallel
-    if (problem := split_problem(config.n_head, config.n_embd, tp)) is not None:
-        raise UserError(f"tensor parallel {tp} cannot split this model: {problem}; plan a degree that divides n_head")
-    counts = ParamCounts.per_rank(config, parallelism) if stage is None else \
-        ParamCounts.per_stage(config, parallelism, stage)
-    P = counts.total
-    shards = launch.shards
-    B, T, C, V = launch.micro_batch_size, config.block_size, config.n_embd, config.padded_vocab_size
-    L = config.n_layer if stage is None else len(stage_blocks(config.n_layer, stages)[stage])
-    in_flight = 1 if stage is None else min(stages - stage, launch.accumulation)  # 1F1B's micro-batches held
-    last = stage is None or stage == stages - 1
-    bf16 = launch.dtype == "bf16"
-    pc = _compute_param_bytes(launch)
-    btc = B * T * C
-
-    params, grads, state = _weights_and_state(counts, launch)
-    static = [params, state]
-    if layout.full_replicas:
-        static.append(Item("DDP gradient buckets", 4 * P, "a flat copy of the gradients for the all-reduce"))
-    if layout.reduces_in_buckets:
-        static.append(Item("DeepSpeed reduce buckets", pc * min(P, DEEPSPEED_BUCKET_ELEMENTS),
-                           f"its reduce_bucket_size ({DEEPSPEED_BUCKET_ELEMENTS:.0e} elements by default)"))
-    block_params = (counts.block_matrices + counts.block_vectors) // L
-    root_params = counts.embeddings + counts.final_norm
-    if layout.shards_parameters:
-        static.append(Item(f"{layout.sharding_name} unsharded in flight",
-                           pc * (root_params + 2 * block_params),
-                           "embeddings and ln_f (the root) + 2 blocks (this one and the prefetched one)"))
-    elif bf16 and not launch.bf16_parameters:
-        static.append(Item("bf16 weight copies", 2 * (counts.block_matrices + (V * C if last else 0)),
-                           "autocast's casts of the matrices, kept for the backward"))
-    if launch.accumulation > 1:
-        static.append(replace(grads, note=grads.note + ", kept between micro-steps"))
-
-    per_layer = activation_bytes_per_layer(config, launch)
-    r = _residual_bytes(launch)
-    final_norm_input = btc * r + 8 * B * T if last else 0
-    flight = f" x {in_flight} micro-batches in flight (1F1B)" if in_flight > 1 else ""
-    if launch.activation_checkpointing:
-        activations = Item("activations", in_flight * (L * btc * r + final_norm_input) + per_layer,
-                           f"checkpointed: {L} block inputs of {format_gib(btc * r)}{flight} + one block recomputed "
-                           f"({format_gib(per_layer)})")
-    else:
-        dropout = btc if config.dropout > 0 else 0
-        activations = Item("activations", in_flight * (L * per_layer + final_norm_input + dropout),
-                           f"{L} layers x {format_gib(per_layer)}" + (" + the final LayerNorm's input" if last else "")
-                           + flight)
-    if launch.loss_rows:  # the chunked loss
-        weight_grad = (2 if launch.bf16_parameters else 4) * V * C  # the loss's output-layer gradient, in wte's dtype
-        rows = min(B * T, launch.loss_rows)
-        autocast_temps = 2 * rows * V + 2 * V * C if bf16 else 0  # bf16 logits and weight-gradient products
-        loss_forward = 4 * rows * V + 8 * btc + weight_grad + autocast_temps if last else 0  # the last stage's
-        loss_backward = 8 * btc + 2 * weight_grad if last else 0  # its saved gradients and their scaled copies
-        loss_name, forward_note = "loss (chunked)", f"a {rows} x {V} fp32 logits buffer, its gradients"
-        backward_note = "its two gradients, scaled"
-    else:  # the full logits: the module docstring's accounting
-        logits, matmul_input = B * T * V, (2 if bf16 else 4) * btc
-        loss_forward = 8 * logits + matmul_input if last else 0
-        loss_backward = 12 * logits + matmul_input if last else 0
-        loss_name, forward_note = "loss (full logits)", f"the fp32 {B * T} x {V} logits and their log-softmax"
-        backward_note = "the log-softmax, its gradient and the logits' gradient, fp32"
-    fsdp_grads_in_flight = pc * (root_params + block_params) if layout.shards_parameters else 0
-
+        ends = (0, parallelism.pipeline_parallel - 1)
+        return max((plan_memory(config, launch, process_bytes, s) for s in ends), key=lambda p: p.peak)
+    _check_split(config, parallelism.tensor_parallel)
+    share = _Share.of(config, launch, stage)
+    weights = _weights_and_state(share.counts, launch)
+    held = _held_through_the_step(config, launch, share, *weights)
+    activations = _activations(config, launch, share)
+    loss_forward, loss_backward = _loss(config, launch, share)
     moments: dict[str, list[Item]] = {
-        "forward's end": [*static, activations] + ([Item(loss_name, loss_forward, forward_note)] if last else []),
-        "backward's start": [*static, activations]
-                            + ([Item(loss_name, loss_backward, backward_note)] if last else [])
-                            + ([Item("unsharded gradients", fsdp_grads_in_flight,
-                                     "the root's and one block's, before their reduce-scatter")]
-                               if layout.shards_parameters else []),
-        "optimizer step": [params, grads, state] + [i for i in static if i.name in
-                                                     ("DDP gradient buckets", "DeepSpeed reduce buckets")]
-                          + _whole_matrix(config, launch) + _stacked_newton_schulz(config, launch, L)
-                          + ([Item("step temporaries", 2 * 4 * V * C // shards.optimizer_state,
-                                   "AdamW's for-loop on the CPU: 2 copies of the largest parameter")]
-                             if launch.device == "cpu" else []),
+        "forward's end": [*held, activations, *loss_forward],
+        "backward's start": [*held, activations, *loss_backward, *_unsharded_gradients(launch, share)],
+        "optimizer step": _optimizer_step(config, launch, share, weights, held),
     }
     if launch.device == "cpu":
         for items in moments.values():
             items.append(_process_item(process_bytes))
-    return MemoryPlan(config, launch, counts, per_layer, moments, stage)
+    return MemoryPlan(config, launch, share.counts, activation_bytes_per_layer(config, launch), moments, stage)
+
+
+def _check_split(config: GPTConfig, tp: int) -> None:
+    """Refuse a tensor-parallel degree that cannot split this model, in the run's words."""
+    if (problem := split_problem(config.n_head, config.n_embd, tp)) is not None:
+        raise UserError(f"tensor parallel {tp} cannot split this model: {problem}; plan a degree that divides n_head")
+
+
+def _held_through_the_step(config: GPTConfig, launch: Launch, share: _Share, params: Item, grads: Item,
+                           state: Item) -> list[Item]:
+    """What the forward and the backward hold beside the activations and the loss.
+
+    They are the weights and optimizer state, the engine's buffers, autocast's weight copies, and the gradients kept
+    between micro-steps."""
+    layout, counts = launch.layout, share.counts
+    P, pc = counts.total, _compute_param_bytes(launch)
+    held = [params, state]
+    if layout.full_replicas:
+        held.append(Item("DDP gradient buckets", 4 * P, "a flat copy of the gradients for the all-reduce"))
+    if layout.reduces_in_buckets:
+        held.append(Item("DeepSpeed reduce buckets", pc * min(P, DEEPSPEED_BUCKET_ELEMENTS),
+                         f"its reduce_bucket_size ({DEEPSPEED_BUCKET_ELEMENTS:.0e} elements by default)"))
+    if layout.shards_parameters:
+        held.append(Item(f"{layout.sharding_name} unsharded in flight",
+                         pc * (share.root_params + 2 * share.block_params),
+                         "embeddings and ln_f (the root) + 2 blocks (this one and the prefetched one)"))
+    elif launch.dtype == "bf16" and not launch.bf16_parameters:
+        head = config.padded_vocab_size * config.n_embd if share.last else 0
+        held.append(Item("bf16 weight copies", 2 * (counts.block_matrices + head),
+                         "autocast's casts of the matrices, kept for the backward"))
+    if launch.accumulation > 1:
+        held.append(replace(grads, note=grads.note + ", kept between micro-steps"))
+    return held
+
+
+def _activations(config: GPTConfig, launch: Launch, share: _Share) -> Item:
+    """What autograd saves for the backward: every layer's tensors, or only each block's input when checkpointed."""
+    B, T = launch.micro_batch_size, config.block_size
+    btc = B * T * config.n_embd
+    per_layer = activation_bytes_per_layer(config, launch)
+    r = _residual_bytes(launch)
+    L, in_flight = share.layers, share.in_flight
+    final_norm_input = btc * r + 8 * B * T if share.last else 0
+    flight = f" x {in_flight} micro-batches in flight (1F1B)" if in_flight > 1 else ""
+    if launch.activation_checkpointing:
+        return Item("activations", in_flight * (L * btc * r + final_norm_input) + per_layer,
+                    f"checkpointed: {L} block inputs of {format_gib(btc * r)}{flight} + one block recomputed "
+                    f"({format_gib(per_layer)})")
+    dropout = btc if config.dropout > 0 else 0
+    return Item("activations", in_flight * (L * per_layer + final_norm_input + dropout),
+                f"{L} layers x {format_gib(per_layer)}" + (" + the final LayerNorm's input" if share.last else "")
+                + flight)
+
+
+def _loss(config: GPTConfig, launch: Launch, share: _Share) -> tuple[list[Item], list[Item]]:
+    """The loss's item at the forward's end and at the backward's start, on the launch's path.
+
+    Only the last stage computes the loss."""
+    if not share.last:
+        return [], []
+    B, T, C, V = launch.micro_batch_size, config.block_size, config.n_embd, config.padded_vocab_size
+    btc, bf16 = B * T * C, launch.dtype == "bf16"
+    if launch.loss_rows:  # the chunked loss
+        weight_grad = (2 if launch.bf16_parameters else 4) * V * C  # the loss's output-layer gradient, in wte's dtype
+        rows = min(B * T, launch.loss_rows)
+        autocast_temps = 2 * rows * V + 2 * V * C if bf16 else 0  # bf16 logits and weight-gradient products
+        return ([Item("loss (chunked)", 4 * rows * V + 8 * btc + weight_grad + autocast_temps,
+                      f"a {rows} x {V} fp32 logits buffer, its gradients")],
+                [Item("loss (chunked)", 8 * btc + 2 * weight_grad, "its two gradients, scaled")])
+    logits, matmul_input = B * T * V, (2 if bf16 else 4) * btc  # the full logits
+    return ([Item("loss (full logits)", 8 * logits + matmul_input, f"the fp32 {B * T} x {V} logits and their "
+                  "log-softmax")],
+            [Item("loss (full logits)", 12 * logits + matmul_input,
+                  "the log-softmax, its gradient and the logits' gradient, fp32")])
+
+
+def _unsharded_gradients(launch: Launch, share: _Share) -> list[Item]:
+    """FSDP2's and ZeRO-3's gradients at the backward's start: the root's and one block's, not yet reduce-scattered."""
+    if not launch.layout.shards_parameters:
+        return []
+    return [Item("unsharded gradients", _compute_param_bytes(launch) * (share.root_params + share.block_params),
+                 "the root's and one block's, before their reduce-scatter")]
+
+
+def _optimizer_step(config: GPTConfig, launch: Launch, share: _Share, weights: tuple[Item, Item, Item],
+                    held: list[Item]) -> list[Item]:
+    """What the optimizer step holds: the weights, their gradients and state, the engine's buckets, Muon's work.
+
+    On a CPU, AdamW's for-loop temporaries too."""
+    buckets = [i for i in held if i.name in ("DDP gradient buckets", "DeepSpeed reduce buckets")]
+    temporaries = [Item("step temporaries", 2 * 4 * config.padded_vocab_size * config.n_embd
+                        // launch.shards.optimizer_state,
+                        "AdamW's for-loop on the CPU: 2 copies of the largest parameter")] \
+        if launch.device == "cpu" else []
+    return [*weights, *buckets, *_whole_matrix(config, launch), *_stacked_newton_schulz(config, launch, share.layers),
+            *temporaries]
 
 
 
 def _whole_matrix(config: GPTConfig, launch: Launch) -> list[Item]:
-    """Muon where the matrices are DTensors (FSDP2, tensor parallelism included): the largest matrix (c_fc's 4C x C)
-    gathered whole, its momentum-mixed update and Newton-Schulz's working copies (the iterate, its Gram matrix, the
-    polynomial and the product: 4 of its size, fp32 at most), one matrix at a time. Under ZeRO, DeepSpeed's Muon
-    (`training.optimizers.muon_deepspeed`) orthogonalises each whole gradient as it fills the partitions: the same
-    allowance (its Gram iteration's working copies are no larger)."""
+    """Muon's working set where the matrices are DTensors (FSDP2, tensor parallelism) or under ZeRO.
+
+    It is the largest matrix, gathered whole, and Newton-Schulz's 4 working copies of it (docs/engines.md)."""
     zero = launch.layout.one_client_optimizer
     if not launch.optimizer_spec.whole_matrices or not (launch.layout.dtensor_matrices or zero):
         return []
@@ -313,12 +330,10 @@ def _whole_matrix(config: GPTConfig, launch: Launch) -> list[Item]:
 
 
 def _stacked_newton_schulz(config: GPTConfig, launch: Launch, layers: int) -> list[Item]:
-    """Muon on whole matrices (one process, DDP, a pipeline stage): the matrices of one shape are orthogonalised
-    together (`training.optimizers.muon_optimizer.Muon`), one shape at a time, the largest (c_fc's 4C x C, or
-    mlp.c_proj's, one per layer) the peak. Of its `layers` matrices a rank orthogonalises its share (all of them, or
-    split over the data-parallel ranks: ceil(layers / ranks)), then gathers the rest. The larger of the iteration
-    (the share's fp32 update stack, the iterate and its next value in the Newton-Schulz dtype: 2 bytes on a GPU, 4
-    at most on a CPU, and two C x C products per matrix) and the gather (the share's result and every matrix's)."""
+    """Muon's working set on whole matrices (one process, DDP, a pipeline stage): one shape's matrices at once.
+
+    A rank orthogonalises its share of the `layers` matrices, then gathers the rest. The plan is the larger of
+    the iteration and the gather (docs/engines.md, "How the planner counts")."""
     if not launch.optimizer_spec.whole_matrices or launch.layout.shards_optimizer_state:
         return []
     ranks = launch.layout.data_parallel_size
@@ -338,9 +353,9 @@ def _process_item(process_bytes: int) -> Item:
 
 
 def _weights_and_state(counts: ParamCounts, launch: Launch) -> tuple[Item, Item, Item]:
-    """This process's parameters, gradients and optimizer state, each split as `launch.shards` says: fp32, but with
-    an fp32 master copy (DeepSpeed's bf16) the module's parameters and gradients are bf16 and the optimizer keeps
-    the copy."""
+    """This process's parameters, gradients and optimizer state, each split as `launch.shards` says.
+
+    They are fp32. With an fp32 master copy (DeepSpeed's bf16) the module's are bf16, and the optimizer keeps it."""
     P, shards = counts.total, launch.shards
     low = launch.fp32_master
     size, dtype = (2, "bf16") if low else (4, "fp32")
@@ -359,12 +374,12 @@ def _weights_and_state(counts: ParamCounts, launch: Launch) -> tuple[Item, Item,
 
 @dataclass(frozen=True)
 class RunPhases:
-    """What a run does besides its steps, as far as its memory goes (train.py's evaluation and saving settings)."""
+    """What a run does besides its steps, as far as memory goes: train.py's evaluation and saving settings."""
 
     eval_batch_size: int  # validation windows (of block_size tokens) or HellaSwag items per evaluation forward
-    # the registered evaluations that run (`training.evaluations`), in the registry's order; validation always does
+    # The registered evaluations that run (`training.evaluations`), in the registry's order. Validation always runs.
     evaluations: tuple[str, ...] = ("validation",)
-    hub_staging: bool = False  # --push_to_hub with --hub_push_every: a checkpoint converted on the main process
+    hub_staging: bool = False  # --push_to_hub with --hub_push_every: checkpoints converted on the main process
 
     def __post_init__(self) -> None:
         if self.eval_batch_size < 1:
@@ -375,8 +390,8 @@ class RunPhases:
     @classmethod
     def of_flags(cls, cfg: EvalConfig, parsed: Mapping[str, Any] | None = None, hub_staging: bool = False
                  ) -> RunPhases:
-        """The phases a run with these evaluation flags goes through: the shared group, and each evaluation's own
-        among `parsed` (`TrainConfig.added`; left out: their defaults)."""
+        """The phases a run with these evaluation flags goes through. `cfg` is the shared group. Each evaluation's
+        own flags are among `parsed` (`TrainConfig.added`); without them, their defaults."""
         parsed = parsed or {}
         return cls(cfg.eval_batch_size, tuple(name for name, spec in EVALUATIONS.items()
                                               if spec.every(spec.flags_in(parsed))), hub_staging)
@@ -389,8 +404,9 @@ class RunPhases:
 
 @dataclass(frozen=True)
 class RunPlan:
-    """Each phase of a run (the step, validation, HellaSwag, a checkpoint save, the export): what one process holds
-    at that phase's peak. The run's peak is the largest; `phase` names it, `settings` the flag that lowers each."""
+    """What one process holds at each phase's peak: the step, each evaluation, a checkpoint save, the export.
+
+    The run's peak is the largest phase's; `phase` names it. `settings` names the flag that lowers each phase."""
 
     step: MemoryPlan
     by_phase: dict[str, list[Item]]  # every phase but the step, in the run's order
@@ -424,12 +440,9 @@ class RunPlan:
 
 
 def evaluation_bytes(config: GPTConfig, launch: Launch, rows: int, tokens: int) -> int:
-    """What a no-grad evaluation forward of `rows` x `tokens` adds to what the process already holds: the larger of
-    a block's live tensors (15 x rows x tokens x n_embd: the residual stream in and out, the q/k/v projection the
-    block still holds, the second LayerNorm's output, the MLP's 4C-wide input and GELU output, its output) and the
-    chunked loss's working set (its logits buffer, a weight-sized fp32 copy of the output layer and 4 of those
-    tensors): measured with every tensor mmapped (docs/benchmarks.md), fp32; under bf16 autocast planned with the
-    same counts at 2 bytes, the residual stream at 4."""
+    """What a no-grad evaluation forward of `rows` x `tokens` adds to what the process holds.
+
+    It is the larger of a block's live tensors and the chunked loss's working set (docs/engines.md)."""
     a = 2 if launch.dtype == "bf16" else 4
     btc = rows * tokens * config.n_embd
     block = btc * (2 * 4 + 13 * a)
@@ -440,28 +453,18 @@ def evaluation_bytes(config: GPTConfig, launch: Launch, rows: int, tokens: int) 
 
 
 def run_process_bytes(launch: Launch, run: RunPhases) -> int:
-    """train.py's own process RSS beside its tensors on a CPU (`TRAIN_PROCESS_BYTES` and what each evaluation it
-    scores adds); 0 on CUDA, where the process's host memory is not the device's."""
+    """train.py's own RSS beside its tensors on a CPU: `TRAIN_PROCESS_BYTES` plus each evaluation's share.
+
+    0 on CUDA, where the process's host memory is not the device's."""
     return TRAIN_PROCESS_BYTES + sum(spec.cpu_process_bytes for spec in run.specs) if launch.device == "cpu" else 0
 
 
 def plan_run(config: GPTConfig, launch: Launch, run: RunPhases) -> RunPlan:
-    """The peak of each phase of a run of `config` under `launch` (see `RunPlan`); on a CPU with train.py's own
-    process RSS (`TRAIN_PROCESS_BYTES`, and what each evaluation it scores adds: `cpu_process_bytes`).
+    """The peak of each phase of a run of `config` under `launch` (see `RunPlan`).
 
-    Between steps a process keeps its parameters, the optimizer state and DDP's buckets (gradients are freed by
-    `zero_grad(set_to_none=True)`). Evaluations add `evaluation_bytes` to that, each at the forward it declares
-    (`EvaluationSpec.planned`: validation at `eval_batch_size` windows of block_size tokens, HellaSwag at 4 rows,
-    its endings, per item). A checkpoint save
-    first checks the weights on one window (`Checkpointer`'s health check); its writers copy nothing
-    (safetensors and torch.save write from the tensors). The export follows the last save, which holds the optimizer
-    state, so that state is freed first (`training.optimizers.plan.release_optimizer_state`): it holds the weights and,
-    on the
-    main process, the file's transposed block matrices (GPT-2's Conv1D layout) - on a CPU; on CUDA these are host
-    copies. The Hub staging of a checkpoint loads it into a second model on the main process, and transposes too.
-    Under pipeline parallelism the plan is the fuller stage's (`plan_memory`), and a checkpoint save and the export
-    gather the whole model (with the optimizer state for a save) on the main process's host memory, where its
-    files are written (`training.distributed.pipeline`)."""
+    Between steps a process keeps its weights, the optimizer state and DDP's buckets. Each phase adds to that.
+    docs/engines.md ("How the planner counts") says what each adds. On a CPU each phase counts train.py's own RSS
+    (`TRAIN_PROCESS_BYTES`), and what each evaluation it scores adds (`cpu_process_bytes`)."""
     process = run_process_bytes(launch, run)
     step = plan_memory(config, launch, process)
     counts = step.params
@@ -483,7 +486,7 @@ def plan_run(config: GPTConfig, launch: Launch, run: RunPhases) -> RunPlan:
         settings[spec.name] = "--eval_batch_size"
     host = launch.device == "cpu"
     gathered = []
-    if launch.layout.parallelism.pipelined:  # the whole model's files, gathered on the main process's host memory
+    if launch.layout.parallelism.pipelined:  # the whole model's files, gathered in the main process's host memory
         whole = ParamCounts.of(config).total
         state = launch.optimizer_spec.state_bytes_of(whole, ParamCounts.of(config).block_matrices)
         gathered = [Item("gathered whole model", (4 * whole + state)

@@ -97,11 +97,11 @@ def test_hand_computed_gpt2_xl_plan():
 
 
 def test_hand_computed_loss_paths():
-    """gpt2, micro-batch 8 x 1024, bf16 autocast, one process: the loss's item on each path, by hand (the module
-    docstring's accounting). Chunked, N rows: the N x V fp32 buffer, its bf16 copy, the hidden states' gradient and
-    a weight-sized one, the bf16 weight-gradient product. Full logits (L = 8,192 x 50,304): the forward's fp32 upcast
-    and log-softmax (8 L) and the matmul's bf16 input, the backward's log-softmax, its gradient and the logits'
-    gradient (12 L). The default is the chunked loss on a CPU, the full logits on CUDA.
+    """gpt2, micro-batch 8 x 1024, bf16 autocast, one process: the loss's item on each path, by hand
+    (docs/engines.md, "How the planner counts"). Chunked, N rows: the N x V fp32 buffer, its bf16 copy, the hidden
+    states' gradient and a weight-sized one, the bf16 weight-gradient product. Full logits (L = 8,192 x 50,304):
+    the forward's fp32 upcast and log-softmax (8 L) and the matmul's bf16 input, the backward's log-softmax, its
+    gradient and the logits' gradient (12 L). The default is the chunked loss on a CPU, the full logits on CUDA.
 
     A negative `--loss_chunk_rows` is refused in one line; the full path's saved tensors are checked by
     `test_activations_are_what_autograd_saves`, the presets' fit on their path by
