@@ -314,11 +314,11 @@ EPOCH_FLAGS = {"num_train_epochs", "epochs", "num_epochs", "n_epochs", "max_epoc
 def _epochs_hint(flag: str, value: str | None, cfg: TrainConfig) -> str:
     """The line for `flag value` (an epoch count): --max_steps, and one epoch of the run's data in steps at its
     flags, counted by the loader the run would build (a streamed Hub dataset has no size ahead)."""
-    from data.source import HubStream, open_source
+    from data.source import open_source
 
     line = f"{flag}{' ' + value if value else ''}: train.py counts optimizer steps, not epochs; pass --max_steps: "
     source, block, total = open_source(cfg.data), cfg.model.block_size, cfg.training.total_batch_size
-    if isinstance(source, HubStream):
+    if not source.sized_ahead:
         return line + ("the size of a streamed Hub dataset is not known ahead (`python -m data.prepare` counts its "
                        "tokens: an epoch is those tokens / --total_batch_size steps)")
     loader = source.train_loader(block_size=block, micro_batch_size=1, rank=0, world_size=1, seed=cfg.training.seed)

@@ -82,6 +82,7 @@ class DataSource(ABC):
     val_tokens: int
 
     masked_targets: ClassVar[bool] = False  # whether targets may be IGNORE (prompt/completion data)
+    sized_ahead: ClassVar[bool] = True  # whether its loader knows its size before reading it all (not a stream)
     held_out: ClassVar[str]  # which part validates, as the run header and the small-split advice say it
 
     @abstractmethod
@@ -247,6 +248,7 @@ class HubStream(TokenSource):
     revision: str | None = None
 
     held_out: ClassVar[str] = f"its first {VAL_DOCS:,} documents"
+    sized_ahead: ClassVar[bool] = False
 
     @property
     def hub_id(self) -> str:
