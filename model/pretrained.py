@@ -30,7 +30,7 @@ from common.run_dir import DEEPSPEED_DIR, FSDP_MODEL_DIR, GPT_CONFIG, RUN_STATE
 from common.weights import Kind, Weights, resolve_weights
 from data.hf_tokenizer import save_tokenizer
 from data.tokenizer import EOT_ID, N_VOCAB
-from model.config import GPTConfig
+from model.config import TIED, TIED_OUTPUT, GPTConfig
 from model.state_dict_adapter import (
     config_from_hf,
     config_to_hf,
@@ -191,8 +191,8 @@ def build(cls: type[torch.nn.Module], config: GPTConfig, state: dict[str, torch.
     # Built on the meta device: random init of gpt2-xl's 1.5B weights would be wasted work.
     with torch.device("meta"):
         model = cls(config)
-    expected = {k: v.shape for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    state.pop("lm_head.weight", None)  # tied: it is wte
+    expected = {k: v.shape for k, v in model.state_dict().items() if k != TIED_OUTPUT}
+    state.pop(TIED_OUTPUT, None)  # tied: it is TIED
     missing, unexpected = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
     if missing or unexpected:
         raise UserError(
@@ -203,7 +203,7 @@ def build(cls: type[torch.nn.Module], config: GPTConfig, state: dict[str, torch.
     if wrong:
         raise UserError(f"{source}: weights do not match its config ({wrong[0]}); the folder is inconsistent")
     state = {k: v.float().contiguous() for k, v in state.items()}
-    state["lm_head.weight"] = state["transformer.wte.weight"]
+    state[TIED_OUTPUT] = state[TIED]
     model.load_state_dict(state, strict=True, assign=True)
     model.lm_head.weight = model.transformer.wte.weight  # assign=True replaced wte: tie again
     return model

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 
 from common.errors import UserError
-from training.distributed.pipeline import TIED
+from model.config import TIED, TIED_OUTPUT
 
-_TIED_PAIR = {TIED: "lm_head.weight", "lm_head.weight": TIED}
+_TIED_PAIR = {TIED: TIED_OUTPUT, TIED_OUTPUT: TIED}
 
 
 @dataclass
