@@ -142,17 +142,16 @@ def resolve_weights(spec: str | Path, revision: str | None = None, *, download: 
 
 def _local(path: Path, spec: str) -> Weights:
     """The weights in an existing local folder: a checkpoint, an HF folder, or a run's newest weights."""
+    run = RunDir.holding(path)
     if (path / GPT_CONFIG).is_file():
-        run = RunDir(path.parent.parent) if _in_checkpoints(path) else None
         if (problem := damage(path, weights_file)) is not None:
             raise UserError(f"{problem}; {_intact_instead(path, run)}")
         if (path / ADAPTER_CONFIG).is_file():
             return Weights(Kind.LORA_CHECKPOINT, spec, path, run, base=_lora_base(path))
         return Weights(Kind.CHECKPOINT, spec, path, run)
     if (path / CONFIG_NAME).is_file():
-        run = RunDir(path.parent)
-        return Weights(Kind.HF_FOLDER, spec, path, run if path == run.final else None)
-    if _in_checkpoints(path):
+        return Weights(Kind.HF_FOLDER, spec, path, run if run is not None and path == run.final else None)
+    if run is not None and checkpoint_step(path) is not None:
         raise UserError(f"{path} is not a complete checkpoint (no {GPT_CONFIG}); pick another one")
     run = RunDir(path)
     if run.looks_like_run():
@@ -179,11 +178,6 @@ def _intact_instead(checkpoint: Path, run: RunDir | None) -> str:
     if run.has_final():
         return f"the run's final weights are intact: pass {run.final} instead"
     return f"no earlier checkpoint of {run.path} is intact: restore the file from a copy, or train anew"
-
-
-def _in_checkpoints(path: Path) -> bool:
-    """True for a `step_N` folder inside a run's `checkpoints/`."""
-    return checkpoint_step(path) is not None and path.parent == RunDir(path.parent.parent).checkpoints
 
 
 def _lora_base(checkpoint: Path) -> Weights:

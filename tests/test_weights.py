@@ -89,6 +89,16 @@ def test_a_checkpoint_knows_its_run_and_step(tmp_path):
     assert (alone.kind, alone.run, alone.step) == (Kind.CHECKPOINT, None, None)
 
 
+def test_the_run_folder_of_a_checkpoint_or_a_final_is_asked_of_one_object(tmp_path):
+    """`RunDir.holding`: the one place that knows which run a checkpoint or a final/ belongs to (weights, the resume
+    advice and the recipe ask it). Seen to catch: `holding` giving `folder.parent.parent` to any `step_N` folder (a
+    checkpoint copied out of its run got a run, and an advice naming checkpoints of a folder it never saw)."""
+    run = RunDir(tmp_path / "run")
+    assert RunDir.holding(run.checkpoint(20)) == run and RunDir.holding(run.final) == run
+    for elsewhere in (tmp_path / "step_000030", run.path, run.checkpoints, run.checkpoints / "notes", run.hub_export):
+        assert RunDir.holding(elsewhere) is None, elsewhere
+
+
 def test_a_run_folder_is_its_newest_complete_checkpoint_then_its_final(tmp_path):
     run = tmp_path / "run"
     write_checkpoint(run / "checkpoints" / "step_000100", tiny_gpt(1))

@@ -56,6 +56,11 @@ class ResumePoint:
         raise UserError(f"{self.path / RUN_STATE} is damaged (optimizers: {saved!r}); resume from another checkpoint")
 
     @property
+    def run(self) -> RunDir | None:
+        """The run folder the checkpoint belongs to (None for one elsewhere)."""
+        return RunDir.holding(self.path)
+
+    @property
     def world_size(self) -> int:
         return int(self.run_state.get("world_size", 1))
 
@@ -82,9 +87,8 @@ class ResumePoint:
 
 def fallback_advice(checkpoint: Path) -> str:
     """What to do when `checkpoint` cannot be used: the checkpoint before it, if its folder has one."""
-    step = checkpoint_step(checkpoint)
-    earlier = [p for p in RunDir(checkpoint.parent.parent).list_checkpoints()
-               if step is not None and checkpoint_step(p) < step]
+    step, run = checkpoint_step(checkpoint), RunDir.holding(checkpoint)
+    earlier = [p for p in run.list_checkpoints() if checkpoint_step(p) < step] if run is not None and step else []
     return (f"resume from the checkpoint before it with --resume {earlier[-1]}" if earlier
             else "no earlier checkpoint exists: start a new run in another --out_dir")
 
