@@ -1,7 +1,7 @@
 """Building a GPT from resolved weights (`GPT.from_pretrained`), and exporting one as a Hugging Face folder
 (`GPT.save_pretrained`).
 
-`load(cls, source)` resolves `source` once (`common.weights.resolve_weights`), reads the weights as our
+`load(cls, source)` resolves `source` once (`checkpoint_io.weights.resolve_weights`), reads the weights as our
 state dict and builds `cls` holding exactly them:
   - an HF folder or a Hub snapshot: converted by `model.state_dict_adapter`;
   - our checkpoint: accelerate's model.safetensors of our state dict, maybe `_orig_mod.`/`module.` prefixed
@@ -25,9 +25,9 @@ import torch
 from huggingface_hub.constants import CONFIG_NAME, SAFETENSORS_SINGLE_FILE
 from safetensors.torch import save_file
 
+from checkpoint_io.weights import Kind, Weights, resolve_weights
 from common.errors import UserError
 from common.run_dir import DEEPSPEED_DIR, FSDP_MODEL_DIR, GPT_CONFIG, RUN_STATE
-from common.weights import Kind, Weights, resolve_weights
 from data.hf_tokenizer import save_tokenizer
 from data.tokenizer import EOT_ID, N_VOCAB
 from model.config import TIED, TIED_OUTPUT, GPTConfig

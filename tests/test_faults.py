@@ -29,9 +29,9 @@ from conftest import (
 )
 
 import train
+from checkpoint_io.manifest import weights_file
+from checkpoint_io.weights import resolve_weights
 from common.errors import UserError
-from common.manifest import weights_file
-from common.weights import resolve_weights
 from training.checkpoints.manifest import verify_checkpoint
 from training.checkpoints.resume import find_resume_point
 

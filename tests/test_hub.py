@@ -185,7 +185,7 @@ def test_a_training_state_that_would_not_resume_is_not_pushed(hub, run_dir):
     """--include_state uploads the newest checkpoint for a later resume: each of its files is checked against its
     manifest as a resume checks it (a lost optimizer state stops the push, not only the weights' files), one line,
     nothing pushed."""
-    from common.manifest import write_manifest
+    from checkpoint_io.manifest import write_manifest
 
     shutil.rmtree(run_dir / "final")
     newest = run_dir / "checkpoints" / "step_000020"

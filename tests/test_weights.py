@@ -1,4 +1,4 @@
-"""`common.weights.resolve_weights`: what each kind of spec resolves to (HF folder, a run's final/, a checkpoint,
+"""`checkpoint_io.weights.resolve_weights`: what each kind of spec resolves to (HF folder, a run's final/, a checkpoint,
 a run folder's newest weights, a LoRA checkpoint and its base, a Hub repo at a revision), and the one line
 for each way a spec names no weights. In process: the Hub is the real huggingface_hub client on an offline
 cache, or its download function replaced to see what it is asked for."""
@@ -18,9 +18,9 @@ from huggingface_hub import constants as hub_constants
 from huggingface_hub import errors as hub_errors
 from safetensors.torch import save_file
 
+from checkpoint_io.weights import Kind, Weights, resolve_weights
 from common.errors import UserError
 from common.run_dir import RunDir
-from common.weights import Kind, Weights, resolve_weights
 from model import GPT, GPTConfig
 
 CONFIG = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16)
@@ -284,7 +284,7 @@ def test_a_lora_checkpoint_whose_base_is_gone_or_whose_adapter_config_is_damaged
 def saved_checkpoint(folder: Path, model: GPT, step: int) -> Path:
     """A checkpoint as a run saves one, for what its readers check: the weights, run_state.json (format 2), an
     optimizer state and random states (read by a resume only), and manifest.json written last."""
-    from common.manifest import write_manifest
+    from checkpoint_io.manifest import write_manifest
 
     write_checkpoint(folder, model)
     (folder / "run_state.json").write_text(json.dumps({"format": 2, "step": step, "tokens": 64 * step,

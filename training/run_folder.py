@@ -12,9 +12,9 @@ from typing import Any
 from accelerate import Accelerator
 from filelock import FileLock, Timeout
 
+from checkpoint_io.weights import Weights
 from common.errors import UserError
 from common.run_dir import RunDir
-from common.weights import Weights
 from configs import RunConfig, TrainConfig, write_run_config
 from model import GPTConfig
 from training.checkpoints.manifest import verify_checkpoint

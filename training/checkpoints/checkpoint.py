@@ -3,7 +3,7 @@
 A checkpoint is `<out_dir>/checkpoints/step_000100/` (layout in `common.run_dir`) holding accelerate's
 files (model, one file per optimizer, per-rank RNG and accumulation step), `gpt_config.json`,
 `run_state.json` (step, tokens seen, tracker run id, world size, the optimizers by name), one
-`data_state_rank{r}.json` per rank and, written last, `manifest.json` (`common.manifest`). Everything is
+`data_state_rank{r}.json` per rank and, written last, `manifest.json` (`checkpoint_io.manifest`). Everything is
 first written to `.tmp-step_000100/` and renamed into place only once every rank has finished
 (`common.atomic`), so a crash in the middle of a save leaves a temp folder that `RunDir.latest_checkpoint`
 never picks (it is cleared by the next save). Which checkpoint to resume is `training.checkpoints.resume`'s decision.
@@ -24,15 +24,15 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, load_fsdp_optimizer, save_fsdp_optimizer
 from safetensors import SafetensorError
 
+from checkpoint_io.ddp_files import load_into_stage, save_from_stages
+from checkpoint_io.manifest import FORMAT, write_manifest
 from common.atomic import fresh_temp_dir, rename_into_place, temp_path, write_failure
 from common.errors import UserError
-from common.manifest import FORMAT, write_manifest
 from common.run_dir import ADAPTER_WEIGHTS, GPT_CONFIG, RUN_STATE, RunDir, checkpoint_step, data_state_file
 from configs import RunConfig
 from model import GPTConfig
 from model.lora import adapter_state, has_adapters, load_adapter_state, save_adapter_config
 from model.unwrap import unwrapped
-from training.checkpoints.ddp_files import load_into_stage, save_from_stages
 from training.checkpoints.moving import Move, load_moved
 from training.checkpoints.resume import Progress, ResumePoint, read_json
 from training.distributed.engines import Engine

@@ -11,10 +11,10 @@ import torch
 from accelerate import Accelerator
 from safetensors import SafetensorError
 
+from checkpoint_io.weights import Weights
 from common.atomic import fresh_temp_dir, rename_into_place, write_failure
 from common.errors import UserError
 from common.run_dir import RunDir
-from common.weights import Weights
 from eval.hellaswag_data import SAMPLE_FILE
 from model import GPTConfig
 from model.lora import has_adapters

@@ -1,7 +1,7 @@
 """A checkpoint's integrity before a resume: every file a resume reads is there and unchanged.
 
 Before a resume loads anything, `verify_checkpoint` checks that every file a resume reads is present and, against the
-checkpoint's manifest (`common.manifest`, the one home of the manifest and of its check, which every command that
+checkpoint's manifest (`checkpoint_io.manifest`, the one home of the manifest and of its check, which every command that
 reads a checkpoint's weights runs too), unchanged: a damaged checkpoint is one line naming the file and the earlier
 checkpoint to resume from, never a traceback or a silently inexact resume. Checkpoints written before manifests
 existed (run_state format 1) are checked for the presence of every file and for readable RNG states.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from accelerate.utils import load as accelerate_load
 
+from checkpoint_io.manifest import FORMAT, damage
 from common.errors import UserError
-from common.manifest import FORMAT, damage
 from common.run_dir import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,

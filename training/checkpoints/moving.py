@@ -35,6 +35,8 @@ import torch
 from accelerate import Accelerator
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from checkpoint_io import ddp_files, fsdp_files, zero_files
+from checkpoint_io.whole_state import WholeState
 from common.engine_names import DDP, DEEPSPEED, FSDP
 from common.errors import UserError
 from common.run_dir import DEEPSPEED_DIR, fsdp_optimizer_dir, rng_state_file
@@ -42,9 +44,7 @@ from model import GPT, GPTConfig
 from model.pretrained import read_checkpoint, strip_wrapper_prefixes
 from model.tensor_parallel import parallel_order
 from model.unwrap import unwrapped
-from training.checkpoints import ddp_files, fsdp_files, zero_files
 from training.checkpoints.resume import ResumePoint
-from training.checkpoints.whole_state import WholeState
 from training.distributed.engines import Engine
 from training.distributed.pipeline import PipelinedGPT
 from training.optimizers.spec import OptimizerPlan

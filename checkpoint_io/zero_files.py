@@ -14,9 +14,9 @@ from typing import Any, Callable
 import torch
 from accelerate import Accelerator
 
+from checkpoint_io.whole_state import WholeState
 from common.errors import UserError
 from model.pretrained import deepspeed_quietly, strip_wrapper_prefixes
-from training.checkpoints.whole_state import WholeState
 
 
 def read_optimizer(folder: Path) -> dict[str, dict[str, Any]]:

@@ -3,7 +3,7 @@
 `manifest.json`, written last into every checkpoint, holds the size and sha256 of every other file. Two kinds of
 reader check a checkpoint against it before they read anything:
   - a resume (`training.checkpoints.manifest.verify_checkpoint`): every file;
-  - every command that reads a checkpoint's weights (`common.weights.resolve_weights`: `python -m model.export`,
+  - every command that reads a checkpoint's weights (`checkpoint_io.weights.resolve_weights`: `python -m model.export`,
     `model.sample`, `eval.*`, `publish.hub`, `--init_from`): the files the weights are read from, that is every
     file but those only a resume reads (the optimizers' states, the random and data states), so that an export of
     a checkpoint whose optimizer state was lost still runs, and one whose weights changed never does.

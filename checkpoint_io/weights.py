@@ -14,7 +14,7 @@ evaluations and publishing act on that answer and never look at the path again. 
     snapshot folder in the Hub cache, named after the commit it holds: `HUB`.
 
 Every way a spec can name no weights is one `UserError` line here, and only here, and so is a checkpoint whose
-weights' files are no longer those its manifest records (`common.manifest`: every command that reads a checkpoint
+weights' files are no longer those its manifest records (`checkpoint_io.manifest`: every command that reads a checkpoint
 passes here, and checks it as a resume does, naming the newest intact checkpoint to read instead). What can be
 wrong inside files that no manifest vouches for is the loader's (`model/pretrained.py`). Imports nothing above
 `common/`.
@@ -33,9 +33,9 @@ from huggingface_hub.constants import (
     SAFETENSORS_WEIGHTS_FILE_PATTERN,
 )
 
+from checkpoint_io.manifest import damage, weights_file
 from common.errors import UserError
 from common.hub_ids import is_repo_id, split_revision
-from common.manifest import damage, weights_file
 from common.network import reaching_the_hub
 from common.run_dir import ADAPTER_CONFIG, GPT_CONFIG, RunDir, checkpoint_step
 
