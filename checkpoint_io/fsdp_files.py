@@ -1,24 +1,40 @@
-"""An FSDP2 run's checkpoint files, as a move reads them.
+"""An FSDP2 run's checkpoint files: torch's distributed checkpoint, merged on one process.
 
-FSDP2 saves torch's distributed checkpoint: each optimizer's shards in `fsdp_optimizer_dir(i)` (the weights beside
-them, which `model.pretrained.read_checkpoint` reads whole for any command). Under tensor parallelism c_attn's rows
-are in the head-group order; read whole, they are put back in Hugging Face's. FSDP2 reads its own checkpoints with
-accelerate's `load_state`, on any number of processes; this reader is for a move to another engine.
+FSDP2 saves the model's shards in `pytorch_model_fsdp_0/` and each optimizer's in `optimizer_<i>/`. FSDP2 reads its
+own checkpoints with accelerate's `load_state`, on any number of processes. `read` is for every other reader: a
+move to another engine, and `GPT.from_pretrained`. Under tensor parallelism c_attn's rows are saved in the
+head-group order (`WholeState.tensor_parallel`).
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-from model import GPTConfig
-from model.pretrained import read_distributed_checkpoint, strip_wrapper_prefixes
-from model.tensor_parallel import natural_order
+import torch
+
+from checkpoint_io.whole_state import WholeState, strip_wrapper_prefixes
+from common.errors import UserError
+from common.run_dir import FSDP_MODEL_DIR, fsdp_optimizer_dir
 
 
-def read_optimizer(folder: Path, config: GPTConfig, degree: int) -> dict[str, dict[str, Any]]:
-    """FSDP2's optimizer shards merged by parameter name, c_attn's rows back in Hugging Face's order."""
-    states = strip_wrapper_prefixes(read_distributed_checkpoint(folder).get("optimizer", {}).get("state", {}))
-    keys = {key for state in states.values() for key in state}
-    by_key = {key: natural_order({name: s[key] for name, s in states.items() if key in s}, config.n_embd, degree)
-              for key in keys}
-    return {name: {key: by_key[key][name] for key in state} for name, state in states.items()}
+def read(folder: Path, optimizers: int) -> WholeState:
+    """The model's shards (under the key "model"), merged, and the first `optimizers` optimizers' shards."""
+    model = _merged(folder / FSDP_MODEL_DIR)
+    states = [_merged(folder / fsdp_optimizer_dir(i)).get("optimizer", {}).get("state", {}) for i in range(optimizers)]
+    return WholeState(strip_wrapper_prefixes(model.get("model", model)), [strip_wrapper_prefixes(s) for s in states])
+
+
+def _merged(shards: Path) -> dict:
+    """A folder of torch's distributed checkpoint, merged on this process."""
+    import tempfile
+
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as scratch:
+        merged = Path(scratch) / "model.pt"
+        try:
+            dcp_to_torch_save(str(shards), str(merged))
+        except (OSError, RuntimeError, ValueError, CheckpointException) as err:  # the last: a BaseException
+            raise UserError(f"the model shards in {shards} cannot be read ({type(err).__name__}); use another "
+                            "checkpoint") from None
+        return torch.load(merged, map_location="cpu", weights_only=True)

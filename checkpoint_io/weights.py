@@ -3,7 +3,7 @@
 `resolve_weights(spec, revision)` reads the folder (or asks the Hub) and returns a `Weights`; loaders,
 evaluations and publishing act on that answer and never look at the path again. What a spec can be:
 
-  - our training checkpoint (`gpt_config.json` + accelerate's model.safetensors): `CHECKPOINT`;
+  - our training checkpoint (`gpt_config.json` + any engine's files, `checkpoint_io.reader`): `CHECKPOINT`;
     a LoRA run's checkpoint (`gpt_config.json` + `adapter_config.json`): `LORA_CHECKPOINT`, whose base
     weights (named in the adapter config) are resolved too;
   - a Hugging Face model folder (`config.json`), our `final/` export among them: `HF_FOLDER`;
@@ -13,11 +13,10 @@ evaluations and publishing act on that answer and never look at the path again. 
     (`common.hub_ids`), downloaded (config and safetensors only: a pickle can run code when loaded) to a
     snapshot folder in the Hub cache, named after the commit it holds: `HUB`.
 
-Every way a spec can name no weights is one `UserError` line here, and only here, and so is a checkpoint whose
-weights' files are no longer those its manifest records (`checkpoint_io.manifest`: every command that reads a checkpoint
-passes here, and checks it as a resume does, naming the newest intact checkpoint to read instead). What can be
-wrong inside files that no manifest vouches for is the loader's (`model/pretrained.py`). Imports nothing above
-`common/`.
+Every way a spec can name no weights is one `UserError` line here, and only here. So is a checkpoint whose weights'
+files are no longer those its manifest records (`checkpoint_io.manifest`). Every command that reads a checkpoint
+passes here and checks it as a resume does, naming the newest intact checkpoint to read instead. What can be wrong
+inside files that no manifest vouches for is the reader's (`checkpoint_io.reader`, `model/pretrained.py`).
 """
 from __future__ import annotations
 

@@ -1,33 +1,40 @@
-"""A checkpoint's state read whole, whatever engine wrote it: what a move reads from one engine's format and writes
-into another's (`training.checkpoints.moving`)."""
+"""What a checkpoint holds, read whole: `WholeState`, by the model's own parameter names.
+
+Each engine's reader (`ddp_files`, `fsdp_files`, `zero_files`) returns one; `checkpoint_io.reader.read_state` picks
+the reader by the files. A launch saves its tensors under the names of the wrappers around the model
+(`_orig_mod.` of torch.compile, `module.` of DDP): every reader strips them (`plain_name`).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from common.errors import UserError
-from model.config import TIED, TIED_OUTPUT
-
-_TIED_PAIR = {TIED: TIED_OUTPUT, TIED_OUTPUT: TIED}
+WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile's and DDP's wrappers
 
 
 @dataclass
 class WholeState:
-    """A checkpoint's state, whole, by our GPT's parameter names, c_attn in Hugging Face's order: `weights`, and each
-    optimizer's state per parameter (AdamW: exp_avg, exp_avg_sq, step; Muon: momentum_buffer)."""
+    """A checkpoint's state, whole, by the model's parameter names: `weights`, and each optimizer's state per
+    parameter (AdamW: exp_avg, exp_avg_sq, step; Muon: momentum_buffer). `settings` holds each optimizer's param
+    groups' hyper-parameters where the files keep them (a DDP run's), else None. Under tensor parallelism c_attn's
+    rows are as saved: in the head-group order of `tensor_parallel` (`model.tensor_parallel.natural_order`). A tied
+    pair of weights is one tensor, held under one of its names."""
 
     weights: dict[str, torch.Tensor]
-    optimizers: list[dict[str, dict[str, Any]]]
+    optimizers: list[dict[str, dict[str, Any]]] = field(default_factory=list)
+    settings: list[list[dict[str, Any]]] | None = None
+    tensor_parallel: int = 1
 
-    def weight(self, name: str) -> torch.Tensor:
-        """The weight `name`; the token embedding and the output layer are one tensor (tied)."""
-        found = self.weights.get(name, self.weights.get(_TIED_PAIR.get(name, "")))
-        if found is None:
-            raise UserError(f"the checkpoint holds no weight {name}; resume it with the model it was saved with")
-        return found
 
-    def state(self, index: int, name: str) -> dict[str, Any] | None:
-        states = self.optimizers[index]
-        return states.get(name, states.get(_TIED_PAIR.get(name, "")))
+def plain_name(name: str) -> str:
+    """A wrapped model's parameter name without the wrappers' prefixes: the model's own name."""
+    while name.startswith(WRAPPER_PREFIXES):
+        name = name.split(".", 1)[1]
+    return name
+
+
+def strip_wrapper_prefixes(state: dict[str, Any]) -> dict[str, Any]:
+    """A wrapped model's state dict by the model's own names (`plain_name`)."""
+    return {plain_name(k): v for k, v in state.items()}

@@ -4,30 +4,27 @@
 `load(cls, source)` resolves `source` once (`checkpoint_io.weights.resolve_weights`), reads the weights as our
 state dict and builds `cls` holding exactly them:
   - an HF folder or a Hub snapshot: converted by `model.state_dict_adapter`;
-  - our checkpoint: accelerate's model.safetensors of our state dict, maybe `_orig_mod.`/`module.` prefixed
-    (save_state keeps the wrappers' names), the tied `lm_head.weight` dropped; or an FSDP2 or ZeRO checkpoint,
-    merged on one process (`read_checkpoint`);
+  - our checkpoint of any engine: read whole by `checkpoint_io` (`read_checkpoint`), c_attn put back in the
+    Hugging Face order if tensor parallelism saved it;
   - a LoRA checkpoint: its base loaded as any other weights, then `model.lora.merge_adapter` merges the adapter.
 The network's class comes in as an argument: this module never imports `model/gpt.py` (which imports it),
 and `model/lora.py` never imports this one, so the three import each other in no circle.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import json
 import logging
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from huggingface_hub.constants import CONFIG_NAME, SAFETENSORS_SINGLE_FILE
 from safetensors.torch import save_file
 
+from checkpoint_io.reader import read_config, read_state
 from checkpoint_io.weights import Kind, Weights, resolve_weights
 from common.errors import UserError
-from common.run_dir import DEEPSPEED_DIR, FSDP_MODEL_DIR, GPT_CONFIG, RUN_STATE
+from common.run_dir import GPT_CONFIG
 from data.hf_tokenizer import save_tokenizer
 from data.tokenizer import EOT_ID, N_VOCAB
 from model.config import TIED, TIED_OUTPUT, GPTConfig
@@ -41,8 +38,6 @@ from model.state_dict_adapter import (
 from model.tensor_parallel import natural_order
 
 log = logging.getLogger(__name__)
-
-WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DDP wrappers
 
 
 def load(cls: type[torch.nn.Module], source: str | Path | Weights, *, revision: str | None = None,
@@ -90,88 +85,18 @@ def read_plain(weights: Weights) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
     return config, state_dict_from_hf(read_safetensors(weights.folder, weights.name), config)
 
 
-def strip_wrapper_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our key names from a wrapped model's state dict (`_orig_mod.` of torch.compile, `module.` of DDP)."""
-
-    def strip(key: str) -> str:
-        while key.startswith(WRAPPER_PREFIXES):
-            key = key.split(".", 1)[1]
-        return key
-
-    return {strip(k): v for k, v in state.items()}
-
-
 def read_checkpoint(folder: Path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
-    """Our training checkpoint, of any engine, read whole on this one process: gpt_config.json and the model's state
-    dict: accelerate's model.safetensors (DDP, one process, a pipeline's gathered files); FSDP2's sharded folder,
-    merged by torch's distributed checkpoint (under tensor parallelism, c_attn put back in the Hugging Face order);
-    DeepSpeed's ZeRO partitions, merged into the fp32 master weights by DeepSpeed's own zero_to_fp32."""
+    """Our training checkpoint, of any engine, read whole on this process (`checkpoint_io.reader`): its config
+    and our state dict, c_attn in the Hugging Face order."""
     config = _checkpoint_config(folder)
-    if (folder / FSDP_MODEL_DIR).is_dir():
-        state = natural_order(strip_wrapper_prefixes(_read_fsdp(folder / FSDP_MODEL_DIR)), config.n_embd,
-                              _tensor_parallel_degree(folder))
-    elif (folder / DEEPSPEED_DIR).is_dir():
-        state = _read_deepspeed(folder)
-    else:
-        state = read_safetensors(folder, str(folder))
-    return config, strip_wrapper_prefixes(state)
-
-
-def _read_fsdp(shards: Path) -> dict[str, torch.Tensor]:
-    """FSDP2's model shards (torch's distributed checkpoint, under the key "model"), merged on one process."""
-    state = read_distributed_checkpoint(shards)
-    return state.get("model", state)
-
-
-def read_distributed_checkpoint(shards: Path) -> dict:
-    """A folder of torch's distributed checkpoint (FSDP2's model or optimizer shards), merged on one process."""
-    import tempfile
-
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as scratch:
-        merged = Path(scratch) / "model.pt"
-        try:
-            dcp_to_torch_save(str(shards), str(merged))
-        except (OSError, RuntimeError, ValueError, CheckpointException) as err:  # the last: a BaseException
-            raise UserError(f"the model shards in {shards} cannot be read ({type(err).__name__}); use another "
-                            "checkpoint") from None
-        return torch.load(merged, map_location="cpu", weights_only=True)
-
-
-def _read_deepspeed(folder: Path) -> dict[str, torch.Tensor]:
-    """DeepSpeed's ZeRO checkpoint (`pytorch_model/`, one partition per rank), merged into its fp32 master weights."""
-    try:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    except ImportError:
-        raise UserError(f"{folder} is a DeepSpeed checkpoint, and reading it needs DeepSpeed; pip install -e "
-                        "\".[deepspeed]\"") from None
-    with deepspeed_quietly():
-        return get_fp32_state_dict_from_zero_checkpoint(str(folder))
-
-
-@contextlib.contextmanager
-def deepspeed_quietly() -> Iterator[None]:
-    """DeepSpeed's checkpoint readers print what they parse and draw progress bars, on every rank: not a user's
-    business (their errors are exceptions, which pass)."""
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        yield
-
-
-def _tensor_parallel_degree(folder: Path) -> int:
-    """The tensor-parallel degree the checkpoint was saved under (run_state.json's engine record; 1 before it)."""
-    try:
-        engine = json.loads((folder / RUN_STATE).read_text()).get("engine") or {}
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return 1
-    return int(engine.get("tensor_parallel") or 1)
+    saved = read_state(folder)
+    return config, natural_order(saved.weights, config.n_embd, saved.tensor_parallel)
 
 
 def _checkpoint_config(folder: Path) -> GPTConfig:
     try:
-        return GPTConfig(**json.loads((folder / GPT_CONFIG).read_text()))
-    except (json.JSONDecodeError, TypeError, ValueError) as err:
+        return GPTConfig(**read_config(folder))
+    except (TypeError, ValueError) as err:  # a ValueError too: not JSON
         raise UserError(f"{folder / GPT_CONFIG} is not a valid GPT config ({err}); restore it from the run") from None
 
 

@@ -86,8 +86,7 @@ def test_a_hung_worker_ends_the_run_within_the_timeout_in_one_line_naming_a_whol
     step, the rank and the last checkpoint in one line; the agent ends the stopped rank (SIGKILL, 30 s after its
     SIGTERM); all within the timeout + 60 s of the stop. The checkpoint it names is whole (its manifest verifies):
     what a resume from it gives is the kill tests' claim (a killed worker's run, below, resumes it)."""
-    from training.checkpoints.manifest import verify_checkpoint
-    from training.checkpoints.resume import find_resume_point
+    from training.checkpoints.resume import find_resume_point, verify_checkpoint
 
     out = tmp_path / "run"
     proc = launch(ARGS + ["--out_dir", str(out), "--collective_timeout", "10"], nproc=2,
@@ -160,8 +159,7 @@ def test_a_worker_killed_more_often_than_the_restarts_allow_leaves_the_last_chec
     """Rank 1 killed after step 5 in every attempt, --max_restarts 1: the agent gives up after the restart (exit
     status 1), and the checkpoint of step 3, the only one, is whole (its manifest verifies): what a resume from it
     gives is the killed-worker cases' claim (each resumes step 3 and ends bit-identical)."""
-    from training.checkpoints.manifest import verify_checkpoint
-    from training.checkpoints.resume import find_resume_point
+    from training.checkpoints.resume import find_resume_point, verify_checkpoint
 
     out = tmp_path / "run"
     proc = launch(ARGS + ["--out_dir", str(out)], nproc=2, fault="kill_rank_1_every_attempt:5", check=False,

@@ -12,13 +12,14 @@ from accelerate import Accelerator
 from safetensors import SafetensorError
 
 from checkpoint_io.weights import Weights
+from checkpoint_io.whole_state import strip_wrapper_prefixes
 from common.atomic import fresh_temp_dir, rename_into_place, write_failure
 from common.errors import UserError
 from common.run_dir import RunDir
 from eval.hellaswag_data import SAMPLE_FILE
 from model import GPTConfig
 from model.lora import has_adapters
-from model.pretrained import save_state_dict, strip_wrapper_prefixes
+from model.pretrained import save_state_dict
 from model.tensor_parallel import natural_order
 from model.unwrap import unwrapped
 from training.distributed.engines import full_state_dict
