@@ -28,9 +28,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from checkpoint_io.weights import Kind, Weights
 from common.errors import UserError
 from common.run_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from common.weights import Kind, Weights
 
 if TYPE_CHECKING:  # peft itself is imported where it is used: only a LoRA run (or a LoRA checkpoint) needs it
     from peft import LoraConfig, PeftModel
@@ -42,7 +42,7 @@ DEFAULT_TARGETS = ("c_attn", "c_proj", "c_fc")  # attention (qkv, output) and ML
 def lora_config(rank: int, alpha: float, dropout: float, targets: list[str] | tuple[str, ...], base: str,
                 revision: str | None = None) -> LoraConfig:
     """peft's LoraConfig for our GPT; `base` names the weights the adapter is added to, `revision` the Hub revision
-    of a Hub base (both recorded in adapter_config.json, where `common.weights` finds the base again)."""
+    of a Hub base (both recorded in adapter_config.json, where `checkpoint_io.weights` finds the base again)."""
     from peft import LoraConfig
 
     return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), bias="none",
