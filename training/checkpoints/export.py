@@ -47,7 +47,8 @@ def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConf
     # or from a pipeline's stages. They are written as they are: no second model holds a copy.
     state_dict = model.full_state_dict() if isinstance(model, PipelinedGPT) else full_state_dict(accelerator, model)
     if accelerator.is_main_process:
-        state_dict = reordered(strip_wrapper_prefixes(state_dict), arch.n_embd, parallelism or Parallelism())
+        state_dict = reordered(strip_wrapper_prefixes(state_dict), arch.n_embd, parallelism or Parallelism(),
+                               Parallelism())  # from the run's order of c_attn into Hugging Face's
         _write(run, run.final, lambda tmp: save_state_dict(state_dict, arch, tmp, overwrite=True))
         accelerator.print(f"final model written to {run.final}")
 
