@@ -18,8 +18,8 @@ the checkpoints and exports keep). A plain column split would give the first ran
 rows are first put in head-group order, [q_0 k_0 v_0 | q_1 k_1 v_1 | ...], where q_r is the r-th 1/degree of q
 (`head_group_order`): each rank's contiguous share is then q, k and v of its own heads, and `CausalSelfAttention`
 reads them with `chunk(3)`. The order is the identity for degree 1. A tensor-parallel model's `c_attn` is in that
-order (its training checkpoints too); `natural_order` puts a full state dict back in the Hugging Face order, and
-`reordered` takes one from the order of the launch that saved it into another launch's.
+order (its training checkpoints too); `natural_order` puts a full state dict back in the Hugging Face order.
+`reordered` moves one from one launch's order into another's.
 """
 from __future__ import annotations
 
@@ -74,8 +74,8 @@ def parallel_order(state_dict: dict[str, torch.Tensor], n_embd: int, degree: int
 
 def reordered(state_dict: dict[str, torch.Tensor], n_embd: int, was: Parallelism,
               now: Parallelism) -> dict[str, torch.Tensor]:
-    """A full state dict held as launch `was` holds it, with every `c_attn` weight and bias in the order launch `now`
-    holds it (`Parallelism()`, not split: the Hugging Face order). The same dict when the two orders agree."""
+    """A full state dict in launch `was`'s order, put in launch `now`'s. Only `c_attn`'s weight and bias move.
+    `Parallelism()` (not split) holds the Hugging Face order. The same dict when the two orders agree."""
     if was.tensor_parallel == now.tensor_parallel:
         return state_dict
     return parallel_order(natural_order(state_dict, n_embd, was.tensor_parallel), n_embd, now.tensor_parallel)
