@@ -21,17 +21,17 @@ import statistics
 
 import torch
 from accelerate.utils import set_seed
-from safetensors.torch import load_file
 
-from common.run_dir import GPT_CONFIG, MODEL_WEIGHTS, RunDir, checkpoint_step
+from checkpoint_io.reader import read_config, read_state
+from common.run_dir import RunDir, checkpoint_step
 from model import GPT, GPTConfig
-from model.pretrained import strip_wrapper_prefixes
+from model.config import TIED_OUTPUT
 
 
 def initial_weights(config: GPTConfig, seed: int) -> dict[str, torch.Tensor]:
     """train.py's initial weights of a run from scratch with `--seed seed`."""
     set_seed(seed)
-    return {k: v for k, v in GPT(config).state_dict().items() if k != "lm_head.weight"}
+    return {k: v for k, v in GPT(config).state_dict().items() if k != TIED_OUTPUT}
 
 
 def metrics(run: RunDir) -> dict[int, dict]:
@@ -58,12 +58,12 @@ def main() -> None:
     one, other = RunDir(args.one), RunDir(args.other)
     steps = sorted({checkpoint_step(p) for p in one.list_checkpoints()} &
                    {checkpoint_step(p) for p in other.list_checkpoints()})
-    config = GPTConfig(**json.loads((one.checkpoint(steps[0]) / GPT_CONFIG).read_text()))
+    config = GPTConfig(**read_config(one.checkpoint(steps[0])))
     start = initial_weights(config, args.seed)
     logged = metrics(one), metrics(other)
     print("step | max abs | block matrix rel. (worst, median) | model rel. | loss (one, other) | val_loss")
     for step in steps:
-        a, b = (strip_wrapper_prefixes(load_file(run.checkpoint(step) / MODEL_WEIGHTS)) for run in (one, other))
+        a, b = (read_state(run.checkpoint(step)).weights for run in (one, other))
         d = distances(a, b, start)
         losses = [m.get(step, {}) for m in logged]
         val = " ".join(f"{m['val_loss']:.4f}" for m in losses if "val_loss" in m) or "-"

@@ -6,6 +6,7 @@ names can never pick up a half-written result after a crash, a kill or a full di
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -84,6 +85,16 @@ def rename_into_place(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
     fsync_dir(final.parent)
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def sha256(path: Path) -> str:
+    """The sha256 of a file's bytes, read in blocks: how a manifest (a checkpoint's, a data folder's) records what
+    was written, and how a reader checks it is still there."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def write_json_atomic(path: Path, obj: Any, indent: int = 1) -> None:

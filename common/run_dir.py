@@ -83,6 +83,15 @@ class RunDir:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
 
+    @classmethod
+    def holding(cls, folder: str | Path) -> RunDir | None:
+        """The run folder whose `final/` or `checkpoints/step_N` is `folder`; None for any other folder."""
+        folder = Path(folder)
+        for run in (cls(folder.parent), cls(folder.parent.parent)):
+            if folder == run.final or (folder.parent == run.checkpoints and checkpoint_step(folder) is not None):
+                return run
+        return None
+
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
 

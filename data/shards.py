@@ -19,9 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from common.atomic import rename_into_place, temp_path
+from common.atomic import rename_into_place, sha256, temp_path
 from common.errors import UserError
-from common.manifest import sha256
 from data.tokenizer import TOKENIZER_NAME
 from data.tokens import TOKEN_DTYPE
 

@@ -8,9 +8,9 @@ from typing import Any, Iterator
 
 import torch
 
+from checkpoint_io.weights import Weights
 from common.errors import UserError
 from common.launch import grouped_on_this_cpu, launched_processes, leftover_group_variables
-from common.weights import Weights
 from data.tokenizer import require_known_ids
 from model.unwrap import unwrapped
 

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from checkpoint_io.weights import Kind, resolve_weights
 from common.errors import UserError, run_cli
 from common.network import reaching_the_hub
 from common.run_dir import RunDir, checkpoint_step
-from common.weights import Kind, resolve_weights
 
 
 def require_lm_eval() -> None:

@@ -22,11 +22,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from checkpoint_io.weights import Weights, resolve_weights
 from common.cli import CliParser
 from common.console import TerminalBar
 from common.errors import UserError, run_cli
 from common.run_dir import RunDir
-from common.weights import Weights, resolve_weights
 from data.pairs import PairExamples
 from data.settings import DataConfig, check_val_tokens, count_windows, require_a_window
 from data.source import open_source

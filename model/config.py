@@ -5,6 +5,11 @@ from dataclasses import dataclass
 
 from data.tokenizer import N_VOCAB
 
+# The output layer is the token embedding (tied, as in GPT-2): one tensor under two names. Checkpoints and exports
+# hold it once, under TIED.
+TIED = "transformer.wte.weight"
+TIED_OUTPUT = "lm_head.weight"
+
 SIZES: dict[str, dict[str, int]] = {
     # The four released GPT-2 sizes.
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768),

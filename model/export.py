@@ -12,7 +12,7 @@ same way.
 
 Invariants: an existing non-empty `--out_dir` is never written over; the folder appears whole or not at all (built
 under a temporary name, renamed into place); a checkpoint whose weights' files differ from its manifest is one line
-naming the newest intact one (`common.weights`), never exported; the command says which weights it read (a run
+naming the newest intact one (`checkpoint_io.weights`), never exported; the command says which weights it read (a run
 folder: its final/, else its newest checkpoint).
 """
 from __future__ import annotations
@@ -20,10 +20,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from checkpoint_io.weights import Weights, resolve_weights
 from common.atomic import fresh_temp_dir, rename_into_place
 from common.cli import CliParser
 from common.errors import UserError, run_cli
-from common.weights import Weights, resolve_weights
 from model.gpt import GPT
 
 

@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from common.weights import Weights
+from checkpoint_io.weights import Weights
 from data.tokenizer import EOT_ID, IGNORE
 from model import pretrained
 from model.config import GPTConfig

@@ -28,9 +28,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from checkpoint_io.weights import Kind, Weights
 from common.errors import UserError
 from common.run_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from common.weights import Kind, Weights
 
 if TYPE_CHECKING:  # peft is imported where it is used: only a LoRA run (or a LoRA checkpoint) needs it
     from peft import LoraConfig, PeftModel
@@ -43,8 +43,8 @@ def lora_config(rank: int, alpha: float, dropout: float, targets: list[str] | tu
                 revision: str | None = None) -> LoraConfig:
     """peft's LoraConfig for our GPT. `base` names the weights the adapter is added to.
 
-    `revision` is a Hub base's revision. Both are recorded in adapter_config.json, where `common.weights` finds the
-    base again."""
+    `revision` is a Hub base's revision. Both are recorded in adapter_config.json, where
+    `checkpoint_io.weights` finds the base again."""
     from peft import LoraConfig
 
     return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), bias="none",

@@ -1,36 +1,34 @@
 """Building a GPT from resolved weights (`GPT.from_pretrained`), and exporting one as a Hugging Face folder
 (`GPT.save_pretrained`).
 
-`load(cls, source)` resolves `source` once (`common.weights.resolve_weights`), reads the weights as our
+`load(cls, source)` resolves `source` once (`checkpoint_io.weights.resolve_weights`), reads the weights as our
 state dict and builds `cls` holding exactly them:
   - an HF folder or a Hub snapshot: converted by `model.state_dict_adapter`;
-  - our checkpoint: accelerate's model.safetensors of our state dict, maybe `_orig_mod.`/`module.` prefixed
-    (save_state keeps the wrappers' names), the tied `lm_head.weight` dropped; or an FSDP2 or ZeRO checkpoint,
-    merged on one process (`read_checkpoint`);
+  - our checkpoint of any engine: read whole by `checkpoint_io` (`read_checkpoint`), c_attn put back in the
+    Hugging Face order if tensor parallelism saved it;
   - a LoRA checkpoint: its base loaded as any other weights, then `model.lora.merge_adapter` merges the adapter.
 The network's class comes in as an argument: this module never imports `model/gpt.py` (which imports it),
 and `model/lora.py` never imports this one, so the three import each other in no circle.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import json
 import logging
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from huggingface_hub.constants import CONFIG_NAME, SAFETENSORS_SINGLE_FILE
 from safetensors.torch import save_file
 
+from checkpoint_io.reader import read_config, read_state
+from checkpoint_io.weights import Kind, Weights, resolve_weights
 from common.errors import UserError
-from common.run_dir import DEEPSPEED_DIR, FSDP_MODEL_DIR, GPT_CONFIG, RUN_STATE
-from common.weights import Kind, Weights, resolve_weights
+from common.parallelism import Parallelism
+from common.run_dir import GPT_CONFIG
 from data.hf_tokenizer import save_tokenizer
 from data.tokenizer import EOT_ID, N_VOCAB
-from model.config import GPTConfig
+from model.config import TIED, TIED_OUTPUT, GPTConfig
 from model.state_dict_adapter import (
     config_from_hf,
     config_to_hf,
@@ -38,11 +36,9 @@ from model.state_dict_adapter import (
     state_dict_from_hf,
     state_dict_to_hf,
 )
-from model.tensor_parallel import natural_order
+from model.tensor_parallel import reordered
 
 log = logging.getLogger(__name__)
-
-WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DDP wrappers
 
 
 def load(cls: type[torch.nn.Module], source: str | Path | Weights, *, revision: str | None = None,
@@ -90,88 +86,18 @@ def read_plain(weights: Weights) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
     return config, state_dict_from_hf(read_safetensors(weights.folder, weights.name), config)
 
 
-def strip_wrapper_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our key names from a wrapped model's state dict (`_orig_mod.` of torch.compile, `module.` of DDP)."""
-
-    def strip(key: str) -> str:
-        while key.startswith(WRAPPER_PREFIXES):
-            key = key.split(".", 1)[1]
-        return key
-
-    return {strip(k): v for k, v in state.items()}
-
-
 def read_checkpoint(folder: Path) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
-    """Our training checkpoint, of any engine, read whole on this one process: gpt_config.json and the model's state
-    dict: accelerate's model.safetensors (DDP, one process, a pipeline's gathered files); FSDP2's sharded folder,
-    merged by torch's distributed checkpoint (under tensor parallelism, c_attn put back in the Hugging Face order);
-    DeepSpeed's ZeRO partitions, merged into the fp32 master weights by DeepSpeed's own zero_to_fp32."""
+    """Our training checkpoint, of any engine, read whole on this process (`checkpoint_io.reader`): its config
+    and our state dict, c_attn in the Hugging Face order."""
     config = _checkpoint_config(folder)
-    if (folder / FSDP_MODEL_DIR).is_dir():
-        state = natural_order(strip_wrapper_prefixes(_read_fsdp(folder / FSDP_MODEL_DIR)), config.n_embd,
-                              _tensor_parallel_degree(folder))
-    elif (folder / DEEPSPEED_DIR).is_dir():
-        state = _read_deepspeed(folder)
-    else:
-        state = read_safetensors(folder, str(folder))
-    return config, strip_wrapper_prefixes(state)
-
-
-def _read_fsdp(shards: Path) -> dict[str, torch.Tensor]:
-    """FSDP2's model shards (torch's distributed checkpoint, under the key "model"), merged on one process."""
-    state = read_distributed_checkpoint(shards)
-    return state.get("model", state)
-
-
-def read_distributed_checkpoint(shards: Path) -> dict:
-    """A folder of torch's distributed checkpoint (FSDP2's model or optimizer shards), merged on one process."""
-    import tempfile
-
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as scratch:
-        merged = Path(scratch) / "model.pt"
-        try:
-            dcp_to_torch_save(str(shards), str(merged))
-        except (OSError, RuntimeError, ValueError, CheckpointException) as err:  # the last: a BaseException
-            raise UserError(f"the model shards in {shards} cannot be read ({type(err).__name__}); use another "
-                            "checkpoint") from None
-        return torch.load(merged, map_location="cpu", weights_only=True)
-
-
-def _read_deepspeed(folder: Path) -> dict[str, torch.Tensor]:
-    """DeepSpeed's ZeRO checkpoint (`pytorch_model/`, one partition per rank), merged into its fp32 master weights."""
-    try:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    except ImportError:
-        raise UserError(f"{folder} is a DeepSpeed checkpoint, and reading it needs DeepSpeed; pip install -e "
-                        "\".[deepspeed]\"") from None
-    with deepspeed_quietly():
-        return get_fp32_state_dict_from_zero_checkpoint(str(folder))
-
-
-@contextlib.contextmanager
-def deepspeed_quietly() -> Iterator[None]:
-    """DeepSpeed's checkpoint readers print what they parse and draw progress bars, on every rank: not a user's
-    business (their errors are exceptions, which pass)."""
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        yield
-
-
-def _tensor_parallel_degree(folder: Path) -> int:
-    """The tensor-parallel degree the checkpoint was saved under (run_state.json's engine record; 1 before it)."""
-    try:
-        engine = json.loads((folder / RUN_STATE).read_text()).get("engine") or {}
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return 1
-    return int(engine.get("tensor_parallel") or 1)
+    saved = read_state(folder)
+    return config, reordered(saved.weights, config.n_embd, saved.parallelism, Parallelism())
 
 
 def _checkpoint_config(folder: Path) -> GPTConfig:
     try:
-        return GPTConfig(**json.loads((folder / GPT_CONFIG).read_text()))
-    except (json.JSONDecodeError, TypeError, ValueError) as err:
+        return GPTConfig(**read_config(folder))
+    except (TypeError, ValueError) as err:  # a ValueError too: not JSON
         raise UserError(f"{folder / GPT_CONFIG} is not a valid GPT config ({err}); restore it from the run") from None
 
 
@@ -191,8 +117,8 @@ def build(cls: type[torch.nn.Module], config: GPTConfig, state: dict[str, torch.
     # Built on the meta device: random init of gpt2-xl's 1.5B weights would be wasted work.
     with torch.device("meta"):
         model = cls(config)
-    expected = {k: v.shape for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    state.pop("lm_head.weight", None)  # tied: it is wte
+    expected = {k: v.shape for k, v in model.state_dict().items() if k != TIED_OUTPUT}
+    state.pop(TIED_OUTPUT, None)  # tied: it is TIED
     missing, unexpected = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
     if missing or unexpected:
         raise UserError(
@@ -203,7 +129,7 @@ def build(cls: type[torch.nn.Module], config: GPTConfig, state: dict[str, torch.
     if wrong:
         raise UserError(f"{source}: weights do not match its config ({wrong[0]}); the folder is inconsistent")
     state = {k: v.float().contiguous() for k, v in state.items()}
-    state["lm_head.weight"] = state["transformer.wte.weight"]
+    state[TIED_OUTPUT] = state[TIED]
     model.load_state_dict(state, strict=True, assign=True)
     model.lm_head.weight = model.transformer.wte.weight  # assign=True replaced wte: tie again
     return model

@@ -21,11 +21,14 @@ is the r-th 1/degree of q. Each rank's contiguous share is then q, k and v of it
 `CausalSelfAttention` reads them with `chunk(3)`. The order is the identity for degree 1. A tensor-parallel
 model's `c_attn` is in that order, and so are its training checkpoints. `natural_order` puts a full state dict
 back in the Hugging Face order.
+`reordered` moves one from one launch's order into another's.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from common.parallelism import Parallelism
 
 # The two linears each block splits by output features (column-wise) and the two by input features (row-wise).
 COLUMN_WISE = ("attn.c_attn", "mlp.c_fc")
@@ -73,6 +76,15 @@ def parallel_order(state_dict: dict[str, torch.Tensor], n_embd: int, degree: int
         return state_dict
     order = head_group_order(n_embd, degree)
     return {name: tensor[order] if _is_qkv(name) else tensor for name, tensor in state_dict.items()}
+
+
+def reordered(state_dict: dict[str, torch.Tensor], n_embd: int, was: Parallelism,
+              now: Parallelism) -> dict[str, torch.Tensor]:
+    """A full state dict in launch `was`'s order, put in launch `now`'s. Only `c_attn`'s weight and bias move.
+    `Parallelism()` (not split) holds the Hugging Face order. The same dict when the two orders agree."""
+    if was.tensor_parallel == now.tensor_parallel:
+        return state_dict
+    return parallel_order(natural_order(state_dict, n_embd, was.tensor_parallel), n_embd, now.tensor_parallel)
 
 
 def _is_qkv(name: str) -> bool:

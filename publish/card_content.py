@@ -18,10 +18,10 @@ from typing import Any, Sequence
 
 import yaml
 
+from checkpoint_io.weights import GPT2_NAMES
 from common.errors import UserError
 from common.hub_ids import is_repo_id, split_revision
 from common.run_dir import RunDir
-from common.weights import GPT2_NAMES
 from configs import read_run_config
 from data.settings import DataConfig
 from data.source import DataSource, open_source

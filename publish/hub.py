@@ -21,13 +21,13 @@ from typing import Any
 
 from safetensors import SafetensorError
 
+from checkpoint_io.manifest import damage
+from checkpoint_io.weights import Weights, is_repo_id, resolve_weights
 from common.atomic import rename_into_place, temp_path, write_failure
 from common.cli import CliParser
 from common.errors import UserError, run_cli
-from common.manifest import damage
 from common.network import network_failure
 from common.run_dir import RunDir
-from common.weights import Weights, is_repo_id, resolve_weights
 from publish.card_content import write_model_card
 
 STATE_PREFIX = "training_state"

@@ -97,8 +97,7 @@ def test_a_hung_worker_ends_the_run_within_the_timeout_in_one_line_naming_a_whol
     what a resume from it gives is the kill tests' claim (a killed worker's run, below, resumes it).
 
     Seen to catch: the timeout not passed (gloo's 30 minutes): still running 70 s after step 5."""
-    from training.checkpoints.manifest import verify_checkpoint
-    from training.checkpoints.resume import find_resume_point
+    from training.checkpoints.resume import find_resume_point, verify_checkpoint
 
     out = tmp_path / "run"
     proc = launch(ARGS + ["--out_dir", str(out), "--collective_timeout", "10"], nproc=2,
@@ -178,8 +177,7 @@ def test_a_worker_killed_more_often_than_the_restarts_allow_leaves_the_last_chec
     gives is the killed-worker cases' claim (each resumes step 3 and ends bit-identical).
 
     Seen to catch: not broken on purpose (a new test)."""
-    from training.checkpoints.manifest import verify_checkpoint
-    from training.checkpoints.resume import find_resume_point
+    from training.checkpoints.resume import find_resume_point, verify_checkpoint
 
     out = tmp_path / "run"
     proc = launch(ARGS + ["--out_dir", str(out)], nproc=2, fault="kill_rank_1_every_attempt:5", check=False,

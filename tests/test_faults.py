@@ -29,11 +29,10 @@ from conftest import (
 )
 
 import train
+from checkpoint_io.manifest import weights_file
+from checkpoint_io.weights import resolve_weights
 from common.errors import UserError
-from common.manifest import weights_file
-from common.weights import resolve_weights
-from training.checkpoints.manifest import verify_checkpoint
-from training.checkpoints.resume import find_resume_point
+from training.checkpoints.resume import find_resume_point, verify_checkpoint
 
 # 4 steps, a checkpoint at 2 and 4, dropout so that a lost RNG state would change the weights.
 RUN = TINY + ["--max_steps", "4", "--micro_batch_size", "2", "--total_batch_size", "64", "--save_every", "2",

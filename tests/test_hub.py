@@ -187,7 +187,7 @@ def test_a_training_state_that_would_not_resume_is_not_pushed(hub, run_dir):
     nothing pushed.
 
     Seen to catch: the check off: `DID NOT RAISE`."""
-    from common.manifest import write_manifest
+    from checkpoint_io.manifest import write_manifest
 
     shutil.rmtree(run_dir / "final")
     newest = run_dir / "checkpoints" / "step_000020"

@@ -23,8 +23,8 @@ from test_fake_hub import (  # noqa: F401 (gpt2_folders, hub, in_process_client:
     in_process_client,
 )
 
+from checkpoint_io.weights import Kind, resolve_weights
 from common.errors import UserError
-from common.weights import Kind, resolve_weights
 from data.hub import PARQUET_BRANCH, HubData, locate_hub_dataset
 from data.settings import DataConfig
 from data.source import open_source

@@ -181,7 +181,7 @@ def test_final_adapter_loads_by_itself_through_auto_peft_model(base, tmp_path, m
 
 
 def test_final_adapter_names_a_hub_base_at_the_commit_the_run_downloaded(tmp_path):
-    from common.weights import Kind, Weights
+    from checkpoint_io.weights import Kind, Weights
     from model.lora import loadable_base
 
     commit = "0123456789abcdef0123456789abcdef01234567"

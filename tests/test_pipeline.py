@@ -191,7 +191,7 @@ def test_two_pipelines_of_two_stages_train_as_one_process(tmp_path, single_run):
 def test_a_pipeline_checkpoint_resumes_bit_exact(pipeline_run, tmp_path):
     """A pipeline checkpoint resumes bit for bit (a copy resumed at step 2; and killed by SIGKILL after step 3, then
     `--resume latest`: `test_a_pipeline_killed_then_resumed_ends_bit_exact`), each step logged once. Its files are a DDP
-    run's, written and read by `training/checkpoints/ddp_files.py`.
+    run's, written and read by `checkpoint_io/ddp_files.py`.
 
     Seen to catch: the gathered optimizer state numbered in another order: the resume stops with docs/faults.md's one
     line (before the shape check: a traceback at the next step). Moving the format to `ddp_files`, the gathered settings

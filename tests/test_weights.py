@@ -1,4 +1,4 @@
-"""`common.weights.resolve_weights`: what each kind of spec resolves to (HF folder, a run's final/, a checkpoint,
+"""`checkpoint_io.weights.resolve_weights`: what each kind of spec resolves to (HF folder, a run's final/, a checkpoint,
 a run folder's newest weights, a LoRA checkpoint and its base, a Hub repo at a revision), and the one line
 for each way a spec names no weights. In process: the Hub is the real huggingface_hub client on an offline
 cache, or its download function replaced to see what it is asked for."""
@@ -18,9 +18,9 @@ from huggingface_hub import constants as hub_constants
 from huggingface_hub import errors as hub_errors
 from safetensors.torch import save_file
 
+from checkpoint_io.weights import Kind, Weights, resolve_weights
 from common.errors import UserError
 from common.run_dir import RunDir
-from common.weights import Kind, Weights, resolve_weights
 from model import GPT, GPTConfig
 
 CONFIG = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=16)
@@ -94,6 +94,16 @@ def test_a_checkpoint_knows_its_run_and_step(tmp_path):
         Kind.CHECKPOINT, checkpoint, RunDir(tmp_path / "run"), 20)
     alone = resolve_weights(write_checkpoint(tmp_path / "step_000030", tiny_gpt(0)))  # not inside a run
     assert (alone.kind, alone.run, alone.step) == (Kind.CHECKPOINT, None, None)
+
+
+def test_the_run_folder_of_a_checkpoint_or_a_final_is_asked_of_one_object(tmp_path):
+    """`RunDir.holding`: the one place that knows which run a checkpoint or a final/ belongs to (weights, the resume
+    advice and the recipe ask it). Seen to catch: `holding` giving `folder.parent.parent` to any `step_N` folder (a
+    checkpoint copied out of its run got a run, and an advice naming checkpoints of a folder it never saw)."""
+    run = RunDir(tmp_path / "run")
+    assert RunDir.holding(run.checkpoint(20)) == run and RunDir.holding(run.final) == run
+    for elsewhere in (tmp_path / "step_000030", run.path, run.checkpoints, run.checkpoints / "notes", run.hub_export):
+        assert RunDir.holding(elsewhere) is None, elsewhere
 
 
 def test_a_run_folder_is_its_newest_complete_checkpoint_then_its_final(tmp_path):
@@ -318,7 +328,7 @@ def test_a_lora_checkpoint_whose_base_is_gone_or_whose_adapter_config_is_damaged
 def saved_checkpoint(folder: Path, model: GPT, step: int) -> Path:
     """A checkpoint as a run saves one, for what its readers check: the weights, run_state.json (format 2), an
     optimizer state and random states (read by a resume only), and manifest.json written last."""
-    from common.manifest import write_manifest
+    from checkpoint_io.manifest import write_manifest
 
     write_checkpoint(folder, model)
     (folder / "run_state.json").write_text(json.dumps({"format": 2, "step": step, "tokens": 64 * step,
@@ -358,7 +368,7 @@ def test_a_checkpoint_whose_weights_changed_is_refused_naming_the_newest_intact_
     short, is refused; a checkpoint from before manifests reads. A resume's own files (optimizer, random states) do not
     stop a read of the weights (`test_what_only_a_resume_reads_does_not_stop_a_read_of_the_weights`).
 
-    Seen to catch: the check in `common.weights._local` off: `DID NOT RAISE`."""
+    Seen to catch: the check in `checkpoint_io.weights._local` off: `DID NOT RAISE`."""
     for spec in (damaged_run, RunDir(damaged_run).checkpoint(4)):
         with pytest.raises(UserError, match=DAMAGED):
             resolve_weights(spec)
@@ -412,9 +422,9 @@ def test_every_command_that_reads_a_checkpoint_refuses_a_damaged_one_in_one_line
     """The issue's probe: export, sample, the evaluations and the Hub push of an unfinished run read an altered
     weights file and exited 0 (weights 0.025 off); each now prints the one line and exits 2, writing nothing.
 
-    Seen to catch: the check in `common.weights._local` off: every command read the altered weights; the export, sample
-    and HellaSwag exited 0, eval.val_loss scored them (81 s), eval.harness exported them and stopped on its offline
-    datasets."""
+    Seen to catch: the check in `checkpoint_io.weights._local` off: every command read the altered weights; the
+    export, sample and HellaSwag exited 0, eval.val_loss scored them (81 s), eval.harness exported them and stopped
+    on its offline datasets."""
     import importlib
     import sys
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import sys
 
+from checkpoint_io.weights import Weights, resolve_weights
 from common.errors import UserError, launch_rank
-from common.weights import Weights, resolve_weights
 from configs import ModelConfig
 from model import GPT, GPTConfig
 from model.lora import add_adapters, check_resume, run_lora_config

@@ -30,7 +30,6 @@ from typing import Any
 
 from common import resume_rules as rules
 from common.errors import UserError
-from common.run_dir import RunDir
 from configs import read_run_config
 from configs.schema import resume_rules
 from training.checkpoints.moving import Move
@@ -127,15 +126,17 @@ def resume_recipe(record: dict[str, Any], resume: ResumePoint | None, plan: Opti
     it."""
     if resume is None:
         return Recipe(record)
-    step, config_file = resume.progress.step, RunDir(resume.path.parent.parent).config_file
+    step, run = resume.progress.step, resume.run
     entry: dict[str, Any] = {"step": step, "checkpoint": str(resume.path)}
     if move is not None:
         entry["moved"] = {"from": move.before, "to": move.after,
                           **({"not_carried": move.not_carried} if move.not_carried else {})}
-    if not config_file.is_file():
-        return Recipe(record, ({**entry, "earlier_settings": f"not recorded (no {config_file})"},),
-                      (f"note: no {config_file} records the settings of the steps before {step}; config.yaml "
+    if run is None or not run.config_file.is_file():
+        missing = f"no {run.config_file}" if run is not None else f"no run folder of {resume.path}"
+        return Recipe(record, ({**entry, "earlier_settings": f"not recorded ({missing})"},),
+                      (f"note: {missing} records the settings of the steps before {step}; config.yaml "
                        f"records this run's from step {step} on",))
+    config_file = run.config_file
     recorded = read_run_config(config_file)
     earlier = recorded.get(RESUMES, [])
     if not isinstance(earlier, list):

@@ -12,14 +12,19 @@ from typing import Any
 from accelerate import Accelerator
 from filelock import FileLock, Timeout
 
+from checkpoint_io.weights import Weights
 from common.errors import UserError
 from common.run_dir import RunDir
-from common.weights import Weights
 from configs import RunConfig, TrainConfig, write_run_config
 from model import GPTConfig
-from training.checkpoints.manifest import verify_checkpoint
 from training.checkpoints.preflight import check_out_dir_writable, saves_ahead, warn_if_low_disk
-from training.checkpoints.resume import Progress, ResumePoint, find_resume_point, set_aside_superseded
+from training.checkpoints.resume import (
+    Progress,
+    ResumePoint,
+    find_resume_point,
+    set_aside_superseded,
+    verify_checkpoint,
+)
 from training.metrics import MetricsLog, tracker_run_name, trackers_in_plain_text
 from training.optimizers.plan import OptimizerPlan
 from training.recipe import Recipe

@@ -3,7 +3,7 @@
 A checkpoint is `<out_dir>/checkpoints/step_000100/` (layout in `common.run_dir`) holding accelerate's
 files (model, one file per optimizer, per-rank RNG and accumulation step), `gpt_config.json`,
 `run_state.json` (step, tokens seen, tracker run id, world size, the optimizers by name), one
-`data_state_rank{r}.json` per rank and, written last, `manifest.json` (`common.manifest`). Everything is
+`data_state_rank{r}.json` per rank and, written last, `manifest.json` (`checkpoint_io.manifest`). Everything is
 first written to `.tmp-step_000100/` and renamed into place only once every rank has finished
 (`common.atomic`), so a crash in the middle of a save leaves a temp folder that `RunDir.latest_checkpoint`
 never picks (it is cleared by the next save). Which checkpoint to resume is `training.checkpoints.resume`'s decision.
@@ -24,18 +24,19 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, load_fsdp_optimizer, save_fsdp_optimizer
 from safetensors import SafetensorError
 
+from checkpoint_io import ddp_files
+from checkpoint_io.manifest import FORMAT, write_manifest
 from common.atomic import fresh_temp_dir, rename_into_place, temp_path, write_failure
 from common.errors import UserError
-from common.manifest import FORMAT, write_manifest
 from common.parallelism import Parallelism
 from common.run_dir import ADAPTER_WEIGHTS, GPT_CONFIG, RUN_STATE, RunDir, checkpoint_step, data_state_file
 from configs import RunConfig, read_run_config
 from data.settings import DataMismatch
 from model import GPTConfig
+from model.config import TIED_OUTPUT
 from model.lora import adapter_state, has_adapters, load_adapter_state, save_adapter_config
 from model.unwrap import unwrapped
-from training.checkpoints.ddp_files import load_into_stage, save_from_stages
-from training.checkpoints.moving import Move, load_moved
+from training.checkpoints.moving import Move, load_moved, load_whole, read_whole, whole_groups
 from training.checkpoints.resume import Progress, ResumePoint, read_json
 from training.distributed.pipeline import PipelinedGPT
 from training.distributed.prepare import outside_accelerate
@@ -107,7 +108,7 @@ def save_checkpoint(
     with _disk_errors_as_user_errors(run, tmp, final):
         accelerator.save_state(str(tmp))
         if isinstance(model, PipelinedGPT):
-            save_from_stages(model, tmp)  # the files a DDP run writes, gathered from the stages
+            _save_from_stages(model, tmp)
         for index, optimizer in _fsdp_outside(accelerator, trained):  # beside accelerate's optimizer_0/
             save_fsdp_optimizer(accelerator.state.fsdp_plugin, accelerator, optimizer, model, str(tmp), index)
         index, writes = _data_state_index(accelerator, model)
@@ -132,6 +133,16 @@ def save_checkpoint(
                 shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
+
+
+def _save_from_stages(model: PipelinedGPT, folder: Path) -> None:
+    """Write a pipeline's whole model and optimizer state, gathered from its stages, as a DDP run's files. Call on
+    every rank; the main process writes."""
+    gathered = model.gather_whole()
+    if gathered is not None:
+        weights, states, settings = gathered
+        weights.pop(TIED_OUTPUT)  # tied: saved once
+        ddp_files.write(folder, weights, states, whole_groups(model.config, model.plan), settings)
 
 
 @contextmanager
@@ -199,8 +210,8 @@ def load_checkpoint(accelerator: Accelerator, point: ResumePoint, gpt_config: GP
             load_moved(point, move, gpt_config, model, list(trained), accelerator)
         else:
             accelerator.load_state(str(point.path))
-            if isinstance(model, PipelinedGPT):
-                load_into_stage(model, point.path)
+            if isinstance(model, PipelinedGPT):  # a pipeline saves a DDP run's files: each stage takes its part
+                load_whole(read_whole(point, gpt_config, model.plan, Parallelism()), model, [], point.path)
             for index, optimizer in _fsdp_outside(accelerator, trained):
                 load_fsdp_optimizer(accelerator.state.fsdp_plugin, accelerator, optimizer, model, str(point.path),
                                     index)

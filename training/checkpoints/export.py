@@ -10,15 +10,16 @@ import torch
 from accelerate import Accelerator
 from safetensors import SafetensorError
 
+from checkpoint_io.weights import Weights
+from checkpoint_io.whole_state import strip_wrapper_prefixes
 from common.atomic import fresh_temp_dir, rename_into_place, write_failure
 from common.errors import UserError
 from common.parallelism import Parallelism
 from common.run_dir import RunDir
-from common.weights import Weights
 from model import GPTConfig
 from model.lora import has_adapters
-from model.pretrained import save_state_dict, strip_wrapper_prefixes
-from model.tensor_parallel import natural_order
+from model.pretrained import save_state_dict
+from model.tensor_parallel import reordered
 from model.unwrap import unwrapped
 from training.distributed.engines import full_state_dict
 from training.distributed.pipeline import PipelinedGPT
@@ -46,8 +47,8 @@ def export_final(accelerator: Accelerator, model: torch.nn.Module, arch: GPTConf
     # or from a pipeline's stages. They are written as they are: no second model holds a copy.
     state_dict = model.full_state_dict() if isinstance(model, PipelinedGPT) else full_state_dict(accelerator, model)
     if accelerator.is_main_process:
-        degree = parallelism.tensor_parallel if parallelism else 1
-        state_dict = natural_order(strip_wrapper_prefixes(state_dict), arch.n_embd, degree)
+        state_dict = reordered(strip_wrapper_prefixes(state_dict), arch.n_embd, parallelism or Parallelism(),
+                               Parallelism())  # from the run's order of c_attn into Hugging Face's
         _write(run, run.final, lambda tmp: save_state_dict(state_dict, arch, tmp, overwrite=True))
         accelerator.print(f"final model written to {run.final}")
 

@@ -1,17 +1,14 @@
 """Checkpoints that move: resumed under another engine, tensor-parallel degree or (for ZeRO) number of processes
 than the launch that saved them.
 
-Each engine saves in its own format, and each format has its module here: `ddp_files` (DDP and a pipeline's
-stages), `fsdp_files` (FSDP2's distributed checkpoint), `zero_files` (DeepSpeed's partitions); the weights of any
-of them `model.pretrained.read_checkpoint` reads (`from_pretrained` reads a checkpoint without a launcher). The
-engine that saved a checkpoint reads it with accelerate's `load_state`, bit for bit (FSDP2 also reshards over
-another number of processes). Any other launch reads the state whole (`WholeState`): weights and optimizer states
-by parameter name, c_attn in Hugging Face's order. Then each rank takes its own piece:
+The engine that saved a checkpoint reads it with accelerate's `load_state`, bit for bit (FSDP2 also reshards over
+another number of processes). Any other launch reads the state whole with `checkpoint_io` (`read_whole`), which
+knows each engine's files: weights and optimizer states by parameter name, named and ordered as this launch holds
+them. Then each rank takes its own piece:
 
 - DDP, FSDP2 and tensor parallelism: every tensor is copied in, a DTensor keeping its own shard. Each rank holds the
   whole, so `distribute_tensor(..., src_data_rank=None)` sends nothing.
-- A pipeline stage: the state is written as a DDP run's files in a scratch folder (`ddp_files`), which the stage
-  reads as it reads a pipeline checkpoint.
+- A pipeline stage: its own part, by name, as it takes it from a pipeline's own checkpoint.
 - DeepSpeed ZeRO-1/2/3: one process per node writes the state in DeepSpeed's universal checkpoint layout in a
   scratch folder. Every rank's ZeRO optimizer loads its partitions from it; the folder is removed after.
 
@@ -26,28 +23,34 @@ not bit for bit: summation orders differ between engines.
 from __future__ import annotations
 
 import hashlib
+import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from accelerate import Accelerator
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from checkpoint_io import zero_files
+from checkpoint_io.ddp_files import Groups
+from checkpoint_io.reader import read_state
+from checkpoint_io.whole_state import WholeState, plain_name, strip_wrapper_prefixes
 from common.engine_names import DDP, DEEPSPEED, FSDP
 from common.errors import UserError
 from common.parallelism import Parallelism
-from common.run_dir import DEEPSPEED_DIR, fsdp_optimizer_dir, rng_state_file
+from common.run_dir import rng_state_file
 from model import GPT, GPTConfig
-from model.pretrained import read_checkpoint, strip_wrapper_prefixes
-from model.tensor_parallel import parallel_order
+from model.config import TIED, TIED_OUTPUT
+from model.tensor_parallel import reordered
 from model.unwrap import unwrapped
-from training.checkpoints import ddp_files, fsdp_files, zero_files
 from training.checkpoints.resume import ResumePoint
-from training.checkpoints.whole_state import WholeState
 from training.distributed.pipeline import PipelinedGPT
+from training.optimizers.plan import build_optimizer
 from training.optimizers.spec import OptimizerPlan
+
+_GROUPS: dict[tuple[str, str], Groups] = {}
 
 
 @dataclass(frozen=True)
@@ -114,52 +117,76 @@ def checkpoint_move(point: ResumePoint | None, engine: Parallelism, world_size: 
     return Move(saved, point.world_size, engine, world_size, plan)
 
 
-def read_whole(point: ResumePoint, config: GPTConfig, plan: OptimizerPlan) -> WholeState:
-    """`point`'s weights and optimizer states, whole, on this process: the size of one DDP checkpoint."""
-    _, weights = read_checkpoint(point.path)
-    engine = Parallelism.of_record(point.engine)
-    if engine.kind == FSDP:
-        optimizers = [fsdp_files.read_optimizer(point.path / fsdp_optimizer_dir(i), config, engine.tensor_parallel)
-                      for i in range(len(point.optimizers))]
-    elif engine.kind == DEEPSPEED:
-        optimizers = [zero_files.read_optimizer(point.path / DEEPSPEED_DIR)]
-    else:
-        optimizers = [ddp_files.read_optimizer(point.path, i, groups)[0]
-                      for i, groups in enumerate(ddp_files.whole_groups(config, plan))]
-    return WholeState(weights, optimizers)
+def whole_groups(config: GPTConfig, plan: OptimizerPlan) -> Groups:
+    """How one process's optimizers number the whole model's parameters, which a DDP run's optimizer files are
+    numbered by. Computed once per model and optimizer, on the meta device."""
+    key = (repr(config), plan.kind)
+    if key not in _GROUPS:
+        with torch.device("meta"):
+            whole = GPT(config)
+        names = {id(p): name for name, p in whole.named_parameters()}
+        _GROUPS[key] = [[[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+                        for optimizer in build_optimizer(whole, plan, "cpu")]
+    return _GROUPS[key]
+
+
+def read_whole(point: ResumePoint, config: GPTConfig, plan: OptimizerPlan, now: Parallelism) -> WholeState:
+    """`point`'s weights and optimizer states, whole, on this process (the size of one DDP checkpoint), as a launch of
+    `now` holds them: the tied pair under both its names, c_attn's rows in its tensor-parallel order."""
+    saved = read_state(point.path, whole_groups(config, plan))
+    was, n_embd = saved.parallelism, config.n_embd
+    optimizers = [_reordered(_tied(states), n_embd, was, now) for states in saved.optimizers]
+    weights = reordered(_tied(saved.weights), n_embd, was, now)
+    return replace(saved, weights=weights, optimizers=optimizers, parallelism=now)
+
+
+def _tied(by_name: dict[str, Any]) -> dict[str, Any]:
+    """`by_name` with the tied pair's one tensor (or state) under both its names: a checkpoint holds it once."""
+    one = by_name.get(TIED, by_name.get(TIED_OUTPUT))
+    return by_name if one is None else {**by_name, TIED: one, TIED_OUTPUT: one}
+
+
+def _reordered(states: dict[str, dict[str, Any]], n_embd: int, was: Parallelism,
+               now: Parallelism) -> dict[str, dict[str, Any]]:
+    """Each parameter's optimizer state with c_attn's rows from the order `was` holds them in into `now`'s
+    (`model.tensor_parallel.reordered`): a moment is laid out as its parameter."""
+    keys = {key for s in states.values() for key in s if torch.is_tensor(s[key]) and s[key].dim()}
+    by_key = {key: reordered({n: s[key] for n, s in states.items() if key in s}, n_embd, was, now) for key in keys}
+    return {name: {key: by_key[key][name] if key in by_key else value for key, value in s.items()}
+            for name, s in states.items()}
 
 
 def load_moved(point: ResumePoint, move: Move, config: GPTConfig, model: torch.nn.Module, optimizers: list,
                accelerator: Accelerator) -> None:
-    """Load `point` into this rank's prepared `model` and `optimizers`, and its random stream where that carries over.
-    Call on every rank."""
+    """Load `point` into this rank's prepared `model` and `optimizers`, and its random stream where that carries over
+    (first: loading draws no random numbers). The optimizers keep this run's param-group settings. Call on every
+    rank."""
+    if move.keeps_random_streams:
+        restore_random_streams(point.path, accelerator.process_index)
     if move.now.kind == DEEPSPEED:
         # One folder per checkpoint path, so a node's processes agree on it. The run folder's lock keeps any other
         # launch out of it.
         digest = hashlib.sha256(str(point.path.resolve()).encode()).hexdigest()[:16]
         scratch = Path(tempfile.gettempdir()) / f"gpt2-accelerate-moved-{digest}"
-        zero_files.load_into(lambda: read_whole(point, config, move.plan), model, accelerator, scratch)
+        _load_into_zero(lambda: read_whole(point, config, move.plan, move.now), model, accelerator, scratch)
     else:
-        load_whole(read_whole(point, config, move.plan), model, optimizers, config, move.now)
-    if move.keeps_random_streams:
-        restore_random_streams(point.path, accelerator.process_index)
+        state = read_whole(point, config, move.plan, move.now)
+        load_whole(replace(state, settings=None), model, optimizers, point.path)
 
 
-def load_whole(state: WholeState, model: torch.nn.Module, optimizers: list, config: GPTConfig,
-               engine: Parallelism) -> None:
+def load_whole(state: WholeState, model: torch.nn.Module, optimizers: list, source: Path) -> None:
     """Give this rank's torch model (plain, sharded, split or a pipeline stage) and optimizers their pieces of
-    `state`."""
+    `state` (`read_whole`). A stage takes the param-group settings `state` holds too (a pipeline's own files); other
+    optimizers keep theirs. `source` names the checkpoint in errors."""
     if isinstance(model, PipelinedGPT):
-        with tempfile.TemporaryDirectory(prefix="moved-") as scratch:
-            groups = ddp_files.whole_groups(config, model.plan)
-            weights = {name: state.weight(name) for name in _whole_names(config)}
-            states = [{name: found for name in (n for group in optimizer_groups for n in group)
-                       if (found := state.state(index, name)) is not None}
-                      for index, optimizer_groups in enumerate(groups)]
-            ddp_files.write(Path(scratch), weights, states, groups)
-            ddp_files.load_into_stage(model, Path(scratch))
+        groups = whole_groups(model.config, model.plan)
+        states = [{name: state.optimizers[index][name] for name in (n for group in optimizer_groups for n in group)
+                   if name in state.optimizers[index]} for index, optimizer_groups in enumerate(groups)]
+        settings = state.settings or [[{} for _ in optimizer_groups] for optimizer_groups in groups]
+        weights = {name: _weight_of(state, name) for name in _whole_names(model.config)}
+        model.load_own(weights, states, settings, source)
     else:
-        _load_into_torch(state, model, optimizers, config, engine.tensor_parallel)
+        _load_into_torch(state, model, optimizers)
 
 
 def _whole_names(config: GPTConfig) -> list[str]:
@@ -182,35 +209,84 @@ def _piece(value: Any, like: torch.Tensor) -> Any:
     return value
 
 
-def _load_into_torch(state: WholeState, model: torch.nn.Module, optimizers: list, config: GPTConfig,
-                     degree: int) -> None:
+def _load_into_torch(state: WholeState, model: torch.nn.Module, optimizers: list) -> None:
     params = strip_wrapper_prefixes(dict(unwrapped(model).named_parameters()))
-    ordered = WholeState(parallel_order(state.weights, config.n_embd, degree),
-                         [_parallel_states(s, config.n_embd, degree) for s in state.optimizers])
     with torch.no_grad():
         for name, param in params.items():
-            param.copy_(_piece(ordered.weight(name), param))
+            param.copy_(_piece(_weight_of(state, name), param))
     names = {id(p): name for name, p in params.items()}
     for index, optimizer in enumerate(optimizers):
         inner = getattr(optimizer, "optimizer", optimizer)
         for group in inner.param_groups:
             for param in group["params"]:
-                saved = ordered.state(index, names[id(param)])
-                if saved is None:
-                    raise UserError(f"the checkpoint holds no optimizer state for {names[id(param)]}; resume it with "
-                                    "the optimizer it was saved with")
-                inner.state[param] = {key: _piece(value, param) for key, value in saved.items()}
+                inner.state[param] = {key: _piece(value, param)
+                                      for key, value in _state_of(state, index, names[id(param)]).items()}
 
 
-def _parallel_states(states: dict[str, dict[str, Any]], n_embd: int, degree: int) -> dict[str, dict[str, Any]]:
-    """Each parameter's optimizer state with c_attn's rows in the head-group order of tensor parallelism."""
-    if degree == 1:
-        return states
-    keys = {key for s in states.values() for key in s if torch.is_tensor(s[key]) and s[key].dim()}
-    by_key = {key: parallel_order({n: s[key] for n, s in states.items() if key in s}, n_embd, degree)
-              for key in keys}
-    return {name: {key: by_key[key][name] if key in by_key else value for key, value in s.items()}
-            for name, s in states.items()}
+def _weight_of(state: WholeState, name: str) -> torch.Tensor:
+    if name not in state.weights:
+        raise UserError(f"the checkpoint holds no weight {name}; resume it with the model it was saved with")
+    return state.weights[name]
+
+
+def _state_of(state: WholeState, index: int, name: str) -> dict[str, Any]:
+    saved = state.optimizers[index].get(name)
+    if saved is None:
+        raise UserError(f"the checkpoint holds no optimizer state for {name}; resume it with the optimizer it was "
+                        "saved with")
+    return saved
+
+
+def _load_into_zero(read: Callable[[], WholeState], engine: Any, accelerator: Accelerator, scratch: Path) -> None:
+    """Load the whole state (`read()`) into DeepSpeed's ZeRO optimizer through the universal checkpoint layout.
+
+    One process per node reads and writes it in `scratch`; each rank loads its partition of the fp32 master weights
+    and AdamW's moments. ZeRO-1/2 then copy the master weights into the model's; ZeRO-3's partitions are the model's.
+    `scratch` is removed after."""
+    optimizer = engine.optimizer
+    base = optimizer.optimizer
+    hyper = [{k: v for k, v in group.items() if k != "params"} for group in base.param_groups]
+    done = scratch / "written"
+    failure: BaseException | None = None
+    if accelerator.is_local_main_process:
+        shutil.rmtree(scratch, ignore_errors=True)
+        try:
+            state = read()
+            names = {name: plain_name(name) for name in optimizer.param_names.values()}  # DeepSpeed's: ours
+            zero_files.write_universal({name: _weight_of(state, plain) for name, plain in names.items()},
+                                       {name: _state_of(state, 0, plain) for name, plain in names.items()},
+                                       hyper, optimizer.clip_grad, scratch / "zero")
+            done.touch()
+        except BaseException as err:  # noqa: BLE001 - raised below, once the other processes are released
+            failure = err
+    accelerator.wait_for_everyone()
+    try:
+        if failure is not None:
+            raise failure
+        if not done.is_file():
+            raise UserError(f"the moved checkpoint could not be written in {scratch} (the first process of this node "
+                            "says why); free space there (or set TMPDIR) and resume again", on_every_rank=True)
+        # Bracketed as DeepSpeed's own load_checkpoint does: ZeRO-3 first releases every gathered parameter, then
+        # gathers its persistent ones (small parameters each rank keeps whole) from the loaded partitions.
+        for event in ("checkpoint_event_prologue", None, "checkpoint_event_epilogue"):
+            if event is None:
+                optimizer._load_universal_checkpoint(str(scratch), load_optimizer_states=True,
+                                                     load_from_fp32_weights=True)
+            elif hasattr(optimizer, event):
+                getattr(optimizer, event)()
+    finally:
+        accelerator.wait_for_everyone()
+        if accelerator.is_local_main_process:
+            shutil.rmtree(scratch, ignore_errors=True)
+    # ZeRO-3 gives every group the first one's settings (the matrices' weight decay to biases and LayerNorms too),
+    # and one step tensor to all, which AdamW would then advance once per group.
+    for group, own in zip(base.param_groups, hyper, strict=True):
+        group.update(own)
+    for saved in base.state.values():
+        if torch.is_tensor(saved.get("step")):
+            saved["step"] = saved["step"].clone()
+    if engine.zero_optimization_stage() < 3:
+        optimizer.update_lp_params()
 
 
 def restore_random_streams(checkpoint: Path, rank: int) -> None:
@@ -219,9 +295,9 @@ def restore_random_streams(checkpoint: Path, rank: int) -> None:
     import random
 
     import numpy as np
-    from accelerate.utils import load
+    from accelerate.utils import load as accelerate_load
 
-    states = load(checkpoint / rng_state_file(rank))
+    states = accelerate_load(checkpoint / rng_state_file(rank))
     random.setstate(states["random_state"])
     np.random.set_state(states["numpy_random_seed"])
     torch.set_rng_state(states["torch_manual_seed"])

@@ -3,7 +3,9 @@
 `--resume latest` is the newest complete checkpoint of `--out_dir`; a path is that checkpoint, or the newest of that
 run folder. A new run never writes over another. A checkpoint from elsewhere never resumes into a folder that holds
 a run. An older checkpoint of the folder itself may, and its newer ones are set aside in `superseded/`, never
-deleted. `training.checkpoints.manifest` checks the files; `training.checkpoints.checkpoint` loads them.
+deleted. Before a resume loads anything, `verify_checkpoint` checks its files (`checkpoint_io.manifest`): a damaged
+checkpoint is one line naming the file and the earlier checkpoint to resume from, never a traceback or a silently
+inexact resume. `training.checkpoints.checkpoint` loads them.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from checkpoint_io.manifest import resume_problem
 from common.errors import UserError
 from common.run_dir import FSDP_MODEL_DIR, GPT_CONFIG, RUN_STATE, RunDir, checkpoint_step
 
@@ -56,6 +59,11 @@ class ResumePoint:
         raise UserError(f"{self.path / RUN_STATE} is damaged (optimizers: {saved!r}); resume from another checkpoint")
 
     @property
+    def run(self) -> RunDir | None:
+        """The run folder the checkpoint belongs to (None for one elsewhere)."""
+        return RunDir.holding(self.path)
+
+    @property
     def world_size(self) -> int:
         return int(self.run_state.get("world_size", 1))
 
@@ -82,11 +90,19 @@ class ResumePoint:
 
 def fallback_advice(checkpoint: Path) -> str:
     """What to do when `checkpoint` cannot be used: the checkpoint before it, if its folder has one."""
-    step = checkpoint_step(checkpoint)
-    earlier = [p for p in RunDir(checkpoint.parent.parent).list_checkpoints()
-               if step is not None and checkpoint_step(p) < step]
+    step, run = checkpoint_step(checkpoint), RunDir.holding(checkpoint)
+    in_run = step is not None and run is not None
+    earlier = [p for p in run.list_checkpoints() if checkpoint_step(p) < step] if in_run else []
     return (f"resume from the checkpoint before it with --resume {earlier[-1]}" if earlier
             else "no earlier checkpoint exists: start a new run in another --out_dir")
+
+
+def verify_checkpoint(point: ResumePoint) -> None:
+    """Check that everything `load_checkpoint` will read is present and unchanged since it was saved."""
+    problem = resume_problem(point.path, point.run_state.get("format", 1), point.world_size, point.data_ranks,
+                             len(point.optimizers))
+    if problem is not None:
+        raise UserError(f"{problem}; {fallback_advice(point.path)}")
 
 
 def read_json(path: Path) -> dict[str, Any]:

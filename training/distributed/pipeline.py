@@ -30,12 +30,11 @@ from torch import nn
 
 from common.errors import UserError
 from data.tokenizer import IGNORE
+from model.config import TIED, TIED_OUTPUT
 from model.gpt import GPT, sample_next
 from model.pipeline import GPTStage
 from training.distributed.layout import Layout
 from training.optimizers.spec import OptimizerPlan
-
-TIED = "transformer.wte.weight"  # the token embedding, also the output layer
 
 
 class PipelineRanks:
@@ -227,7 +226,7 @@ class PipelinedGPT(nn.Module):
             whole.update({name: t for name, t in part.items() if name not in whole})
         with torch.device("meta"):
             order = list(GPT(self.config).state_dict())
-        return {name: whole[TIED if name == "lm_head.weight" else name] for name in order}
+        return {name: whole[TIED if name == TIED_OUTPUT else name] for name in order}
 
     def gather_whole(self) -> tuple[dict[str, torch.Tensor], list[dict[str, dict]], list[list[dict]]] | None:
         """What a DDP run's checkpoint holds, gathered from the stages on the main process: weights, optimizer states
@@ -252,7 +251,7 @@ class PipelinedGPT(nn.Module):
         """Load this stage's part of the whole model: weights, optimizer states by name, saved settings. `source`
         names the folder in the errors."""
         own = self.state_dict()
-        weights.setdefault(TIED, weights.get("lm_head.weight"))
+        weights.setdefault(TIED, weights.get(TIED_OUTPUT))
         if missing := [name for name in own if weights.get(name) is None]:
             raise UserError(f"{source} lacks the weight {missing[0]}; resume it with the model it was saved with")
         self.load_state_dict({name: weights[name] for name in own})

@@ -3,7 +3,7 @@
 `resolve_weights(spec, revision)` reads the folder (or asks the Hub) and returns a `Weights`; loaders,
 evaluations and publishing act on that answer and never look at the path again. What a spec can be:
 
-  - our training checkpoint (`gpt_config.json` + accelerate's model.safetensors): `CHECKPOINT`;
+  - our training checkpoint (`gpt_config.json` + any engine's files, `checkpoint_io.reader`): `CHECKPOINT`;
     a LoRA run's checkpoint (`gpt_config.json` + `adapter_config.json`): `LORA_CHECKPOINT`, whose base
     weights (named in the adapter config) are resolved too;
   - a Hugging Face model folder (`config.json`), our `final/` export among them: `HF_FOLDER`;
@@ -13,11 +13,10 @@ evaluations and publishing act on that answer and never look at the path again. 
     (`common.hub_ids`), downloaded (config and safetensors only: a pickle can run code when loaded) to a
     snapshot folder in the Hub cache, named after the commit it holds: `HUB`.
 
-Every way a spec can name no weights is one `UserError` line here, and only here, and so is a checkpoint whose
-weights' files are no longer those its manifest records (`common.manifest`: every command that reads a checkpoint
-passes here, and checks it as a resume does, naming the newest intact checkpoint to read instead). What can be
-wrong inside files that no manifest vouches for is the loader's (`model/pretrained.py`). Imports nothing above
-`common/`.
+Every way a spec can name no weights is one `UserError` line here, and only here. So is a checkpoint whose weights'
+files are no longer those its manifest records (`checkpoint_io.manifest`). Every command that reads a checkpoint
+passes here and checks it as a resume does, naming the newest intact checkpoint to read instead. What can be wrong
+inside files that no manifest vouches for is the reader's (`checkpoint_io.reader`, `model/pretrained.py`).
 """
 from __future__ import annotations
 
@@ -33,9 +32,9 @@ from huggingface_hub.constants import (
     SAFETENSORS_WEIGHTS_FILE_PATTERN,
 )
 
+from checkpoint_io.manifest import damage, weights_file
 from common.errors import UserError
 from common.hub_ids import is_repo_id, split_revision
-from common.manifest import damage, weights_file
 from common.network import reaching_the_hub
 from common.run_dir import ADAPTER_CONFIG, GPT_CONFIG, RunDir, checkpoint_step, kept_instead
 
@@ -144,17 +143,16 @@ def resolve_weights(spec: str | Path, revision: str | None = None, *, download: 
 
 def _local(path: Path, spec: str) -> Weights:
     """The weights in an existing local folder: a checkpoint, an HF folder, or a run's newest weights."""
+    run = RunDir.holding(path)
     if (path / GPT_CONFIG).is_file():
-        run = RunDir(path.parent.parent) if _in_checkpoints(path) else None
         if (problem := damage(path, weights_file)) is not None:
             raise UserError(f"{problem}; {_intact_instead(path, run)}")
         if (path / ADAPTER_CONFIG).is_file():
             return Weights(Kind.LORA_CHECKPOINT, spec, path, run, base=_lora_base(path))
         return Weights(Kind.CHECKPOINT, spec, path, run)
     if (path / CONFIG_NAME).is_file():
-        run = RunDir(path.parent)
-        return Weights(Kind.HF_FOLDER, spec, path, run if path == run.final else None)
-    if _in_checkpoints(path):
+        return Weights(Kind.HF_FOLDER, spec, path, run if run is not None and path == run.final else None)
+    if run is not None and checkpoint_step(path) is not None:
         raise UserError(f"{path} is not a complete checkpoint (no {GPT_CONFIG}); pick another one")
     run = RunDir(path)
     if run.looks_like_run():
@@ -181,11 +179,6 @@ def _intact_instead(checkpoint: Path, run: RunDir | None) -> str:
     if run.has_final():
         return f"the run's final weights are intact: pass {run.final} instead"
     return f"no earlier checkpoint of {run.path} is intact: restore the file from a copy, or train anew"
-
-
-def _in_checkpoints(path: Path) -> bool:
-    """True for a `step_N` folder inside a run's `checkpoints/`."""
-    return checkpoint_step(path) is not None and path.parent == RunDir(path.parent.parent).checkpoints
 
 
 def _lora_base(checkpoint: Path) -> Weights:

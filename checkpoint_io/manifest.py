@@ -2,17 +2,16 @@
 
 `manifest.json`, written last into every checkpoint, holds the size and sha256 of every other file. Two kinds of
 reader check a checkpoint against it before they read anything:
-  - a resume (`training.checkpoints.manifest.verify_checkpoint`): every file;
-  - every command that reads a checkpoint's weights (`common.weights.resolve_weights`: `python -m model.export`,
-    `model.sample`, `eval.*`, `publish.hub`, `--init_from`): the files the weights are read from, that is every
-    file but those only a resume reads (the optimizers' states, the random and data states), so that an export of
-    a checkpoint whose optimizer state was lost still runs, and one whose weights changed never does.
-A problem is one phrase naming the file (`damage`), to which each reader adds its own way out. Checkpoints written
-before manifests (run_state format 1) have none, and are not checked here. Imports nothing above `common/`.
+  - a resume (`resume_problem`): every file each engine lays out, and each rank's random states readable;
+  - every command that reads a checkpoint's weights (`checkpoint_io.weights.resolve_weights`: `python -m
+    model.export`, `model.sample`, `eval.*`, `publish.hub`, `--init_from`): the files the weights are read from.
+    That is every file but those only a resume reads (the optimizers' states, the random and data states). So an
+    export of a checkpoint whose optimizer state was lost still runs, and one whose weights changed never does.
+A problem is one phrase naming the file, to which each reader adds its own way out. Checkpoints written before
+manifests (run_state format 1) have none: a resume checks that their files are there and their random states read.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from pathlib import Path
@@ -20,7 +19,22 @@ from typing import Callable
 
 from accelerate.utils.constants import OPTIMIZER_NAME, RNG_STATE_NAME
 
-from common.run_dir import MANIFEST, RUN_STATE
+from common.atomic import sha256
+from common.run_dir import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    DEEPSPEED_DIR,
+    DEEPSPEED_LATEST,
+    FSDP_MODEL_DIR,
+    GPT_CONFIG,
+    MANIFEST,
+    MODEL_WEIGHTS,
+    RUN_STATE,
+    data_state_file,
+    fsdp_optimizer_dir,
+    optimizer_file,
+    rng_state_file,
+)
 
 FORMAT = 2  # run_state.json's "format": 2 = the checkpoint has a manifest (format 1, without, still resumes)
 
@@ -29,14 +43,6 @@ FORMAT = 2  # run_state.json's "format": 2 = the checkpoint has a manifest (form
 # inside pytorch_model/, where its fp32 master weights are read from: those are the weights' own.
 _RESUME_ONLY = re.compile(rf"^(?:{OPTIMIZER_NAME}(?:_\d+)?(?:\.bin)?|{RNG_STATE_NAME}_\d+\.pkl|"
                           r"data_state_rank\d+\.json)(?:/|$)")
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def write_manifest(folder: Path) -> None:
@@ -87,3 +93,41 @@ def _missing_manifest(folder: Path) -> str | None:
         return None  # no run state to say so (a bare checkpoint of weights): nothing to check against
     return f"checkpoint {folder} is incomplete: {MANIFEST} is missing" if isinstance(saved, int) and \
         saved >= FORMAT else None
+
+
+def resume_problem(folder: Path, saved_format: int, world_size: int, data_ranks: int, optimizers: int) -> str | None:
+    """What is wrong with checkpoint `folder` for a resume (None: nothing). A resume reads every file the engine
+    that saved it lays out (`resume_files`): each must be there, unchanged since it was saved, and each rank's random
+    states must read. `saved_format` is run_state.json's "format"."""
+    for name in resume_files(folder, saved_format, world_size, data_ranks, optimizers):
+        if not (folder / name).exists():
+            return f"checkpoint {folder} is incomplete: {name} is missing"
+    if (folder / MANIFEST).is_file() and (problem := damage(folder)) is not None:
+        return problem
+    # accelerate swallows a failed RNG load (it logs at info level and goes on: a silently inexact resume), so the
+    # RNG states are read here first, the way it will: weights_only, which never runs pickled code.
+    from accelerate.utils import load as accelerate_load
+
+    for rank in range(world_size):
+        file = folder / rng_state_file(rank)
+        try:
+            accelerate_load(file)
+        except Exception as err:  # noqa: BLE001 - any failure to unpickle is a damaged file here
+            return f"checkpoint file {file} cannot be read ({type(err).__name__})"
+    return None
+
+
+def resume_files(folder: Path, saved_format: int, world_size: int, data_ranks: int, optimizers: int) -> list[str]:
+    """The files a resume reads, as each engine lays them out: our state files and manifest, every saved rank's RNG
+    and data state, then the model and each optimizer (a LoRA run's adapter, FSDP2's folders of shards, DeepSpeed's
+    partitions, or a DDP run's files)."""
+    names = [GPT_CONFIG, RUN_STATE] + ([MANIFEST] if saved_format >= FORMAT else [])
+    names += [rng_state_file(rank) for rank in range(world_size)]
+    names += [data_state_file(rank) for rank in range(data_ranks)]
+    if (folder / ADAPTER_CONFIG).is_file():
+        return names + [ADAPTER_CONFIG, ADAPTER_WEIGHTS, optimizer_file(0)]
+    if (folder / FSDP_MODEL_DIR).is_dir():
+        return names + [FSDP_MODEL_DIR] + [fsdp_optimizer_dir(i) for i in range(optimizers)]
+    if (folder / DEEPSPEED_DIR).is_dir():
+        return names + [DEEPSPEED_DIR, DEEPSPEED_LATEST]
+    return names + [MODEL_WEIGHTS] + [optimizer_file(i) for i in range(optimizers)]
