@@ -47,7 +47,7 @@ def leftover_group_variables(command: str) -> str | None:
     if env.get("WORLD_SIZE", "1").strip() in ("", "0", "1") and "LOCAL_RANK" not in env:
         return None
     found = [name for name in GROUP_VARIABLES if name in env]
-    return (f"{', '.join(f'{name}={env[name]}' for name in found)} in the environment ask this process to join a group "
-            "of processes, but no launcher started it (torchrun, accelerate launch, srun), so it would wait for peers "
-            f"that never come: they are left over from another launch; `unset {' '.join(found)}` and run `{command}` "
-            "again, or start the processes with accelerate launch")
+    return (f"a launch's variables are left in the environment "
+            f"({', '.join(f'{name}={env[name]}' for name in found)}), but no launcher started this process "
+            "(torchrun, accelerate launch, srun), so it would wait for peers that never come; "
+            f"`unset {' '.join(found)}` and run `{command}` again, or start the processes with accelerate launch")

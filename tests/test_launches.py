@@ -370,7 +370,7 @@ def test_a_leftover_group_environment_is_one_line_before_any_wait(monkeypatch, c
     err = run_in_process(monkeypatch, capsys, ["--out_dir", str(tmp_path / "run"), "--max_steps", "1"])
     assert all(f"{name}={value}" in err for name, value in env.items()), err
     assert f"`unset {' '.join(env)}` and run `python train.py` again" in err or "unset" in err, err
-    assert "no launcher started it" in err and not (tmp_path / "run").exists()
+    assert "no launcher started this process" in err and not (tmp_path / "run").exists()
 
 
 def test_a_launchers_group_is_no_leftover(monkeypatch):
@@ -392,8 +392,9 @@ def test_an_evaluation_in_a_leftover_group_environment_is_one_line(monkeypatch):
     from eval.common import cli_accelerator
 
     _only(monkeypatch, {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"})
-    with pytest.raises(UserError, match=r"^WORLD_SIZE=2, MASTER_ADDR=127.0.0.1, MASTER_PORT=29511 in the environment "
-                                        r".*run `python -m eval.hellaswag` again"):
+    with pytest.raises(UserError, match=r"^a launch's variables are left in the environment \(WORLD_SIZE=2, "
+                                        r"MASTER_ADDR=127.0.0.1, MASTER_PORT=29511\).*run `python -m eval.hellaswag` "
+                                        r"again"):
         with cli_accelerator(cpu=False, command="python -m eval.hellaswag"):
             pass
 
@@ -407,6 +408,7 @@ def test_a_leftover_group_environment_ends_a_real_process_at_once(tmp_path):
     proc = subprocess.run([sys.executable, "train.py", *TINY, "--max_steps", "1", "--out_dir", str(tmp_path / "run")],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: WORLD_SIZE=2, MASTER_ADDR=127.0.0.1, MASTER_PORT="
-                                                           "29511 in the environment"), proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: a launch's variables are left in "
+                                                           "the environment (WORLD_SIZE=2, MASTER_ADDR=127.0.0.1, "
+                                                           "MASTER_PORT=29511)"), proc.stderr[-2000:]
     assert not (tmp_path / "run").exists()
