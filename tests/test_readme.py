@@ -95,6 +95,21 @@ def test_the_testing_page_stays_a_map_of_the_suite():
                                     "test's docstring, not on the map")
 
 
+DOCS_MAX_WORDS = 45_000  # issue 61's bound for docs/ as a whole (`cat docs/*.md | wc -w`): it had grown to 68,829
+
+
+def test_the_docs_stay_under_their_word_budget():
+    """docs/ as a whole stays at most 45,000 words (issue 61), counted as `cat docs/*.md | wc -w` counts: a new page
+    or section pays for itself by moving history out (measurements superseded, a fault's old behaviour: git keeps
+    them) or by saying it once.
+
+    Seen to catch: docs/faults.md and docs/benchmarks.md as they were before their rewrite: `docs/ has 53,431 words,
+    over 45,000; ...`."""
+    words = sum(len(page.read_text(encoding="utf-8").split()) for page in DOCS.glob("*.md"))
+    assert words <= DOCS_MAX_WORDS, (f"docs/ has {words:,} words, over {DOCS_MAX_WORDS:,}; move superseded figures "
+                                     "and history to git, say each fact once")
+
+
 def anchors(page) -> set[str]:
     """GitHub's anchors of a page's headings: lower case, punctuation but `-` and `_` dropped, spaces as `-`."""
     found, fenced = set(), False
