@@ -39,8 +39,10 @@ own peak, the optimizer step's and the clip's ms, peak memory, compile seconds, 
 host syncs, the card, cuDNN, the first step's loss and whether it agrees, to 1e-3, with the first row's at the same
 shape). A row is not started when its estimate (`estimate_s`, an H100's) no longer fits in the stage (`not run`),
 nor when the rows that ran show its settings are one's that ran (`same as`: the kernel row of the kernel SDPA chose
-itself); one whose knob this code lacks is `skipped` before its compile; a later call runs named ones
-(--sweep_variants). `first_call_rows` says which rows the first call reaches; the users' shape always does.
+itself); one whose knob this code lacks is `skipped` before its compile; a kernel row whose profile shows
+another kernel fails (each kernel row compiles into its own graph cache: `kernel_cache_env`); a later call
+runs named ones (--sweep_variants). `first_call_rows` says which rows the first call reaches; the users' shape
+always does.
 acceptance.md shows the rows, labelled with the card they ran on, and the profile tables (self device time by kernel
 and category) of the first row and the fastest.
 
@@ -784,6 +786,14 @@ def check_loss(row: dict, rows: list[dict], earlier: list[dict]) -> None:
                    loss_agrees=abs(loss - ref["first_loss"]) <= SWEEP_LOSS_RTOL * abs(ref["first_loss"]))
 
 
+def kernel_cache_env(ctx: Ctx, v: Variant) -> dict[str, str]:
+    """A row that chooses the attention kernel compiles into a graph cache of its own. torch 2.11's AOT-autograd
+    cache keys a graph by grad mode, autocast and determinism, not by SDPA's backend flags, so the shared cache served
+    the first row's cuDNN graph to `muon_64x8_flash` (H200, 2026-11-28: 3 s compile, cuDNN kernels in its profile).
+    Triton's kernel cache stays shared: it is keyed by the kernel's source."""
+    return {} if v.sdpa is None else {"TORCHINDUCTOR_CACHE_DIR": str(ctx.compile_cache / f"sdpa_{v.sdpa}")}
+
+
 def run_sweep(ctx: Ctx, timeout: float, variants: list[Variant],
               command: Callable[[Ctx, Variant, Path], list[str]]) -> dict:
     """Run `variants` in order, each `command` its own process (a crash, a hang or an OOM costs its row), under
@@ -817,13 +827,17 @@ def run_sweep(ctx: Ctx, timeout: float, variants: list[Variant],
             print(f"[gpu_acceptance] sweep {i}/{len(variants)} {v.name} (at most {limit:.0f} s) ...", flush=True)
             t0 = time.monotonic()
             try:
-                proc = ctx.sh(f"sweep_{v.name}", command(ctx, v, json_path), limit, env=dict(v.env), check=False)
+                proc = ctx.sh(f"sweep_{v.name}", command(ctx, v, json_path), limit,
+                              env={**dict(v.env), **kernel_cache_env(ctx, v)}, check=False)
             except subprocess.TimeoutExpired:
                 row.update(status="timeout", error=f"over its {limit:.0f} s limit")
             else:
                 if proc.returncode == 0 and json_path.exists():
                     row.update(status="ok", **bench_row(json.loads(json_path.read_text())))
                     check_loss(row, rows, earlier)
+                    if v.sdpa and row["attention_kernel"] and row["attention_kernel"] != v.sdpa:
+                        row.update(status="fail", error=f"asked for the {v.sdpa} attention kernel, the profile shows "
+                                                        f"{row['attention_kernel']}: the knob did not reach the graph")
                 else:
                     unknown = re.search(r"^error: KNOB_UNKNOWN", proc.stdout, re.M) is not None
                     row.update(status="skipped" if unknown else "fail", exit_code=proc.returncode,

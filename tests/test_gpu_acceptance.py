@@ -440,8 +440,9 @@ def fake_bench(name: str, tokens_per_s: float, first_loss: float, cmd: list[str]
 
 def stand_in_sweep(tmp_path, monkeypatch, variants, behaviour, timeout=600.0):
     """run_sweep over `variants` (cold ones estimated at a million seconds: never started) with `Ctx.sh` standing in
-    for each variant's process: behaviour[name] = (tokens/s, first loss, "ok" / "oom" / "knob" / "hang"). Returns the
-    figures (or the StageError), the rows of sweep.jsonl and each process's flags, time limit and environment."""
+    for each variant's process: behaviour[name] = (tokens/s, first loss, "ok" / "oom" / "knob" / "hang" / "cached":
+    ran, but cuDNN whatever kernel it asked for). Returns the figures (or the StageError), the rows of sweep.jsonl
+    and each process's flags, time limit and environment."""
     import subprocess as sp
 
     monkeypatch.setitem(gpu_acceptance.SWEEP_COMPILE_S, True, 1e6)
@@ -462,7 +463,10 @@ def stand_in_sweep(tmp_path, monkeypatch, variants, behaviour, timeout=600.0):
         if how == "knob":
             log = "error: KNOB_UNKNOWN loss_chunk_rows: this code has no such attribute\n"
             return sp.CompletedProcess(cmd, 2, stdout=log)
-        Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(fake_bench(name, tokens_per_s, first_loss, cmd)))
+        bench = fake_bench(name, tokens_per_s, first_loss, cmd)
+        if how == "cached":  # a kernel row served the graph SDPA chose itself (2026-11-28, H200)
+            bench["attention_kernel"] = "cudnn"
+        Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(bench))
         return sp.CompletedProcess(cmd, 0, stdout="")
 
     monkeypatch.setattr(gpu_acceptance.Ctx, "sh", sh)
@@ -542,6 +546,25 @@ def test_the_sweep_runs_by_priority_and_a_crash_costs_one_row(tmp_path, monkeypa
     assert rows[-1]["status"] == "ok" and rows[-1]["attention_kernel"] == "flash"
     assert rows[-1]["loss_agrees"] is True and rows[-1]["loss_reference"] == "muon_64x8"
     assert figures["attention_fastest"] == "flash" and figures["attention_gain"] == pytest.approx(1.02)
+
+
+def test_a_kernel_row_compiles_apart_and_fails_when_another_kernel_ran(tmp_path, monkeypatch):
+    """A row that chooses the attention kernel gets a graph cache of its own (torch 2.11's AOT-autograd cache key
+    omits SDPA's backend flags), and a row whose profile shows another kernel than it asked for fails, naming both:
+    its tokens/s are SDPA's own choice's, not the kernel's.
+
+    Seen to catch: the H200 window of 2026-11-28, where `muon_64x8_flash` compiled in 3 s from row 1's cache, ran
+    cuDNN, and read `ok` (534,242 tokens/s) as if it were FlashAttention-2's figure."""
+    sweep = {v.name: gpu_acceptance.replace(v, cold=False) for v in gpu_acceptance.SWEEP}
+    variants = [sweep["muon_64x8"], sweep["muon_64x8_flash"]]
+    behaviour = {"muon_64x8": (535e3, 10.9, "ok"), "muon_64x8_flash": (534e3, 10.9, "cached")}
+    figures, rows, given = stand_in_sweep(tmp_path, monkeypatch, variants, behaviour)
+    assert given["muon_64x8"][2] == {}  # SDPA's own choice: the shared cache
+    cache = gpu_acceptance.Ctx(False, tmp_path, tmp_path, None).compile_cache
+    assert given["muon_64x8_flash"][2] == {"TORCHINDUCTOR_CACHE_DIR": str(cache / "sdpa_flash")}
+    assert rows[1]["status"] == "fail" and rows[1]["error"] == (
+        "asked for the flash attention kernel, the profile shows cudnn: the knob did not reach the graph")
+    assert figures["failed"] == ["muon_64x8_flash"] and "attention_fastest" not in figures
 
 
 def test_the_sweep_fails_when_its_first_row_does_not_run(tmp_path, monkeypatch):
