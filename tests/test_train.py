@@ -84,7 +84,7 @@ def test_the_quick_start_run_is_what_the_readme_says(quick_start):
     """`python train.py` as the README's Quick start runs it (conftest.quick_start, shared with the docs' commands):
     the validation loss and a sample every 160 steps, the checkpoints the README's rows name (300, 400, 480: keep_last
     3 of save_every 100), final/ with its card and curves, where the wall time went, and the README's "about 4.69" at
-    step 480 (4.6882 and 4.6926 on the CPUs the README names, 4.6936 on another: 0.05 is ten times their spread, and a
+    step 480 (4.6882, 4.6936 and 4.6926 on the CPUs the README names: 0.05 is ten times their spread, and a
     fifth of the 0.27 that step 320 lies above it). It replaced a 4-step copy of the command."""
     run, output = quick_start / "out" / "shakespeare", (quick_start.parent / "output.txt").read_text()
     rows = read_metrics(run)
