@@ -255,14 +255,16 @@ def version_mismatches(versions: dict) -> list[str]:
 
 
 # Tests whose code paths differ on CUDA or under bf16: HF parity of the model, the fp32 head under bf16
-# autocast, the optimizer groups (fused AdamW is chosen from the device type), accumulation, MFU arithmetic.
+# autocast, the optimizer groups (fused AdamW is chosen from the device type), accumulation, MFU arithmetic; the
+# loss's Triton kernel, which only a GPU runs compiled.
 TEST_SELECTION = ("hf_parity or output_layer_runs_in_fp32 or optimizer_groups or accumulated_micro_steps "
-                  "or peak_flops_and_mfu or learning_rate_schedule or no_bias_and_dropout")
+                  "or peak_flops_and_mfu or learning_rate_schedule or no_bias_and_dropout or test_loss_kernel")
 
 
 def stage_tests(ctx: Ctx, timeout: float) -> dict:
     proc = ctx.sh("tests", [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_model.py",
-                            "tests/test_train.py", "-k", TEST_SELECTION], timeout, check=False)
+                            "tests/test_train.py", "tests/test_loss_kernel.py", "-k", TEST_SELECTION], timeout,
+                  check=False)
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", proc.stdout)}
     figures = {"passed": counts.get("passed", 0), "failed": counts.get("failed", 0),
                "skipped": counts.get("skipped", 0), "errors": counts.get("error", 0) + counts.get("errors", 0)}
@@ -604,6 +606,11 @@ SWEEP = (
             "attention kernel, which the row names)", "muon", *USERS_SHAPE),
     Variant("adamw_64x8", "the users' shape with fused AdamW: what Muon costs there", "adamw", *USERS_SHAPE,
             cold=False),
+    Variant("muon_64x8_chunk65536", "the users' shape with the loss walked in one chunk per micro-batch: "
+            "model.loss_kernel's Triton kernel over the whole micro-batch's logits, the gradients in the forward",
+            "muon", *USERS_SHAPE, loss_chunk_rows=65536),
+    Variant("adamw_64x8_chunk65536", "the same with AdamW", "adamw", *USERS_SHAPE, loss_chunk_rows=65536,
+            cold=False),
     Variant("muon_64x8_cudnn", "the users' shape with cuDNN attention (sdpa_kernel); `same as` the first row where "
             "SDPA chose it there", "muon", *USERS_SHAPE, sdpa="cudnn"),
     Variant("muon_64x8_flash", "the users' shape with FlashAttention-2 (sdpa_kernel); `same as` the first row where "
@@ -624,8 +631,8 @@ SWEEP = (
             1, cold=False),
     Variant("muon_64x1", "llm.c's shape with Muon: its fixed cost at 8 times the users' steps", "muon", 64, 1,
             cold=False),
-    Variant("muon_64x8_chunk16384", "the users' shape with the loss in 16,384-row chunks (4 per micro-batch)", "muon",
-            *USERS_SHAPE, loss_chunk_rows=16384),
+    Variant("muon_64x8_chunk16384", "the users' shape with the loss in 16,384-row chunks (4 per micro-batch; on "
+            "CUDA each chunk is model.loss_kernel's Triton kernel)", "muon", *USERS_SHAPE, loss_chunk_rows=16384),
 )
 ATTENTION_ROWS = ("muon_64x8", "muon_64x8_cudnn", "muon_64x8_flash")  # the users' Muon, the kernel its only change
 # --smoke: these, on the tiny model, micro-batch 16 -> 2 and 64 -> 4, accumulation 8 -> 2: the users' row compiled

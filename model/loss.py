@@ -4,7 +4,8 @@
   logits. For each chunk it computes the logits, the loss, and at once the gradients they contribute to the hidden
   states and to the output weight. Then it drops the chunk. The backward only scales the two stored gradients.
   Nothing is recomputed. What stays alive from forward to backward is one (tokens x n_embd) and one weight-sized
-  tensor. This is why the default CPU run fits and is fast.
+  tensor. This is why the default CPU run fits and is fast. On CUDA with Triton a chunk is one kernel call
+  (`model.loss_kernel`): the logits stay in the matmul's dtype, read twice and overwritten once by their gradient.
 - `0`: `full_cross_entropy`, the full logits and one `F.cross_entropy`, as nanoGPT, torchtitan, nanochat and
   modded-nanogpt compute it. Under autocast the logits are bf16 and the softmax fp32. The upcast is explicit, so
   bf16 parameters without autocast get an fp32 softmax too. When the model is compiled this runs inside the
@@ -30,6 +31,7 @@ from typing import NamedTuple
 
 import torch
 from torch.nn import functional as F
+from torch.utils._triton import has_triton
 
 from data.tokenizer import IGNORE
 
@@ -48,6 +50,11 @@ def default_loss_chunk_rows(device_type: str) -> int:
     yet a measurement of ours. The GPU sweep of issue 53 (`benchmarks/gpu_acceptance.py`) times 0 against 512 and
     16,384 rows on an H100. Its result decides this value."""
     return LOSS_CHUNK_ROWS if device_type == "cpu" else 0
+
+
+def fused_chunks(device: torch.device) -> bool:
+    """Whether the walk's training chunks run one Triton kernel each (`model.loss_kernel`): on CUDA with Triton."""
+    return device.type == "cuda" and has_triton()
 
 
 def describe_loss_path(rows: int) -> str:
@@ -135,6 +142,18 @@ def _walk(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid:
     grad_x = torch.empty_like(x) if need_x else None
     grad_w = torch.zeros_like(weight, dtype=torch.float32 if low else weight.dtype) if need_w else None
     losses = torch.empty(x.size(0), device=x.device, dtype=torch.float32)
+    if fused_chunks(x.device):  # evaluation too: no fp32 (rows x V) buffer on a GPU
+        from model.loss_kernel import loss_chunk  # imports Triton: only where it runs
+        dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+        for start in range(0, x.size(0), rows):
+            part = loss_chunk(x[start:start + rows], weight, targets[start:start + rows], n_valid, dtype, need_x,
+                              need_w)
+            losses[start:start + rows] = part[0]
+            if need_x:
+                grad_x[start:start + rows] = part[1]
+            if need_w:
+                grad_w += part[2]
+        return _Walk(losses, grad_x, None if grad_w is None else grad_w.to(weight.dtype))
     # One fp32 logits buffer for every chunk, and no other (rows x V) tensor. Each would be a fresh allocation,
     # which on a CPU costs zero-filling its pages again (100 MB a chunk for GPT-2).
     buffer = torch.empty(min(x.size(0), rows), weight.size(0), device=x.device, dtype=torch.float32)

@@ -10,7 +10,8 @@ for the project's modules and whose imports are not the project's:
 
 - product code (everything outside tests/ and benchmarks/): the core `dependencies`, so that
   `pip install -e .` runs every feature; the exceptions are optional bridges whose packages stay in an
-  extra (`OPTIONAL`: lm-eval, DeepSpeed), and which say in one line what to install when it is missing;
+  extra (`OPTIONAL`: lm-eval, DeepSpeed), and which say in one line what to install when it is missing; and
+  Triton, which torch's CUDA wheels bring, and without which a CUDA run takes the full logits;
 - tests/ and benchmarks/: the core dependencies or the `dev` extra (what `.ci/run` installs).
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ else:  # Python 3.10: the same parser, from PyPI (the dev extra)
     import tomli as tomllib
 
 # Imported by product code but installed only with an extra: {top-level module: extra}.
-OPTIONAL = {"lm_eval": "harness", "deepspeed": "deepspeed"}
+OPTIONAL = {"lm_eval": "harness", "deepspeed": "deepspeed", "triton": "cuda"}
 DEV_ONLY_FOLDERS = ("tests", "benchmarks")
 
 

@@ -593,9 +593,9 @@ def cuda_defaults() -> dict:
 def test_the_sweep_plan_resolved_for_cuda():
     """The sweep's rows as they would run on CUDA: no two rows measure the same settings; the before row is the
     2026-11-26 configuration (16 x 2, the 512-row walk, Muon per matrix) and says so; the users' shape with Muon and
-    AdamW comes first and ends inside the first call's sweep budget by the H100 estimates; each attention kernel has a
-    row at the users' shape; host syncs are counted only where an eager step fits (16 x 1024, not 64 x 1024), at
-    least once in the first call; expandable segments is a row, not a default.
+    AdamW comes first, then the loss kernel's rows with each optimizer, all inside the first call's sweep budget by
+    the H100 estimates; each attention kernel has a row at the users' shape; host syncs are counted only where an
+    eager step fits (16 x 1024, not 64 x 1024); expandable segments is a row, not a default.
 
     Seen to catch: `muon_16x2_stacked` back in the plan (on CUDA the same as `muon_16x2`); the before row without
     `muon_stacked=False` (then `muon_16x2_walk`'s settings); the users' AdamW row moved last (past the budget)."""
@@ -615,17 +615,20 @@ def test_the_sweep_plan_resolved_for_cuda():
 
     sweep_budget = next(s for s in gpu_acceptance.STAGES if s.name == "sweep").lease_budget_s
     first_call = gpu_acceptance.first_call_rows(plan, sweep_budget)
-    users = [v for v in plan if (v.micro_batch, v.grad_accum) == gpu_acceptance.USERS_SHAPE and v.sdpa is None
+    USERS = gpu_acceptance.USERS_SHAPE
+    users = [v for v in plan if (v.micro_batch, v.grad_accum) == USERS and v.sdpa is None
              and not v.env and v.loss_chunk_rows is None and v.muon_stacked is None]
     assert sorted(v.optimizer for v in users) == ["adamw", "muon"] and plan[0] in users
     assert all(v.name in first_call for v in users), (first_call, sweep_budget)
-    assert before.name in first_call
+    # The loss kernel's rows (the change the H200's profile asked for) next, inside the first call too.
+    kernel_rows = [v for v in plan if v.loss_chunk_rows == 65536 and (v.micro_batch, v.grad_accum) == USERS]
+    assert sorted(v.optimizer for v in kernel_rows) == ["adamw", "muon"]
+    assert all(v.name in first_call for v in kernel_rows), (first_call, sweep_budget)
     kernels = {v.sdpa for v in plan if (v.micro_batch, v.grad_accum) == gpu_acceptance.USERS_SHAPE}
     assert {"cudnn", "flash"} <= kernels
 
     counted = [v for v in plan if v.sync_count]
     assert counted and all(v.micro_batch <= 16 for v in counted)
-    assert any(v.name in first_call for v in counted)
     assert [v.env for v in plan if v.env] == [gpu_acceptance.EXPANDABLE]
 
 
