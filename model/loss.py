@@ -52,9 +52,20 @@ def default_loss_chunk_rows(device_type: str) -> int:
     return LOSS_CHUNK_ROWS if device_type == "cpu" else 0
 
 
-def fused_chunks(device: torch.device) -> bool:
-    """Whether the walk's training chunks run one Triton kernel each (`model.loss_kernel`): on CUDA with Triton."""
-    return device.type == "cuda" and has_triton()
+def fused_chunks(device_type: str) -> bool:
+    """Whether the walk's chunks run one Triton kernel each (`model.loss_kernel`): on CUDA with Triton.
+
+    In a CUDA build torch.compile calls this while tracing and keeps the answer as a constant (below): `has_triton`
+    and an import inside a traced forward are each a graph break (torch 2.11, H200: 8 breaks a step). The import
+    registers the kernel's custom op, which the walk then calls through `torch.ops`."""
+    if device_type != "cuda" or not has_triton():
+        return False
+    import model.loss_kernel  # noqa: F401  (imports Triton: only where it runs)
+    return True
+
+
+if torch.backends.cuda.is_built():  # marking it imports torch._dynamo: ~1 s that a CPU-only process never pays
+    fused_chunks = torch.compiler.assume_constant_result(fused_chunks)
 
 
 def describe_loss_path(rows: int) -> str:
@@ -142,12 +153,11 @@ def _walk(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid:
     grad_x = torch.empty_like(x) if need_x else None
     grad_w = torch.zeros_like(weight, dtype=torch.float32 if low else weight.dtype) if need_w else None
     losses = torch.empty(x.size(0), device=x.device, dtype=torch.float32)
-    if fused_chunks(x.device):  # evaluation too: no fp32 (rows x V) buffer on a GPU
-        from model.loss_kernel import loss_chunk  # imports Triton: only where it runs
+    if fused_chunks(x.device.type):  # evaluation too: no fp32 (rows x V) buffer on a GPU
         dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
         for start in range(0, x.size(0), rows):
-            part = loss_chunk(x[start:start + rows], weight, targets[start:start + rows], n_valid, dtype, need_x,
-                              need_w)
+            part = torch.ops.gpt2_accelerate.loss_chunk(x[start:start + rows], weight, targets[start:start + rows],
+                                                        n_valid, dtype, need_x, need_w)
             losses[start:start + rows] = part[0]
             if need_x:
                 grad_x[start:start + rows] = part[1]
