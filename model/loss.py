@@ -155,8 +155,9 @@ def _walk(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid:
     losses = torch.empty(x.size(0), device=x.device, dtype=torch.float32)
     if fused_chunks(x.device.type):  # evaluation too: no fp32 (rows x V) buffer on a GPU
         dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+        w = weight.to(dtype)  # once, not per chunk
         for start in range(0, x.size(0), rows):
-            part = torch.ops.gpt2_accelerate.loss_chunk(x[start:start + rows], weight, targets[start:start + rows],
+            part = torch.ops.gpt2_accelerate.loss_chunk(x[start:start + rows], w, targets[start:start + rows],
                                                         n_valid, dtype, need_x, need_w)
             losses[start:start + rows] = part[0]
             if need_x:

@@ -16,8 +16,8 @@ its backward), and keeps them alive until the backward (issue 59's H200 profile:
 never meets functionalization, and a compiled step keeps one graph.
 
 Invariants: for x (rows, C), weight (V, C), targets (rows,), the outputs equal, to the rounding of `dtype`,
-`F.cross_entropy(x @ weight.T, targets, reduction="none")` over the first `n_valid` columns, its gradient with
-respect to x (rows, C; in `dtype`) and to weight (V, C; fp32), each of the sum of the losses. Ignored targets (-100)
+`F.cross_entropy(x @ weight.T, targets, reduction="none")` over the first `n_valid` columns, and the gradients of
+their sum with respect to x (rows, C) and to weight (V, C), both in `dtype`. Ignored targets (-100)
 give a loss of 0 and no gradient; columns from `n_valid` on get no probability and no gradient.
 """
 from __future__ import annotations
@@ -68,8 +68,9 @@ def _loss_and_grad_rows(logits_ptr, row_stride, targets_ptr, losses_ptr, n_valid
 @torch.library.custom_op("gpt2_accelerate::loss_chunk", mutates_args=())
 def loss_chunk(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid: int, dtype: torch.dtype,
                need_x: bool, need_w: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The per-row losses (fp32), d(sum)/dx (in `dtype`; empty unless `need_x`) and d(sum)/dweight (fp32; empty
-    unless `need_w`) of one chunk, with the matmuls in `dtype` (the autocast dtype, or the parameters')."""
+    """The per-row losses (fp32), d(sum)/dx and d(sum)/dweight (in `dtype`; each empty unless asked for) of one
+    chunk, with the matmuls in `dtype` (the autocast dtype, or the parameters'). The caller casts the weight once for
+    all its chunks, and sums the weight's gradients in fp32."""
     # The caller chose `dtype` from its autocast state; inside, nothing is cast behind our back.
     with torch.autocast(x.device.type, enabled=False):
         xc, w = x.to(dtype), weight.to(dtype)
@@ -78,7 +79,7 @@ def loss_chunk(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_v
         _loss_and_grad_rows[(x.size(0),)](logits, logits.stride(0), targets, losses, n_valid, logits.size(1),
                                           IGNORE_ID=IGNORE, BLOCK=BLOCK, num_warps=NUM_WARPS)
         grad_x = logits @ w if need_x else x.new_empty(0, dtype=dtype)
-        grad_w = (logits.t() @ xc).float() if need_w else x.new_empty(0, dtype=torch.float32)
+        grad_w = logits.t() @ xc if need_w else x.new_empty(0, dtype=dtype)
     return losses, grad_x, grad_w
 
 
@@ -86,4 +87,4 @@ def loss_chunk(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_v
 def _(x, weight, targets, n_valid, dtype, need_x, need_w):
     return (x.new_empty(x.size(0), dtype=torch.float32),
             x.new_empty((x.size(0), x.size(1)) if need_x else (0,), dtype=dtype),
-            weight.new_empty(weight.shape if need_w else (0,), dtype=torch.float32))
+            weight.new_empty(weight.shape if need_w else (0,), dtype=dtype))
