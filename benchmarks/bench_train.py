@@ -52,7 +52,7 @@ from benchmarks.step_probe import Phases, count_syncs, probe, profile_step
 from common.errors import UserError, run_cli
 from configs import ModelConfig, TrainingConfig, parse_config
 from model import GPT, GPTConfig
-from model.loss import default_loss_chunk_rows, describe_loss_path
+from model.loss import describe_loss_path, loss_chunk_rows_on
 from training.distributed.prepare import prepare, step_placement
 from training.evaluations import registry  # noqa: F401  the preset's evaluation flags (--hellaswag_every)
 from training.mfu import card_for_name, estimate_mfu, peak_flops
@@ -187,7 +187,7 @@ def measure(args: argparse.Namespace) -> None:
     acc_model = GPT(config)
     knobs = {"loss_chunk_rows": hasattr(acc_model, "loss_chunk_rows")}  # which of the sweep's knobs this code has
     acc_model.loss_chunk_rows = args.loss_chunk_rows  # None: the device's default, resolved in the forward
-    loss_rows = default_loss_chunk_rows(device.type) if args.loss_chunk_rows is None else args.loss_chunk_rows
+    loss_rows = loss_chunk_rows_on(device.type, args.loss_chunk_rows)
     sides = ("accelerate",) if args.accelerate_only else ("accelerate", "bare")
     bare_model = None if args.accelerate_only else copy.deepcopy(acc_model).to(device)  # the same path on both sides
     flops_per_token = acc_model.flops_per_token()
@@ -267,7 +267,7 @@ def measure(args: argparse.Namespace) -> None:
 
     print(f"GPT {n_params / 1e6:.2f}M params | {config.n_layer}L {config.n_head}H {config.n_embd}E | "
           f"{A} x {B} x {T} = {A * B * T:,} tokens/step | {args.mixed_precision} | compile={args.compile} | "
-          f"{describe_loss_path(loss_rows)} | {device} ({torch.get_num_threads()} threads)")
+          f"{describe_loss_path(loss_rows, device.type)} | {device} ({torch.get_num_threads()} threads)")
     t0 = time.perf_counter()
     first_s, first_loss, warm_step_s = {}, {}, {}
     for side in sides:  # the first step (the compile, if any), the untimed ones, the last of them timed alone

@@ -602,15 +602,14 @@ BEFORE = "before_muon_16x2"  # the 2026-11-26 window's configuration, the figure
 EXPANDABLE = (("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),)  # the name torch 2.11 and later all read
 SWEEP = (
     Variant("muon_64x8", "the users' shape: micro-batch 64 x 1024 x 8 = 524,288 tokens per optimizer step (the GPT-2 "
-            "presets), Muon, the code's defaults on this card (on CUDA: full logits, stacked Muon, SDPA's own "
-            "attention kernel, which the row names)", "muon", *USERS_SHAPE),
+            "presets), Muon, the code's defaults on this card (on CUDA: the loss walked in 65,536-row chunks by "
+            "model.loss_kernel, stacked Muon, SDPA's own attention kernel, which the row names)", "muon",
+            *USERS_SHAPE),
     Variant("adamw_64x8", "the users' shape with fused AdamW: what Muon costs there", "adamw", *USERS_SHAPE,
             cold=False),
-    Variant("muon_64x8_chunk65536", "the users' shape with the loss walked in one chunk per micro-batch: "
-            "model.loss_kernel's Triton kernel over the whole micro-batch's logits, the gradients in the forward",
-            "muon", *USERS_SHAPE, loss_chunk_rows=65536),
-    Variant("adamw_64x8_chunk65536", "the same with AdamW", "adamw", *USERS_SHAPE, loss_chunk_rows=65536,
-            cold=False),
+    Variant("muon_64x8_full", "the users' shape with the full logits (CUDA's default until 2026-11-28, when the "
+            "Triton walk measured faster)", "muon", *USERS_SHAPE, loss_chunk_rows=0),
+    Variant("adamw_64x8_full", "the same with AdamW", "adamw", *USERS_SHAPE, loss_chunk_rows=0, cold=False),
     Variant("muon_64x8_cudnn", "the users' shape with cuDNN attention (sdpa_kernel); `same as` the first row where "
             "SDPA chose it there", "muon", *USERS_SHAPE, sdpa="cudnn"),
     Variant("muon_64x8_flash", "the users' shape with FlashAttention-2 (sdpa_kernel); `same as` the first row where "

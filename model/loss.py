@@ -12,8 +12,10 @@
   compiled region, where inductor fuses the upcast, the softmax and their backward.
 
 docs/internals.md ("The loss's two paths") gives each path's bytes and what was not done.
-`default_loss_chunk_rows(device type)` is the path a device gets when the run does not choose one.
-`cross_entropy` takes either path (None: that default, for the hidden states' device).
+`default_loss_chunk_rows(device type)` is the path a device gets when the run does not choose one: the walk on a
+CPU and on CUDA, where it was measured faster. `loss_chunk_rows_on(device type, rows)` is what a forward runs (on
+CUDA without Triton, the full logits). `cross_entropy` takes either path (None: that default, for the hidden
+states' device).
 
 Without gradients (evaluation) the walk gives the loss alone, also per token (`reduction="none"`). So the
 validation loss and HellaSwag's per-token scores never hold the full logits either. `model.gpt` evaluates on the
@@ -38,18 +40,29 @@ from data.tokenizer import IGNORE
 # Token rows per chunk on a CPU: 512 x 50,304 fp32 logits are 103 MB. Measured on a 2-core CPU (GPT-2 head,
 # 2,048 tokens), 512 rows cost the same CPU time as the plain loss. 256 cost about 10% more, 128 about 30%.
 LOSS_CHUNK_ROWS = 512
+# Token rows per chunk on CUDA: a GPT-2 preset's micro-batch (64 x 1,024) in one kernel call. On an H200 16,384
+# rows (4 calls) gave 0.8% less than one call, at 4 GiB less peak memory (docs/benchmarks.md).
+KERNEL_CHUNK_ROWS = 65536
 
 
 def default_loss_chunk_rows(device_type: str) -> int:
-    """The loss path of a device type when the run does not choose one (`--loss_chunk_rows` left out).
+    """The loss path of a device type when the run does not choose one (`--loss_chunk_rows` left out), as planned.
 
     On the CPU: the walk in chunks of LOSS_CHUNK_ROWS rows. It was measured as fast as the full logits there, at
-    half the memory (docs/benchmarks.md). On CUDA and other accelerators: 0, the full logits.
+    half the memory (docs/benchmarks.md). On CUDA: the walk in chunks of KERNEL_CHUNK_ROWS, each one Triton kernel
+    (`model.loss_kernel`): on an H200 at the GPT-2 presets' shape, 1.6% (Muon) and 1.9% (AdamW) more tokens/s
+    than the full logits. A CUDA torch without Triton (Windows' wheels) runs the full logits instead
+    (`loss_chunk_rows_on`). Other accelerators: 0, the full logits."""
+    return {"cpu": LOSS_CHUNK_ROWS, "cuda": KERNEL_CHUNK_ROWS}.get(device_type, 0)
 
-    The accelerators' 0 is provisional: it is what nanoGPT, torchtitan, nanochat and modded-nanogpt do. It is not
-    yet a measurement of ours. The GPU sweep of issue 53 (`benchmarks/gpu_acceptance.py`) times 0 against 512 and
-    16,384 rows on an H100. Its result decides this value."""
-    return LOSS_CHUNK_ROWS if device_type == "cpu" else 0
+
+def loss_chunk_rows_on(device_type: str, chunk_rows: int | None) -> int:
+    """The path a forward on a device of this type runs: `chunk_rows`, or else the device's default where it runs."""
+    if chunk_rows is not None:
+        return chunk_rows
+    if device_type == "cuda" and not fused_chunks(device_type):
+        return 0
+    return default_loss_chunk_rows(device_type)
 
 
 def fused_chunks(device_type: str) -> bool:
@@ -68,9 +81,12 @@ if torch.backends.cuda.is_built():  # marking it imports torch._dynamo: ~1 s tha
     fused_chunks = torch.compiler.assume_constant_result(fused_chunks)
 
 
-def describe_loss_path(rows: int) -> str:
-    """A few words for the run's header: "loss: full logits" or "loss: 512-row chunks"."""
-    return "loss: full logits" if rows == 0 else f"loss: {rows}-row chunks"
+def describe_loss_path(rows: int, device_type: str = "cpu") -> str:
+    """A few words for the run's header: "loss: full logits", "loss: 512-row chunks", or on CUDA with Triton
+    "loss: 65536-row chunks (Triton)"."""
+    if rows == 0:
+        return "loss: full logits"
+    return f"loss: {rows}-row chunks" + (" (Triton)" if fused_chunks(device_type) else "")
 
 
 def cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_valid: int,
@@ -78,8 +94,8 @@ def cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, 
     """Cross-entropy of `x @ weight.T` (columns from `n_valid` on excluded) against `targets`.
 
     `chunk_rows` names the path. 0: the full logits (`full_cross_entropy`). N > 0: the walk in chunks of N rows
-    (`chunked_cross_entropy`). None: the default of the device `x` is on (`default_loss_chunk_rows`)."""
-    rows = default_loss_chunk_rows(x.device.type) if chunk_rows is None else chunk_rows
+    (`chunked_cross_entropy`). None: the default of the device `x` is on (`loss_chunk_rows_on`)."""
+    rows = loss_chunk_rows_on(x.device.type, chunk_rows)
     if rows < 0:
         raise ValueError(f"loss_chunk_rows must be 0 (the full logits) or a number of rows per chunk, not {rows}")
     if rows == 0:

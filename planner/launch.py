@@ -69,7 +69,8 @@ class Launch:
     # micro-batches the run accepts, each with its accumulation (`resized`). None: any micro-batch.
     total_batch_size: int | None = None
     # --loss_chunk_rows: the training loss's path (`model.loss`). 0: the full logits. N: rows per chunk.
-    # None: the device's default (`default_loss_chunk_rows`: chunks on the CPU, the full logits on CUDA).
+    # None: the device's default (`default_loss_chunk_rows`: 512-row chunks on the CPU, 65,536 on CUDA, where each
+    # is one Triton kernel; a CUDA torch without Triton runs the full logits, which this plan does not follow).
     loss_chunk_rows: int | None = None
     # --grad_clip: 0 lets Muon run under ZeRO (`training.distributed.support`: a refusal that hangs on it)
     grad_clip: float = 1.0

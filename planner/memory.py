@@ -282,10 +282,18 @@ def _loss(config: GPTConfig, launch: Launch, share: _Share) -> tuple[list[Item],
     if launch.loss_rows:  # the chunked loss
         weight_grad = (2 if launch.bf16_parameters else 4) * V * C  # the loss's output-layer gradient, in wte's dtype
         rows = min(B * T, launch.loss_rows)
+        scaled = [Item("loss (chunked)", 8 * btc + 2 * weight_grad, "its two gradients, scaled")]
+        if launch.device == "cuda":  # model.loss_kernel: the logits in the matmul's dtype, overwritten in place
+            low = 2 if bf16 else 4
+            # The chunk's logits and its weight-gradient product in the matmul's dtype; under autocast also the
+            # weight cast once, and the chunk's rows and their gradient in bf16.
+            temps = low * V * C + (2 * V * C + 4 * rows * C if bf16 else 0)
+            return ([Item("loss (chunked)", low * rows * V + 8 * btc + weight_grad + temps,
+                          f"a {rows} x {V} {'bf16' if bf16 else 'fp32'} logits chunk (one Triton kernel), its "
+                          "gradients")], scaled)
         autocast_temps = 2 * rows * V + 2 * V * C if bf16 else 0  # bf16 logits and weight-gradient products
         return ([Item("loss (chunked)", 4 * rows * V + 8 * btc + weight_grad + autocast_temps,
-                      f"a {rows} x {V} fp32 logits buffer, its gradients")],
-                [Item("loss (chunked)", 8 * btc + 2 * weight_grad, "its two gradients, scaled")])
+                      f"a {rows} x {V} fp32 logits buffer, its gradients")], scaled)
     logits, matmul_input = B * T * V, (2 if bf16 else 4) * btc  # the full logits
     return ([Item("loss (full logits)", 8 * logits + matmul_input, f"the fp32 {B * T} x {V} logits and their "
                   "log-softmax")],

@@ -593,7 +593,7 @@ def cuda_defaults() -> dict:
 def test_the_sweep_plan_resolved_for_cuda():
     """The sweep's rows as they would run on CUDA: no two rows measure the same settings; the before row is the
     2026-11-26 configuration (16 x 2, the 512-row walk, Muon per matrix) and says so; the users' shape with Muon and
-    AdamW comes first, then the loss kernel's rows with each optimizer, all inside the first call's sweep budget by
+    AdamW comes first, then the full logits' rows with each optimizer, all inside the first call's sweep budget by
     the H100 estimates; each attention kernel has a row at the users' shape; host syncs are counted only where an
     eager step fits (16 x 1024, not 64 x 1024); expandable segments is a row, not a default.
 
@@ -620,10 +620,11 @@ def test_the_sweep_plan_resolved_for_cuda():
              and not v.env and v.loss_chunk_rows is None and v.muon_stacked is None]
     assert sorted(v.optimizer for v in users) == ["adamw", "muon"] and plan[0] in users
     assert all(v.name in first_call for v in users), (first_call, sweep_budget)
-    # The loss kernel's rows (the change the H200's profile asked for) next, inside the first call too.
-    kernel_rows = [v for v in plan if v.loss_chunk_rows == 65536 and (v.micro_batch, v.grad_accum) == USERS]
-    assert sorted(v.optimizer for v in kernel_rows) == ["adamw", "muon"]
-    assert all(v.name in first_call for v in kernel_rows), (first_call, sweep_budget)
+    # The full logits' rows (CUDA's default before the loss kernel) next, inside the first call too: each window
+    # weighs the default against them.
+    full_rows = [v for v in plan if v.loss_chunk_rows == 0 and (v.micro_batch, v.grad_accum) == USERS]
+    assert sorted(v.optimizer for v in full_rows) == ["adamw", "muon"]
+    assert all(v.name in first_call for v in full_rows), (first_call, sweep_budget)
     kernels = {v.sdpa for v in plan if (v.micro_batch, v.grad_accum) == gpu_acceptance.USERS_SHAPE}
     assert {"cudnn", "flash"} <= kernels
 

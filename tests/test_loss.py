@@ -269,9 +269,9 @@ def test_per_token_losses_without_gradients_equal_plain_cross_entropy(rows):
 
 
 def test_the_default_path_by_device_type(monkeypatch):
-    """Chunks of LOSS_CHUNK_ROWS on the CPU, the full logits on CUDA and other accelerators; resolved from the
-    tensors' device when no path is given (a "meta" tensor stands for an accelerator's: the CPU's is the only
-    device type that walks chunks).
+    """Chunks of LOSS_CHUNK_ROWS on the CPU, of KERNEL_CHUNK_ROWS on CUDA (the full logits there without Triton),
+    the full logits on other accelerators; resolved from the tensors' device when no path is given (a "meta" tensor
+    stands for another accelerator's).
 
     `loss_chunk_rows` None is resolved at each forward from the hidden states' device; a value set afterwards is taken
     by the next forward (`test_the_model_resolves_its_default_from_the_device_it_runs_on`).
@@ -279,7 +279,14 @@ def test_the_default_path_by_device_type(monkeypatch):
     Seen to catch: 512 on every device: both fail (and the planner's hand-computed paths). `GPT.forward` passing None
     instead of its attribute: the second fails. 0 dispatched to the walk: 20 tests fail."""
     assert default_loss_chunk_rows("cpu") == model.loss.LOSS_CHUNK_ROWS == 7  # (this file's fixture)
-    assert default_loss_chunk_rows("cuda") == default_loss_chunk_rows("xpu") == default_loss_chunk_rows("mps") == 0
+    assert default_loss_chunk_rows("cuda") == model.loss.KERNEL_CHUNK_ROWS == 65536
+    assert default_loss_chunk_rows("xpu") == default_loss_chunk_rows("mps") == 0
+    monkeypatch.setattr(model.loss, "fused_chunks", lambda device_type: False)  # a CUDA torch without Triton
+    assert model.loss.loss_chunk_rows_on("cuda", None) == 0 and model.loss.loss_chunk_rows_on("cuda", 512) == 512
+    monkeypatch.setattr(model.loss, "fused_chunks", lambda device_type: device_type == "cuda")
+    assert model.loss.loss_chunk_rows_on("cuda", None) == 65536 and model.loss.loss_chunk_rows_on("cpu", None) == 7
+    assert model.loss.describe_loss_path(65536, "cuda") == "loss: 65536-row chunks (Triton)"
+    assert model.loss.describe_loss_path(7, "cpu") == "loss: 7-row chunks"
     x, w, targets = inputs()
     taken = []
     monkeypatch.setattr(model.loss, "full_cross_entropy", lambda *a: taken.append("full"))

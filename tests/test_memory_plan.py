@@ -73,7 +73,9 @@ def test_hand_computed_gpt2_xl_plan():
     plan = plan_memory(config, Launch(4, Layout(8), loss_chunk_rows=512))
     # the forward's end, every term by hand: states, DDP buckets, bf16 copies, activations, the loss's buffers
     V, C, rows = 50304, 1600, 512
-    loss = 4 * rows * V + 8 * btc + 4 * V * C + 2 * rows * V + 2 * V * C
+    # On CUDA each chunk is model.loss_kernel: bf16 logits, the weight gradient's fp32 sum, the bf16 weight, a
+    # chunk's bf16 weight-gradient product, the chunk's bf16 rows and their gradient.
+    loss = 2 * rows * V + 8 * btc + 4 * V * C + 2 * V * C + 2 * V * C + 4 * rows * C
     assert plan.moments["forward's end"] == (16 * P + 2 * (48 * 12 * C * C + V * C) + 48 * per_layer + 4 * btc
                                              + 8 * 4 * 1024 + loss)
     assert plan.moments["optimizer step"] == 20 * P  # parameters, gradients, AdamW's two, DDP's buckets
@@ -99,9 +101,10 @@ def test_hand_computed_gpt2_xl_plan():
 def test_hand_computed_loss_paths():
     """gpt2, micro-batch 8 x 1024, bf16 autocast, one process: the loss's item on each path, by hand
     (docs/engines.md, "How the planner counts"). Chunked, N rows: the N x V fp32 buffer, its bf16 copy, the hidden
-    states' gradient and a weight-sized one, the bf16 weight-gradient product. Full logits (L = 8,192 x 50,304):
+    states' gradient and a weight-sized one, the bf16 weight-gradient product; on CUDA (the Triton kernel) the N x V
+    bf16 logits instead of both, the weight cast once and a chunk's bf16 products. Full logits (L = 8,192 x 50,304):
     the forward's fp32 upcast and log-softmax (8 L) and the matmul's bf16 input, the backward's log-softmax, its
-    gradient and the logits' gradient (12 L). The default is the chunked loss on a CPU, the full logits on CUDA.
+    gradient and the logits' gradient (12 L). The default is the chunked loss on a CPU and on CUDA (65,536 rows).
 
     A negative `--loss_chunk_rows` is refused in one line; the full path's saved tensors are checked by
     `test_activations_are_what_autograd_saves`, the presets' fit on their path by
@@ -117,15 +120,20 @@ def test_hand_computed_loss_paths():
         return {moment: next((i.name, i.bytes) for i in items if i.name.startswith("loss"))
                 for moment, items in plan.by_moment.items() if moment != "optimizer step"}
 
+    def kernel(chunk: int) -> dict[str, tuple[str, int]]:  # on CUDA: bf16 logits, no fp32 buffer
+        return {"forward's end": ("loss (chunked)", 2 * chunk * V + 8 * btc + (4 + 2 + 2) * V * C + 4 * chunk * C),
+                "backward's start": ("loss (chunked)", 8 * btc + 2 * 4 * V * C)}
+
     for rows in (512, 16384, 10**6):
         chunk = min(rows, 8 * 1024)  # a chunk larger than the micro-batch's tokens is one chunk of them all
-        assert loss_items(loss_chunk_rows=rows) == {
+        assert loss_items(device="cpu", loss_chunk_rows=rows) == {
             "forward's end": ("loss (chunked)", 4 * chunk * V + 8 * btc + 4 * V * C + 2 * chunk * V + 2 * V * C),
             "backward's start": ("loss (chunked)", 8 * btc + 2 * 4 * V * C)}
+        assert loss_items(loss_chunk_rows=rows) == kernel(chunk)
     full = {"forward's end": ("loss (full logits)", 8 * L + 2 * btc),
             "backward's start": ("loss (full logits)", 12 * L + 2 * btc)}
     assert loss_items(loss_chunk_rows=0) == full
-    assert loss_items() == full  # CUDA's default
+    assert loss_items() == kernel(8 * 1024)  # CUDA's default: 65,536 rows, so one chunk of the 8,192 tokens
     assert loss_items(device="cpu") == loss_items(device="cpu", loss_chunk_rows=512)  # the CPU's
     assert plan_memory(config, Launch(8, loss_chunk_rows=0)).moment == "backward's start"
     with pytest.raises(UserError, match="--loss_chunk_rows must be 0 .* got -1; pass 0 or e.g. 512"):
@@ -281,10 +289,11 @@ def test_cli_prints_the_plan_and_its_verdict(monkeypatch, capsys):
                "--dtype", "bf16")
     assert proc.returncode == 0, proc.stderr
     for words in ("computed from the shapes, not measured", "parameters", "gradients", "optimizer state",
-                  "activations per layer", "activations", "loss (full logits)", "total", "fits: yes"):
-        assert words in proc.stdout  # the loss: CUDA's default path
-    proc = in_process(cli, ["--model", "gpt2", "--loss_chunk_rows", "512"], monkeypatch, capsys)
-    assert proc.returncode == 0 and "loss (chunked)" in proc.stdout and "a 512 x 50304 fp32 logits" in proc.stdout
+                  "activations per layer", "activations", "loss (chunked)", "total", "fits: yes"):
+        assert words in proc.stdout  # the loss: CUDA's default path, the Triton walk
+    assert "a 4096 x 50304 bf16 logits chunk (one Triton kernel)" in proc.stdout
+    proc = in_process(cli, ["--model", "gpt2", "--loss_chunk_rows", "0"], monkeypatch, capsys)
+    assert proc.returncode == 0 and "loss (full logits)" in proc.stdout
     proc = in_process(cli, ["--model", "gpt2-xl", "--micro_batch_size", "64", "--processes", "8"], monkeypatch, capsys)
     assert proc.returncode == 1 and "fits: NO: micro-batch 64 needs" in proc.stdout
     assert "lower --micro_batch_size to" in proc.stdout

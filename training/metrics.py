@@ -28,7 +28,7 @@ from common.errors import UserError
 from common.parallelism import Parallelism
 from common.run_dir import RunDir
 from configs import LogConfig
-from model.loss import default_loss_chunk_rows, describe_loss_path
+from model.loss import describe_loss_path, loss_chunk_rows_on
 from model.unwrap import unwrapped
 from training.distributed.engines import precision
 from training.distributed.pipeline import stage_line
@@ -232,7 +232,7 @@ def run_header(accelerator: Accelerator, parallelism: Parallelism, model: torch.
         compiled += " | activation checkpointing"
     holder = getattr(network, "stage", network)  # a pipeline's stage holds its loss's setting
     rows = getattr(holder, "loss_chunk_rows", None)
-    compiled += " | " + describe_loss_path(default_loss_chunk_rows(accelerator.device.type) if rows is None else rows)
+    compiled += " | " + describe_loss_path(loss_chunk_rows_on(accelerator.device.type, rows), accelerator.device.type)
     adapters = ""
     if lora:
         params = list(model.parameters())
