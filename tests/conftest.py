@@ -36,7 +36,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="pytest-trackio-")
 atexit.register(shutil.rmtree, os.environ["TRACKIO_DIR"], ignore_errors=True)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Under pytest-xdist (`-n 2`, the README's command) each worker is one of the machine's cores: one thread each, for
+# Under pytest-xdist (`-n 2` or `-n 3`, the README's commands) each worker gets one thread, for
 # its in-process tests and the processes it starts, as the end-to-end runs already have (launch sets it), rather
 # than every worker's torch spreading over every core.
 if os.environ.get("PYTEST_XDIST_WORKER"):
