@@ -43,6 +43,8 @@ LOSS_CHUNK_ROWS = 512
 # Token rows per chunk on CUDA: a GPT-2 preset's micro-batch (64 x 1,024) in one kernel call. On an H200 16,384
 # rows (4 calls) gave 0.8% less than one call, at 4 GiB less peak memory (docs/benchmarks.md).
 KERNEL_CHUNK_ROWS = 65536
+# The device type whose chunks run `model.loss_kernel` (where Triton is installed); the planner counts its bytes.
+KERNEL_DEVICE_TYPE = "cuda"
 
 
 def default_loss_chunk_rows(device_type: str) -> int:
@@ -53,14 +55,14 @@ def default_loss_chunk_rows(device_type: str) -> int:
     (`model.loss_kernel`): on an H200 at the GPT-2 presets' shape, 1.6% (Muon) and 1.9% (AdamW) more tokens/s
     than the full logits. A CUDA torch without Triton (Windows' wheels) runs the full logits instead
     (`loss_chunk_rows_on`). Other accelerators: 0, the full logits."""
-    return {"cpu": LOSS_CHUNK_ROWS, "cuda": KERNEL_CHUNK_ROWS}.get(device_type, 0)
+    return {"cpu": LOSS_CHUNK_ROWS, KERNEL_DEVICE_TYPE: KERNEL_CHUNK_ROWS}.get(device_type, 0)
 
 
 def loss_chunk_rows_on(device_type: str, chunk_rows: int | None) -> int:
     """The path a forward on a device of this type runs: `chunk_rows`, or else the device's default where it runs."""
     if chunk_rows is not None:
         return chunk_rows
-    if device_type == "cuda" and not fused_chunks(device_type):
+    if device_type == KERNEL_DEVICE_TYPE and not fused_chunks(device_type):
         return 0
     return default_loss_chunk_rows(device_type)
 
@@ -71,7 +73,7 @@ def fused_chunks(device_type: str) -> bool:
     In a CUDA build torch.compile calls this while tracing and keeps the answer as a constant (below): `has_triton`
     and an import inside a traced forward are each a graph break (torch 2.11, H200: 8 breaks a step). The import
     registers the kernel's custom op, which the walk then calls through `torch.ops`."""
-    if device_type != "cuda" or not has_triton():
+    if device_type != KERNEL_DEVICE_TYPE or not has_triton():
         return False
     import model.loss_kernel  # noqa: F401  (imports Triton: only where it runs)
     return True

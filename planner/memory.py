@@ -14,7 +14,7 @@ from common.errors import UserError
 from common.parallelism import Parallelism
 from configs import EvalConfig
 from model.config import GPTConfig
-from model.loss import LOSS_CHUNK_ROWS
+from model.loss import KERNEL_DEVICE_TYPE, LOSS_CHUNK_ROWS
 from model.pipeline import stage_blocks
 from model.tensor_parallel import split_problem
 from planner.launch import GiB, Launch
@@ -283,7 +283,7 @@ def _loss(config: GPTConfig, launch: Launch, share: _Share) -> tuple[list[Item],
         weight_grad = (2 if launch.bf16_parameters else 4) * V * C  # the loss's output-layer gradient, in wte's dtype
         rows = min(B * T, launch.loss_rows)
         scaled = [Item("loss (chunked)", 8 * btc + 2 * weight_grad, "its two gradients, scaled")]
-        if launch.device == "cuda":  # model.loss_kernel: the logits in the matmul's dtype, overwritten in place
+        if launch.device == KERNEL_DEVICE_TYPE:  # model.loss_kernel: the logits in the matmul's dtype, in place
             low = 2 if bf16 else 4
             # The chunk's logits and its weight-gradient product in the matmul's dtype; under autocast also the
             # weight cast once, and the chunk's rows and their gradient in bf16.
