@@ -6,8 +6,8 @@ rounding with the bounds of tests/bounds.py, `run_in_process` for a refusal) and
 (`uninterrupted`, `single_run`, `ddp_run`; `quick_start`, the README's own) and tiny HF GPT-2 folder (`tiny_hf_gpt2`),
 which are built once per pytest session and shared by every file that compares against them; `project_files`, the
 project's own files for the tests that read the code (never a virtual environment or a run's output inside the
-clone); and the hooks of the tiers (tests/tiers.py) and of xdist's groups. Plain helpers are imported as
-`from conftest import ...`; fixtures are found by name.
+clone); and the hooks of the tiers (tests/tiers.py), of each test's CPU-seconds (tests/cpu_costs.py) and of xdist's
+groups. Plain helpers are imported as `from conftest import ...`; fixtures are found by name.
 
 Under pytest-xdist the session fixtures are built once for all workers: the first worker to need one builds it
 under a file lock in the session's shared temporary folder, the others wait and reuse it (`shared_once`).
@@ -42,6 +42,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import cpu_costs  # noqa: E402
 import pytest  # noqa: E402
 import tiers  # noqa: E402
 from bounds import GRAD_NORM_RTOL, LOSS_RTOL, SIGNAL_ATOL, weights_apart_by_rounding  # noqa: E402
@@ -463,9 +464,13 @@ def tiny_hf_gpt2(tmp_path_factory) -> Path:
     return shared_once(tmp_path_factory, "tiny_hf_gpt2", build)
 
 
-# ---- the tiers (tests/tiers.py) and pytest-xdist ---------------------------------------------------------------
+# ---- the tiers (tests/tiers.py), CPU-seconds (tests/cpu_costs.py) and pytest-xdist --------------------------------
 
-pytest_configure = tiers.pytest_configure
+def pytest_configure(config: pytest.Config) -> None:
+    tiers.pytest_configure(config)
+    config.pluginmanager.register(cpu_costs.CpuCosts(), "cpu_costs")
+
+
 pytest_runtest_protocol = tiers.pytest_runtest_protocol
 pytest_runtest_makereport = tiers.pytest_runtest_makereport
 pytest_runtest_logreport = tiers.pytest_runtest_logreport

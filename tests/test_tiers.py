@@ -128,3 +128,59 @@ def test_loadgroup_keeps_a_module_fixtures_tests_on_one_worker(tmp_path):
     grouped = [line for line in proc.stdout.splitlines() if "PASSED" in line and "test_uses_the_module_fixture" in line]
     assert len(grouped) == 6 and all(line.rstrip().endswith("@test_grouped.py") for line in grouped), grouped
     assert len(log.read_text().split()) == 1  # built once, by the one worker that ran them all
+
+
+SPENDING_TESTS = '''
+import subprocess, sys, time
+
+def busy(seconds):
+    start = time.process_time()
+    while time.process_time() - start < seconds:
+        pass
+
+def test_spends_in_a_process():
+    subprocess.run([sys.executable, "-c", "import time\\nt = time.process_time()\\n"
+                    "while time.process_time() - t < 0.6: pass"], check=True)
+
+def test_spends_here():
+    busy(0.3)
+
+def test_spends_nothing():
+    pass
+'''
+
+COSTS_CONFTEST = '''
+import sys
+sys.path.insert(0, {tests!r})
+import cpu_costs
+
+def pytest_configure(config):
+    config.pluginmanager.register(cpu_costs.CpuCosts(), "cpu_costs")
+'''
+
+
+@pytest.mark.slow
+def test_each_tests_cpu_seconds_reach_the_report_from_the_workers(tmp_path):
+    """tests/cpu_costs.py under `-n 2 --durations=2` (CI's form): the two tests that cost the most CPU-seconds are
+    listed, a process the test waited for counted in its test (>= the 0.6 s its loop spent) and a test's own work in
+    its own (>= 0.3 s), the one that spent nothing left out. Busy loops on CPU time, so a busy machine cannot
+    shorten them.
+
+    Seen to catch: the cost kept on the worker (the teardown report's `user_properties` not given it): no list."""
+    import re
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+
+    (tmp_path / "conftest.py").write_text(COSTS_CONFTEST.format(tests=str(REPO_ROOT / "tests")))
+    (tmp_path / "test_spending.py").write_text(SPENDING_TESTS)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--durations=2", "-p", "no:cacheprovider",
+                           str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    listed = {name: float(seconds) for seconds, name in
+              re.findall(r"^\s*([\d.]+) CPU-s  test_spending\.py::(\w+)$", proc.stdout, re.M)}
+    assert set(listed) == {"test_spends_in_a_process", "test_spends_here"}, proc.stdout[-3000:]
+    assert listed["test_spends_in_a_process"] >= 0.6 and listed["test_spends_here"] >= 0.3, listed
+    assert "CPU-s over 3 tests" in proc.stdout
