@@ -1,7 +1,7 @@
 """What each test costs the suite in CPU-seconds, listed beside `--durations=N` (the N that cost the most).
 
 On CI's 2 cores the slow tier is CPU-bound: its 3 workers and the processes they start keep both cores busy
-nearly all the time (1,850-2,100 CPU-s in a 950-1,070 s pass, 2026-11-28). A test's wall time then says how busy
+nearly all the time (1,850-2,120 CPU-s in a 950-1,090 s pass, 2026-11-28). A test's wall time then says how busy
 the machine was while it ran; its CPU-seconds say what it costs the suite, and what cutting it would save.
 
 A test's CPU-seconds: its worker's own (in-process runs) plus those of the processes it waited for (a launch
