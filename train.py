@@ -17,6 +17,7 @@ from contextlib import ExitStack
 from functools import partial
 
 from common.errors import computed_alike_on_every_rank, run_cli
+from common.imports import imports_for_good
 from configs import TrainConfig, parse_config
 from training.evaluations import registry as _evaluations  # noqa: F401  the registered evaluations' and
 from training.optimizers import registry  # noqa: F401  optimizers' own flags are train.py's too
@@ -34,49 +35,51 @@ def main() -> None:
 
 def train(cfg: TrainConfig) -> None:
     """The run `cfg` asks for (or its memory plan, `--plan`), from setup to the final push."""
-    # The machinery of a run, imported once its flags are known to be good (see main).
-    import torch
-    from accelerate.utils import set_seed
+    # The machinery of a run, imported once its flags are known to be good (see main), and for good.
+    with imports_for_good():
+        import torch
+        import torch._dynamo  # imported by the first optimizer anyway (add_param_group is dynamo-disabled)
+        from accelerate.utils import set_seed
 
-    from common.console import TerminalBar
-    from common.run_dir import RunDir
-    from data.source import open_source
-    from planner import exit_after_plan
-    from publish.card import write_card
-    from publish.uploads import HubUploads
-    from training.checkpoints.checkpoint import Checkpointer, restore, use_adapter_checkpoints
-    from training.checkpoints.export import export_final
-    from training.checkpoints.moving import checkpoint_move
-    from training.checkpoints.preflight import checkpoint_bytes
-    from training.checkpoints.resume import find_resume_point
-    from training.distributed.elastic import Attempt, open_process_group
-    from training.distributed.engines import fit_deepspeed, refuse_unsupported
-    from training.distributed.layout import Layout
-    from training.distributed.machine import Asked, Machine, runs_here
-    from training.distributed.pipeline import pipelined
-    from training.distributed.prepare import prepare
-    from training.distributed.processes import (
-        BatchGeometry,
-        close_process_group,
-        shared_across_ranks,
-        start_accelerator,
-    )
-    from training.distributed.tensor_parallel import evaluation_ranks, split
-    from training.draw import draw_step
-    from training.evaluations.runner import TrainingEvals
-    from training.metrics import StepReport, run_header, trackers_for
-    from training.network import build_model
-    from training.optimizers.plan import build_optimizer, plan_optimizers, release_optimizer_state
-    from training.preemption import PreemptionFlag, what_was_kept
-    from training.recipe import resume_recipe
-    from training.run_folder import (
-        claim_run_folder,
-        open_run_folder,
-        recorded_config,
-        refuse_while_another_run_writes,
-    )
-    from training.step import LRSchedule, NonFinitePolicy, train_step
-    from training.timing import CHECKPOINT, DATA, EVAL, STEP, RunClock
+        from common.console import TerminalBar
+        from common.run_dir import RunDir
+        from data.source import open_source
+        from planner import exit_after_plan
+        from publish.card import write_card
+        from publish.uploads import HubUploads
+        from training.checkpoints.checkpoint import Checkpointer, restore, use_adapter_checkpoints
+        from training.checkpoints.export import export_final
+        from training.checkpoints.moving import checkpoint_move
+        from training.checkpoints.preflight import checkpoint_bytes
+        from training.checkpoints.resume import find_resume_point
+        from training.distributed.elastic import Attempt, open_process_group
+        from training.distributed.engines import fit_deepspeed, refuse_unsupported
+        from training.distributed.layout import Layout
+        from training.distributed.machine import Asked, Machine, runs_here
+        from training.distributed.pipeline import pipelined
+        from training.distributed.prepare import prepare
+        from training.distributed.processes import (
+            BatchGeometry,
+            close_process_group,
+            shared_across_ranks,
+            start_accelerator,
+        )
+        from training.distributed.tensor_parallel import evaluation_ranks, split
+        from training.draw import draw_step
+        from training.evaluations.runner import TrainingEvals
+        from training.metrics import StepReport, run_header, trackers_for
+        from training.network import build_model
+        from training.optimizers.plan import build_optimizer, plan_optimizers, release_optimizer_state
+        from training.preemption import PreemptionFlag, what_was_kept
+        from training.recipe import resume_recipe
+        from training.run_folder import (
+            claim_run_folder,
+            open_run_folder,
+            recorded_config,
+            refuse_while_another_run_writes,
+        )
+        from training.step import LRSchedule, NonFinitePolicy, train_step
+        from training.timing import CHECKPOINT, DATA, EVAL, STEP, RunClock
 
     clock = RunClock()
     # The run's process group and its folder's lock are let go when the run ends, however it ends.
