@@ -4,7 +4,7 @@
 
 llama.cpp's `convert_hf_to_gguf.py` is not on PyPI by itself. It ships in the llama-cpp-python sdist
 (vendor/llama.cpp, beside its `conversion/` package and its own copy of gguf-py). `converter()` fetches that sdist
-once with pip, keeps those three parts under ~/.cache/gpt2-accelerate/, and runs the script with this environment's
+once with pip, keeps those three parts in common/cache_dir.py's folder, and runs the script with this environment's
 torch, transformers and numpy: all it imports for a GPT-2. The files are read back with the `gguf` package (the dev
 extra). Without --export, a random 2-layer GPT with 128 positions is exported first.
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -30,10 +29,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.cache_dir import cache_dir
 from model import GPT, GPTConfig
 
 SDIST = "llama-cpp-python==0.3.36"  # its vendor/llama.cpp holds convert_hf_to_gguf.py and gguf-py 0.19.0
-CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gpt2-accelerate" / SDIST.replace("==", "-")
+CACHE = cache_dir() / SDIST.replace("==", "-")
 PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")  # what the converter needs of the llama.cpp tree
 # GGUF's tensor names for GPT-2 (llama.cpp's gguf-py, MODEL_ARCH.GPT2) -> ours. Its matrices are stored (out, in),
 # as our nn.Linear holds them (HF's Conv1D holds them transposed).

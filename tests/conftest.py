@@ -35,6 +35,10 @@ os.environ.setdefault("WANDB_MODE", "offline")
 # runs, and the processes they start, use a folder of this session's, removed at its end, never the user's.
 os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="pytest-trackio-")
 atexit.register(shutil.rmtree, os.environ["TRACKIO_DIR"], ignore_errors=True)
+# This project's cache (common/cache_dir.py: the HF tokenizer files an export copies) is one of the process's own,
+# shared with the processes it starts, so that the tests build it as a new machine does, and never use the user's.
+os.environ["GPT2_ACCELERATE_CACHE"] = tempfile.mkdtemp(prefix="pytest-gpt2-accelerate-cache-")
+atexit.register(shutil.rmtree, os.environ["GPT2_ACCELERATE_CACHE"], ignore_errors=True)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Under pytest-xdist (`-n 2` or `-n 3`, the README's commands) each worker gets one thread, for
 # its in-process tests and the processes it starts, as the end-to-end runs already have (launch sets it), rather

@@ -112,6 +112,72 @@ def test_classic_vocab_and_merges_files_encode_the_same(exported):
     assert tok.encode(text).ids == get_tokenizer().encode_ordinary(text)
 
 
+def _tokenizer_files(folder: Path) -> dict[str, bytes]:
+    from data.hf_tokenizer import TOKENIZER_FILES
+
+    return {name: (folder / name).read_bytes() for name in TOKENIZER_FILES}
+
+
+def test_the_tokenizer_files_are_built_once_then_copied_from_the_cache(tmp_path, monkeypatch):
+    """The first export of a context length builds the tokenizer files in the cache (common/cache_dir.py) and copies
+    them; the next copies them without building; a cached folder missing a file is built again; another context
+    length is another folder. (That a copy holds what a build in the export's own folder writes: the next test.)
+
+    Seen to catch: the check of every file dropped (`if folder.is_dir()`): the damaged folder is copied as it is,
+    and the export lacks tokenizer.json."""
+    from data import hf_tokenizer
+
+    monkeypatch.setenv("GPT2_ACCELERATE_CACHE", str(tmp_path / "cache"))
+    builds = []
+    build = hf_tokenizer._build_tokenizer
+    monkeypatch.setattr(hf_tokenizer, "_build_tokenizer", lambda d, n: (builds.append(n), build(d, n)))
+    for name, length in (("a", 32), ("b", 32), ("c", 64)):
+        (tmp_path / name).mkdir()
+        hf_tokenizer.save_tokenizer(tmp_path / name, length)
+    assert builds == [32, 64]
+    assert _tokenizer_files(tmp_path / "a") == _tokenizer_files(tmp_path / "b")
+    assert json.loads((tmp_path / "c" / "tokenizer_config.json").read_text())["model_max_length"] == 64
+    [cached] = [f for f in (tmp_path / "cache").iterdir() if '"model_max_length": 32' in
+                (f / "tokenizer_config.json").read_text()]
+    (cached / "tokenizer.json").unlink()
+    (tmp_path / "d").mkdir()
+    hf_tokenizer.save_tokenizer(tmp_path / "d", 32)
+    assert builds == [32, 64, 32] and _tokenizer_files(tmp_path / "d") == _tokenizer_files(tmp_path / "a")
+    assert _tokenizer_files(cached) == _tokenizer_files(tmp_path / "a")  # repaired
+    assert [p.name.startswith(".tmp-") for p in (tmp_path / "cache").iterdir()] == [False, False]
+
+
+def test_an_unwritable_cache_or_a_process_that_builds_it_first_still_gives_the_files(tmp_path, monkeypatch):
+    """A cache that cannot be created (here a file stands where it should be) leaves the export to build the files
+    in its own folder; when another process renames its copy into place first, ours is discarded and theirs, left
+    as it is, copied. Both give the same bytes.
+
+    Seen to catch: the `except OSError: return None` around the cache's creation removed: the export fails. The
+    completeness check before replacing a cached folder removed: the other process's folder is deleted."""
+    from data import hf_tokenizer
+
+    (tmp_path / "not_a_folder").write_text("")
+    monkeypatch.setenv("GPT2_ACCELERATE_CACHE", str(tmp_path / "not_a_folder" / "cache"))
+    (tmp_path / "a").mkdir()
+    hf_tokenizer.save_tokenizer(tmp_path / "a", 32)
+
+    monkeypatch.setenv("GPT2_ACCELERATE_CACHE", str(tmp_path / "cache"))
+    build = hf_tokenizer._build_tokenizer
+
+    def another_process_wins(directory: Path, length: int) -> None:
+        build(directory, length)
+        monkeypatch.setattr(hf_tokenizer, "_build_tokenizer", build)
+        theirs = hf_tokenizer._cached_tokenizer(length)  # the other process, start to end: it renames first
+        (theirs / "theirs").write_text("")
+
+    monkeypatch.setattr(hf_tokenizer, "_build_tokenizer", another_process_wins)
+    (tmp_path / "b").mkdir()
+    hf_tokenizer.save_tokenizer(tmp_path / "b", 32)
+    assert _tokenizer_files(tmp_path / "b") == _tokenizer_files(tmp_path / "a")
+    [cached] = (tmp_path / "cache").iterdir()
+    assert (cached / "theirs").exists()
+
+
 def test_pipeline_generates_offline(exported):
     from transformers import pipeline
 
