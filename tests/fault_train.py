@@ -31,6 +31,7 @@ ENGINE_SHIM=1 (environment): a DeepSpeed or FSDP accelerate config runs on this 
 (tests/engine_shim.py); ENGINE_PROBE (a folder) then receives each rank's parameter and optimizer-state sizes.
 PIPELINE_PROBE (a folder): each rank of a --pipeline_parallel run writes the parameters it holds there.
 """
+import gc
 import importlib.util
 import os
 import shutil
@@ -40,6 +41,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# What this file imports before train.py runs (the engine shim's and the faults' torch and accelerate) is imported with
+# the collector off, as train.py imports its own (common/imports.py), which then freezes both.
+gc.disable()
 
 if os.environ.get("ENGINE_SHIM") == "1":  # a DeepSpeed or FSDP launch on this CPU machine (tests/engine_shim.py)
     sys.path.insert(0, str(ROOT / "tests"))
@@ -232,5 +236,6 @@ if os.environ.get("NO_RETRY_WAIT"):
     datasets.config.STREAMING_READ_RETRY_INTERVAL = datasets.config.STREAMING_READ_SERVER_UNAVAILABLE_RETRY_INTERVAL = 0
     streaming.RETRY_WAIT = 0.0
 
+gc.enable()
 
 train.run_cli(train.main)
