@@ -14,7 +14,7 @@ from doc_commands import ELSEWHERE, pages, run_here, shown_on
 
 # What a command's output says when it did what the page says it does (beside exit 0), by command.
 SAYS = {
-    "python train.py --resume latest --max_steps 600": "step 600: val_loss",
+    "python train.py --resume latest --max_steps 500": "step 500: val_loss",
     "python -m model.export --checkpoint out/shakespeare/checkpoints/step_000480 --out_dir export/":
         "read out/shakespeare/checkpoints/step_000480 (step 480",
     "python train.py --resume latest": "the run had already finished: step 480 is its --max_steps",
