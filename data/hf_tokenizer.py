@@ -127,7 +127,8 @@ def _cached_tokenizer(model_max_length: int) -> Path | None:
 
 
 def _complete(folder: Path) -> bool:
-    return all((folder / name).is_file() for name in TOKENIZER_FILES)
+    """Every file there and not empty (a crash of the machine may leave a renamed file empty)."""
+    return all((folder / name).is_file() and (folder / name).stat().st_size for name in TOKENIZER_FILES)
 
 
 def _build_tokenizer(directory: Path, model_max_length: int) -> None:

@@ -120,11 +120,12 @@ def _tokenizer_files(folder: Path) -> dict[str, bytes]:
 
 def test_the_tokenizer_files_are_built_once_then_copied_from_the_cache(tmp_path, monkeypatch):
     """The first export of a context length builds the tokenizer files in the cache (common/cache_dir.py) and copies
-    them; the next copies them without building; a cached folder missing a file is built again; another context
-    length is another folder. (That a copy holds what a build in the export's own folder writes: the next test.)
+    them; the next copies them without building; a cached folder with a file emptied (a machine's crash after the
+    rename) is built again; another context length is another folder. (That a copy holds what a build in the
+    export's own folder writes: the next test.)
 
-    Seen to catch: the check of every file dropped (`if folder.is_dir()`): the damaged folder is copied as it is,
-    and the export lacks tokenizer.json."""
+    Seen to catch: the check of every file dropped (`if folder.is_dir()`): the damaged folder is copied as it is.
+    The check of each file's size dropped: the export gets the empty tokenizer.json."""
     from data import hf_tokenizer
 
     monkeypatch.setenv("GPT2_ACCELERATE_CACHE", str(tmp_path / "cache"))
@@ -139,7 +140,7 @@ def test_the_tokenizer_files_are_built_once_then_copied_from_the_cache(tmp_path,
     assert json.loads((tmp_path / "c" / "tokenizer_config.json").read_text())["model_max_length"] == 64
     [cached] = [f for f in (tmp_path / "cache").iterdir() if '"model_max_length": 32' in
                 (f / "tokenizer_config.json").read_text()]
-    (cached / "tokenizer.json").unlink()
+    (cached / "tokenizer.json").write_bytes(b"")
     (tmp_path / "d").mkdir()
     hf_tokenizer.save_tokenizer(tmp_path / "d", 32)
     assert builds == [32, 64, 32] and _tokenizer_files(tmp_path / "d") == _tokenizer_files(tmp_path / "a")
