@@ -1,4 +1,4 @@
-"""An entry point's heavy imports (torch, accelerate, transformers), kept out of the garbage collector's way."""
+"""An entry point's heavy imports (torch, dynamo, accelerate), kept out of the garbage collector's way."""
 from __future__ import annotations
 
 import gc

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from common.cache_dir import CACHE_ENV
 from common.errors import UserError
 from data import get_tokenizer
 from model import GPT, GPTConfig
@@ -128,7 +129,7 @@ def test_the_tokenizer_files_are_built_once_then_copied_from_the_cache(tmp_path,
     The check of each file's size dropped: the export gets the empty tokenizer.json."""
     from data import hf_tokenizer
 
-    monkeypatch.setenv("GPT2_ACCELERATE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     builds = []
     build = hf_tokenizer._build_tokenizer
     monkeypatch.setattr(hf_tokenizer, "_build_tokenizer", lambda d, n: (builds.append(n), build(d, n)))
@@ -158,11 +159,11 @@ def test_an_unwritable_cache_or_a_process_that_builds_it_first_still_gives_the_f
     from data import hf_tokenizer
 
     (tmp_path / "not_a_folder").write_text("")
-    monkeypatch.setenv("GPT2_ACCELERATE_CACHE", str(tmp_path / "not_a_folder" / "cache"))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "not_a_folder" / "cache"))
     (tmp_path / "a").mkdir()
     hf_tokenizer.save_tokenizer(tmp_path / "a", 32)
 
-    monkeypatch.setenv("GPT2_ACCELERATE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     build = hf_tokenizer._build_tokenizer
 
     def another_process_wins(directory: Path, length: int) -> None:
