@@ -249,7 +249,16 @@ def _held_through_the_step(config: GPTConfig, launch: Launch, share: _Share, par
                          "autocast's casts of the matrices, kept for the backward"))
     if launch.accumulation > 1:
         held.append(replace(grads, note=grads.note + ", kept between micro-steps"))
+    if (buffer := _held_logits_bytes(config, launch, share)):
+        held.append(Item("loss logits buffer", buffer, "the loss walk's fp32 chunk, which a CPU process keeps"))
     return held
+
+
+def _held_logits_bytes(config: GPTConfig, launch: Launch, share: _Share) -> int:
+    """The chunked loss's fp32 logits buffer, which the walk keeps between steps on a CPU (`model.loss`)."""
+    if launch.device != "cpu" or not launch.loss_rows or not share.last:
+        return 0
+    return 4 * min(launch.micro_batch_size * config.block_size, launch.loss_rows) * config.padded_vocab_size
 
 
 def _activations(config: GPTConfig, launch: Launch, share: _Share) -> Item:
@@ -292,8 +301,10 @@ def _loss(config: GPTConfig, launch: Launch, share: _Share) -> tuple[list[Item],
                           f"a {rows} x {V} {'bf16' if bf16 else 'fp32'} logits chunk (one Triton kernel), its "
                           "gradients")], scaled)
         autocast_temps = 2 * rows * V + 2 * V * C if bf16 else 0  # bf16 logits and weight-gradient products
-        return ([Item("loss (chunked)", 4 * rows * V + 8 * btc + weight_grad + autocast_temps,
-                      f"a {rows} x {V} fp32 logits buffer, its gradients")], scaled)
+        fresh = 4 * rows * V - _held_logits_bytes(config, launch, share)  # on a CPU the buffer is held instead
+        return ([Item("loss (chunked)", fresh + 8 * btc + weight_grad + autocast_temps,
+                      f"a {rows} x {V} fp32 logits buffer" + (" (held)" if not fresh else "") + ", its gradients")],
+                scaled)
     logits, matmul_input = B * T * V, (2 if bf16 else 4) * btc  # the full logits
     return ([Item("loss (full logits)", 8 * logits + matmul_input, f"the fp32 {B * T} x {V} logits and their "
                   "log-softmax")],
@@ -313,8 +324,8 @@ def _optimizer_step(config: GPTConfig, launch: Launch, share: _Share, weights: t
                     held: list[Item]) -> list[Item]:
     """What the optimizer step holds: the weights, their gradients and state, the engine's buckets, Muon's work.
 
-    On a CPU, AdamW's for-loop temporaries too."""
-    buckets = [i for i in held if i.name in ("DDP gradient buckets", "DeepSpeed reduce buckets")]
+    On a CPU, AdamW's for-loop temporaries and the loss's held logits buffer too."""
+    buckets = [i for i in held if i.name in ("DDP gradient buckets", "DeepSpeed reduce buckets", "loss logits buffer")]
     temporaries = [Item("step temporaries", 2 * 4 * config.padded_vocab_size * config.n_embd
                         // launch.shards.optimizer_state,
                         "AdamW's for-loop on the CPU: 2 copies of the largest parameter")] \

@@ -100,8 +100,9 @@ def test_hand_computed_gpt2_xl_plan():
 
 def test_hand_computed_loss_paths():
     """gpt2, micro-batch 8 x 1024, bf16 autocast, one process: the loss's item on each path, by hand
-    (docs/engines.md, "How the planner counts"). Chunked, N rows: the N x V fp32 buffer, its bf16 copy, the hidden
-    states' gradient and a weight-sized one, the bf16 weight-gradient product; on CUDA (the Triton kernel) the N x V
+    (docs/engines.md, "How the planner counts"). Chunked, N rows: the N x V fp32 buffer (on a CPU held through the
+    step and after it, `model.loss`), its bf16 copy, the hidden states' gradient and a weight-sized one, the bf16
+    weight-gradient product; on CUDA (the Triton kernel) the N x V
     bf16 logits instead of both, the weight cast once and a chunk's bf16 products. Full logits (L = 8,192 x 50,304):
     the forward's fp32 upcast and log-softmax (8 L) and the matmul's bf16 input, the backward's log-softmax, its
     gradient and the logits' gradient (12 L). The default is the chunked loss on a CPU and on CUDA (65,536 rows).
@@ -117,7 +118,7 @@ def test_hand_computed_loss_paths():
 
     def loss_items(**launch) -> dict[str, tuple[str, int]]:
         plan = plan_memory(config, Launch(8, **launch))
-        return {moment: next((i.name, i.bytes) for i in items if i.name.startswith("loss"))
+        return {moment: next((i.name, i.bytes) for i in items if i.name.startswith("loss ("))
                 for moment, items in plan.by_moment.items() if moment != "optimizer step"}
 
     def kernel(chunk: int) -> dict[str, tuple[str, int]]:  # on CUDA: bf16 logits, no fp32 buffer
@@ -127,8 +128,10 @@ def test_hand_computed_loss_paths():
     for rows in (512, 16384, 10**6):
         chunk = min(rows, 8 * 1024)  # a chunk larger than the micro-batch's tokens is one chunk of them all
         assert loss_items(device="cpu", loss_chunk_rows=rows) == {
-            "forward's end": ("loss (chunked)", 4 * chunk * V + 8 * btc + 4 * V * C + 2 * chunk * V + 2 * V * C),
+            "forward's end": ("loss (chunked)", 8 * btc + 4 * V * C + 2 * chunk * V + 2 * V * C),
             "backward's start": ("loss (chunked)", 8 * btc + 2 * 4 * V * C)}
+        held = plan_memory(config, Launch(8, device="cpu", loss_chunk_rows=rows)).by_moment.values()
+        assert all(("loss logits buffer", 4 * chunk * V) in {(i.name, i.bytes) for i in items} for items in held)
         assert loss_items(loss_chunk_rows=rows) == kernel(chunk)
     full = {"forward's end": ("loss (full logits)", 8 * L + 2 * btc),
             "backward's start": ("loss (full logits)", 12 * L + 2 * btc)}
