@@ -35,6 +35,8 @@ ALLOCATOR_SLACK = 0.10
 TRAIN_PROCESS_BYTES = int(0.45 * GiB)
 # DeepSpeed's default reduce_bucket_size, in elements: ZeRO-1 and 2 reduce the gradients through buckets this large.
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000
+# The name of the chunked loss's logits buffer where a CPU step holds it (`_held_logits_bytes`).
+HELD_LOGITS = "loss logits buffer"
 
 
 
@@ -250,7 +252,7 @@ def _held_through_the_step(config: GPTConfig, launch: Launch, share: _Share, par
     if launch.accumulation > 1:
         held.append(replace(grads, note=grads.note + ", kept between micro-steps"))
     if (buffer := _held_logits_bytes(config, launch, share)):
-        held.append(Item("loss logits buffer", buffer, "the loss walk's fp32 chunk, which a CPU process keeps"))
+        held.append(Item(HELD_LOGITS, buffer, "the loss walk's fp32 chunk, which a CPU process keeps"))
     return held
 
 
@@ -325,7 +327,7 @@ def _optimizer_step(config: GPTConfig, launch: Launch, share: _Share, weights: t
     """What the optimizer step holds: the weights, their gradients and state, the engine's buckets, Muon's work.
 
     On a CPU, AdamW's for-loop temporaries and the loss's held logits buffer too."""
-    buckets = [i for i in held if i.name in ("DDP gradient buckets", "DeepSpeed reduce buckets", "loss logits buffer")]
+    buckets = [i for i in held if i.name in ("DDP gradient buckets", "DeepSpeed reduce buckets", HELD_LOGITS)]
     temporaries = [Item("step temporaries", 2 * 4 * config.padded_vocab_size * config.n_embd
                         // launch.shards.optimizer_state,
                         "AdamW's for-loop on the CPU: 2 copies of the largest parameter")] \

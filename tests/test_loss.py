@@ -270,8 +270,7 @@ def test_a_cpu_walk_keeps_its_logits_buffer_for_the_next():
         with Allocations() as seen:
             seen.rows = []
             loss = cross_entropy(x, w, targets, N_VALID, "sum", rows)
-        expected = F.cross_entropy(F.linear(x, w)[:, :N_VALID], targets, reduction="sum")
-        torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+        assert rel_err(loss, plain(x, w, targets, "sum")) <= 1e-6  # the fp32 bound of the tests above
         return seen.rows
 
     x, w, targets = inputs()
